@@ -1,0 +1,21 @@
+"""Typed job configs, YAML presets and dotted CLI overrides."""
+
+from .base import ConfigError, apply_override, parse_overrides
+from .job import (
+    CheckpointConfig,
+    DataConfig,
+    JobConfig,
+    ModelConfig,
+    SourceConfig,
+    TokenizerConfig,
+    TrainConfig,
+    config_from_dict,
+    load_config,
+    resolve_preset,
+)
+
+__all__ = [
+    "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "ModelConfig", "SourceConfig",
+    "TokenizerConfig", "TrainConfig", "apply_override", "config_from_dict", "load_config",
+    "parse_overrides", "resolve_preset",
+]

@@ -1,0 +1,152 @@
+"""Typed config machinery: dict/YAML -> dataclasses, dotted overrides, clear errors.
+
+Every config section is a plain dataclass. This module turns nested dicts (from YAML) and
+``--section.field value`` overrides into those dataclasses, checking each value's type against the
+annotation, and names the offending field, the value and what is allowed when something is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, of the wrong type, or inconsistent with another value."""
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against annotation ``tp``; return it (converted where lossless)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Union or origin is types.UnionType:
+        errors = []
+        for arg in get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{where}: value {value!r} is not a {_type_name(tp)}")
+    if origin is typing.Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{where}: value {value!r} is not allowed; choose one of {list(allowed)}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item_tp, *_) = get_args(tp) or (Any,)
+        return [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    raise ConfigError(f"{where}: unsupported annotation {tp!r}")
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ConfigError."""
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        loc = f"{where}." if where else ""
+        raise ConfigError(
+            f"unknown config key {loc}{unknown[0]!r}; allowed keys in {where or 'the top level'}: {names}"
+        )
+    kwargs = {}
+    for k, v in data.items():
+        kwargs[k] = _coerce(v, hints[k], f"{where}.{k}" if where else k)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _parse_scalar(text: str) -> Any:
+    """CLI override values are parsed as YAML scalars/flow collections: 4, 1e-3, true, [a, b]."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(cfg: Any, dotted: str, raw: str | Any) -> None:
+    """Set ``cfg.<dotted>`` from a CLI string (or a Python value), type-checked."""
+    parts = dotted.split(".")
+    obj = cfg
+    for i, p in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(obj)]
+        if p not in names:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"unknown config key {dotted!r}: {p!r} is not in {where}; allowed: {names}")
+        if i < len(parts) - 1:
+            obj = getattr(obj, p)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"config key {dotted!r}: {'.'.join(parts[: i + 1])} is not a section")
+    value = _parse_scalar(raw) if isinstance(raw, str) else raw
+    tp = get_type_hints(type(obj))[parts[-1]]
+    if tp is str and not isinstance(value, str) and isinstance(raw, str):
+        value = raw  # `--run.name 123` stays a string
+    setattr(obj, parts[-1], _coerce(value, tp, dotted))
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``['--model.n_layers', '4', '--train.seed=3']`` -> ``[('model.n_layers', '4'), ('train.seed', '3')]``."""
+    out = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if not a.startswith("--") or a == "--":
+            raise ConfigError(f"expected an override like --section.field VALUE, got {a!r}")
+        key = a[2:]
+        if "=" in key:
+            key, val = key.split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {a!r} has no value; write {a} VALUE")
+            val = args[i + 1]
+            i += 2
+        out.append((key, val))
+    return out

@@ -1,0 +1,270 @@
+"""The job config: one typed dataclass per section, validated before any heavy work.
+
+Sections: ``model`` (architecture), ``data`` (sources, tokenizer, packing), ``train`` (optimizer,
+schedule, loop), ``checkpoint``. Presets live beside this file as YAML (``tiny.yaml`` is the CPU
+default); ``load_config`` merges a preset with dotted CLI overrides and validates the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from .base import ConfigError, apply_override, from_dict, to_dict
+
+PRESET_DIR = Path(__file__).resolve().parent
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0: the tokenizer's size rounded up to vocab_multiple
+    vocab_multiple: int = 64
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 0  # 0: d_model // n_heads
+    ffn_hidden: int = 0  # 0: 8/3 * d_model rounded up to a multiple of 64
+    max_seq_len: int = 512  # length of the rotary table
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0  # fraction of head_dim that is rotated (Qwen3.5 uses 0.25)
+    qk_norm: bool = True
+    attn_gate: Literal["elementwise", "headwise", "none"] = "elementwise"
+    norm_type: Literal["rmsnorm", "rmsnorm_zero_centered"] = "rmsnorm"
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    doc_mask: bool = False  # restrict attention to tokens of the same document
+
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    def resolved_ffn_hidden(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return int(math.ceil(8 * self.d_model / 3 / 64) * 64)
+
+    def resolve_vocab(self, tokenizer_vocab: int) -> int:
+        """The embedding size for a tokenizer of ``tokenizer_vocab`` ids."""
+        if self.vocab_size:
+            if self.vocab_size < tokenizer_vocab:
+                raise ConfigError(
+                    f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids; "
+                    f"set it to at least {tokenizer_vocab} or to 0 (derive from the tokenizer)"
+                )
+            return self.vocab_size
+        m = self.vocab_multiple
+        return (tokenizer_vocab + m - 1) // m * m
+
+    def validate(self) -> None:
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "vocab_multiple"):
+            v = getattr(self, name)
+            if v <= 0:
+                raise ConfigError(f"model.{name}={v} must be a positive integer")
+        if self.vocab_size < 0 or self.head_dim < 0 or self.ffn_hidden < 0:
+            raise ConfigError("model.vocab_size, model.head_dim and model.ffn_hidden must be >= 0 (0 = derived)")
+        if not self.head_dim and self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
+                f"choose n_heads among the divisors of d_model or set model.head_dim explicitly"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}; "
+                f"grouped-query attention needs n_heads to be a multiple of n_kv_heads"
+            )
+        if not 0.0 < self.rotary_fraction <= 1.0:
+            raise ConfigError(f"model.rotary_fraction={self.rotary_fraction} must be in (0, 1]")
+        rot = int(self.resolved_head_dim() * self.rotary_fraction)
+        if rot < 2 or rot % 2:
+            raise ConfigError(
+                f"model.rotary_fraction={self.rotary_fraction} rotates {rot} of head_dim="
+                f"{self.resolved_head_dim()} channels; that must be an even number >= 2"
+            )
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError("model.rope_theta, model.norm_eps and model.init_std must be positive")
+
+
+@dataclass
+class SourceConfig:
+    # A file, a directory, a glob, or "stdlib": the running interpreter's standard-library *.py files.
+    path: str = "stdlib"
+    format: Literal["auto", "text", "jsonl", "parquet"] = "auto"
+    text_field: str = "text"  # column holding the text for jsonl/parquet
+    name: str = ""  # directory name of this source's shards; "" = derived from the path
+    weight: float = 1.0  # blending weight among sources
+    max_files: int = 0  # 0 = all files matched (a cap keeps tests and demos small)
+
+
+@dataclass
+class TokenizerConfig:
+    kind: Literal["bpe", "sentencepiece", "pretrained"] = "bpe"
+    path: str = ""  # for kind=pretrained: a tokenizer.json or a SentencePiece .model
+    vocab_size: int = 4096
+    train_max_chars: int = 50_000_000  # text read to train the tokenizer
+
+
+@dataclass
+class DataConfig:
+    sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    out_dir: str = "data/stdlib"  # prepared tokenizer + shards
+    seq_len: int = 128
+    val_fraction: float = 0.02  # share of documents held out for validation
+    shard_docs: int = 1000  # documents per shard file
+    streaming: bool = False  # read sources with datasets' streaming mode (larger than memory)
+    num_workers: int = 0  # tokenization processes; 0 = all cores
+    seed: int = 0  # split and sample order
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError("data.sources is empty; give at least one source (path: stdlib is the default)")
+        for i, s in enumerate(self.sources):
+            if s.weight <= 0:
+                raise ConfigError(f"data.sources[{i}].weight={s.weight} must be > 0")
+            if s.max_files < 0:
+                raise ConfigError(f"data.sources[{i}].max_files={s.max_files} must be >= 0")
+        if self.tokenizer.kind == "pretrained" and not self.tokenizer.path:
+            raise ConfigError("data.tokenizer.kind=pretrained needs data.tokenizer.path (tokenizer.json or .model)")
+        if self.tokenizer.kind != "pretrained" and self.tokenizer.vocab_size < 259:
+            raise ConfigError(
+                f"data.tokenizer.vocab_size={self.tokenizer.vocab_size} is too small; "
+                f"a byte-level vocabulary needs at least 259 ids (256 bytes + BOS/EOS/PAD)"
+            )
+        if self.seq_len <= 0:
+            raise ConfigError(f"data.seq_len={self.seq_len} must be positive")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 0.5)")
+        if self.shard_docs <= 0 or self.num_workers < 0:
+            raise ConfigError("data.shard_docs must be > 0 and data.num_workers >= 0")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    micro_batch_size: int = 8
+    grad_accum_steps: int = 1
+    seed: int = 1234
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # final LR as a fraction of lr (cosine, WSD)
+    schedule: Literal["cosine", "wsd", "constant"] = "cosine"
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2  # WSD: share of steps in the final decay
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    decay_norms: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    activation_checkpointing: bool = False
+    eval_every: int = 50  # 0 disables periodic evaluation
+    eval_batches: int = 8
+    log_every: int = 1
+    nan_policy: Literal["stop", "skip"] = "stop"
+    peak_flops: float = 0.0  # per-device peak for MFU; 0: look the device up in a table
+    progress_bar: bool = True
+
+    def validate(self) -> None:
+        for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr={self.lr} must be > 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.warmup_steps < 0 or self.eval_every < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError("train.warmup_steps, eval_every, grad_clip and weight_decay must be >= 0")
+        if self.warmup_steps >= self.max_steps and self.schedule != "constant":
+            raise ConfigError(
+                f"train.warmup_steps={self.warmup_steps} must be below train.max_steps={self.max_steps} "
+                f"for the {self.schedule} schedule"
+            )
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"train.device={self.device!r} is not allowed; use auto, cpu, cuda or cuda:N")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps between checkpoints; 0 = only at the end
+    keep_last: int = 3  # complete checkpoints kept; older ones are deleted
+    at_exit: bool = True  # also save when the run ends or receives SIGTERM/SIGINT
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep_last < 1:
+            raise ConfigError(
+                f"checkpoint.every={self.every} must be >= 0 and checkpoint.keep_last={self.keep_last} >= 1"
+            )
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> "JobConfig":
+        self.model.validate()
+        self.data.validate()
+        self.train.validate()
+        self.checkpoint.validate()
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds the rotary table model.max_seq_len="
+                f"{self.model.max_seq_len}; lower data.seq_len or raise model.max_seq_len"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def resolve_preset(name_or_path: str) -> Path:
+    """``tiny`` or ``configs/tiny.yaml`` or any YAML path -> an existing file."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return p
+    cand = PRESET_DIR / (name_or_path if name_or_path.endswith(".yaml") else name_or_path + ".yaml")
+    if cand.is_file():
+        return cand
+    presets = sorted(x.stem for x in PRESET_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {name_or_path!r} is neither a file nor a preset; presets: {presets}")
+
+
+def load_config(path: str | None = None, overrides: list[tuple[str, Any]] | None = None) -> JobConfig:
+    """Preset/YAML file (or defaults) + dotted overrides -> a validated JobConfig."""
+    if path:
+        f = resolve_preset(path)
+        try:
+            raw = yaml.safe_load(f.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {f} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {f} must hold a mapping of sections, got {type(raw).__name__}")
+        cfg = from_dict(JobConfig, raw)
+    else:
+        cfg = JobConfig()
+    for key, val in overrides or []:
+        apply_override(cfg, key, val)
+    return cfg.validate()
+
+
+def config_from_dict(raw: dict[str, Any]) -> JobConfig:
+    return from_dict(JobConfig, raw).validate()
+
+
+def replace(cfg: JobConfig, **sections: Any) -> JobConfig:
+    return dataclasses.replace(cfg, **sections)
