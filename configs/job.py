@@ -171,6 +171,9 @@ class TrainConfig:
     nan_policy: Literal["stop", "skip"] = "stop"
     peak_flops: float = 0.0  # per-device peak for MFU; 0: look the device up in a table
     progress_bar: bool = True
+    # Stop (after saving a checkpoint) when the step is a multiple of this; 0 = never. Like
+    # Megatron's --exit-interval: time-sliced jobs and preemption drills end at a chosen step.
+    exit_interval: int = 0
 
     def validate(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every"):
@@ -180,6 +183,8 @@ class TrainConfig:
             raise ConfigError(f"train.lr={self.lr} must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"train.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.exit_interval < 0:
+            raise ConfigError(f"train.exit_interval={self.exit_interval} must be >= 0 (0 = never)")
         if self.warmup_steps < 0 or self.eval_every < 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError("train.warmup_steps, eval_every, grad_clip and weight_decay must be >= 0")
         if self.warmup_steps >= self.max_steps and self.schedule != "constant":

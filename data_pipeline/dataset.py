@@ -1,0 +1,107 @@
+"""Packed next-token samples over a split's shards, and the weighted blend of several sources."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hybridtron.configs.job import DataConfig
+
+from .prepare import source_names
+from .shards import ShardError, SplitReader
+from .tokenizer import read_meta
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """The split's documents (each ending in EOS) as one token stream cut into samples of ``seq_len``.
+
+    Sample i reads stream[i*T : i*T + T + 1]: input_ids = the first T, labels = the last T (the next sample
+    starts with the previous one's last label). The trailing partial sample is dropped. ``doc_ids`` numbers
+    the documents within the sample from 0, per input position; a document's EOS carries that document's id.
+    """
+
+    def __init__(self, reader: SplitReader, seq_len: int, name: str = ""):
+        self.reader = reader
+        self.seq_len = seq_len
+        self.name = name or str(reader.dir)
+        self.n_samples = max(0, (reader.n_tokens - 1) // seq_len)
+        if self.n_samples == 0:
+            raise ValueError(
+                f"{self.name} holds {reader.n_tokens} tokens in {reader.n_docs} documents, fewer than "
+                f"seq_len+1={seq_len + 1} needed for one sample; lower data.seq_len or add data "
+                f"(for val: raise data.val_fraction)"
+            )
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if not 0 <= i < self.n_samples:
+            raise IndexError(f"sample {i} out of range for {self.name} with {self.n_samples} samples")
+        T = self.seq_len
+        start = i * T
+        tok = torch.from_numpy(self.reader.tokens(start, start + T + 1).astype(np.int64))
+        # index of the document holding each input position, relative to the first one in the sample
+        pos = np.arange(start, start + T)
+        doc = np.searchsorted(self.reader.doc_starts, pos, side="right") - 1
+        doc_ids = torch.from_numpy((doc - doc[0]).astype(np.int32))
+        return {"input_ids": tok[:-1], "labels": tok[1:], "doc_ids": doc_ids}
+
+
+def blend_assignment(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source, sample index within source) for each of ``size`` blended samples.
+
+    Greedy, Megatron style: sample i goes to the source whose count lags its target share ``w * (i+1)`` the
+    most (ties to the lower index), so every prefix of the blend is as close to the weights as possible.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.sum()
+    counts = np.zeros(len(w), dtype=np.int64)
+    src = np.empty(size, dtype=np.int64)
+    idx = np.empty(size, dtype=np.int64)
+    for i in range(size):
+        j = int(np.argmax(w * (i + 1) - counts))
+        src[i] = j
+        idx[i] = counts[j]
+        counts[j] += 1
+    return src, idx
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """Samples of several datasets interleaved by weight. Its length defaults to the sum of theirs; a source
+    asked for more samples than it has wraps around (its index is taken modulo its length)."""
+
+    def __init__(self, datasets: list, weights: list[float], size: int | None = None):
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError(f"need one weight per dataset, got {len(datasets)} datasets and {len(weights)} weights")
+        self.datasets = datasets
+        self.weights = list(weights)
+        self.size = size if size is not None else sum(len(d) for d in datasets)
+        self.source, idx = blend_assignment(self.weights, self.size)
+        lens = np.array([len(d) for d in datasets], dtype=np.int64)
+        self.index = idx % lens[self.source]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.datasets[int(self.source[i])][int(self.index[i])]
+
+
+def build_dataset(cfg: DataConfig, split: str):
+    """The packed dataset of ``split`` over ``cfg.out_dir``, verified against the tokenizer saved there."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split={split!r} must be 'train' or 'val'")
+    out = Path(cfg.out_dir).expanduser()
+    meta = read_meta(out / "tokenizer")
+    if meta is None:
+        raise ShardError(f"{out / 'tokenizer'} holds no tokenizer; run `hybridtron prepare` for data.out_dir={out}")
+    parts = []
+    for name in source_names(cfg):
+        reader = SplitReader(out / name / split, fingerprint=meta["fingerprint"])
+        parts.append(PackedDataset(reader, cfg.seq_len, name=f"{name}/{split}"))
+    if len(parts) == 1:
+        return parts[0]
+    return BlendedDataset(parts, [s.weight for s in cfg.sources])

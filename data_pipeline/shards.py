@@ -1,0 +1,217 @@
+"""Indexed token shards: ``shard_NNNNN.bin`` (token ids) + ``shard_NNNNN.idx`` (int64 document offsets, n_docs+1)
+and one ``manifest.json`` per split directory.
+
+Every document stored in a shard ends with the tokenizer's EOS id (appended at write time by ``prepare``).
+
+Crash safety: each file is written under a ``.tmp`` name, fsynced and renamed; the manifest (also replaced
+atomically) lists a shard only after both its files are in place. A shard file that the manifest does not
+list is the remnant of an interrupted run and is deleted when a writer reopens the directory. The manifest's
+``complete`` flag is set once the split's last shard is written; readers refuse an incomplete split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+VERSION = 1
+_CHUNK = 1 << 22
+
+
+class ShardError(RuntimeError):
+    """Prepared data is missing, damaged, or was made with another tokenizer."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    # ids run 0..vocab_size-1, so 65536 ids still fit uint16; half the disk and page cache of uint32
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_durable(path: Path, data: bytes) -> str:
+    """Write ``data`` to ``path`` atomically; returns its blake2b digest."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def _fsync_dir(d: Path) -> None:
+    # the rename itself is durable only once the directory entry is flushed
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def shard_stem(index: int) -> str:
+    return f"shard_{index:05d}"
+
+
+def write_shard(directory: Path, index: int, docs: list[np.ndarray], dtype: np.dtype) -> dict:
+    """Write one shard's two files; returns its manifest entry. Does not touch the manifest."""
+    offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in docs], out=offsets[1:])
+    tokens = np.concatenate(docs).astype(dtype, copy=False) if docs else np.zeros(0, dtype)
+    stem = shard_stem(index)
+    return {
+        "bin": stem + ".bin",
+        "idx": stem + ".idx",
+        "n_docs": len(docs),
+        "n_tokens": int(offsets[-1]),
+        "bin_blake2b": _write_durable(directory / (stem + ".bin"), tokens.tobytes()),
+        "idx_blake2b": _write_durable(directory / (stem + ".idx"), offsets.tobytes()),
+    }
+
+
+def read_manifest(directory: Path) -> dict | None:
+    f = Path(directory) / MANIFEST
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ShardError(f"{f} is not valid JSON ({e}); delete {directory} and re-run `hybridtron prepare`") from None
+
+
+class SplitWriter:
+    """Appends documents to a split directory, one shard per ``shard_docs`` documents, resuming after a crash.
+
+    ``key`` identifies what the split is made from (files, split rule, tokenizer); reopening a directory made
+    from something else is an error rather than a silent mix of two corpora.
+    """
+
+    def __init__(self, directory: Path, dtype: np.dtype, fingerprint: str, key: str, shard_docs: int):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dtype = np.dtype(dtype)
+        self.shard_docs = shard_docs
+        m = read_manifest(self.dir)
+        if m is not None and (m.get("key") != key or m.get("tokenizer_fingerprint") != fingerprint):
+            raise ShardError(
+                f"{self.dir} was prepared from another source, split or tokenizer configuration; "
+                f"use another data.out_dir or delete {self.dir} and re-run `hybridtron prepare`"
+            )
+        self.manifest = m or {
+            "version": VERSION,
+            "dtype": self.dtype.name,
+            "tokenizer_fingerprint": fingerprint,
+            "key": key,
+            "shard_docs": shard_docs,
+            "complete": False,
+            "n_docs": 0,
+            "n_tokens": 0,
+            "shards": [],
+        }
+        listed = {e[k] for e in self.manifest["shards"] for k in ("bin", "idx")} | {MANIFEST}
+        for f in self.dir.iterdir():
+            if f.name not in listed:
+                f.unlink()  # a temp file or a shard the manifest never listed: an interrupted write
+        self._buf: list[np.ndarray] = []
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest["complete"])
+
+    @property
+    def docs_done(self) -> int:
+        """Documents already in committed shards; ``prepare`` skips that many on resume."""
+        return int(self.manifest["n_docs"])
+
+    def add(self, ids: np.ndarray) -> None:
+        self._buf.append(ids)
+        if len(self._buf) == self.shard_docs:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._buf:
+            return
+        entry = write_shard(self.dir, len(self.manifest["shards"]), self._buf, self.dtype)
+        self._buf = []
+        self.manifest["shards"].append(entry)
+        self.manifest["n_docs"] += entry["n_docs"]
+        self.manifest["n_tokens"] += entry["n_tokens"]
+        self._save()
+
+    def finish(self) -> dict:
+        self._flush()
+        self.manifest["complete"] = True
+        self._save()
+        return self.manifest
+
+    def _save(self) -> None:
+        _write_durable(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
+        _fsync_dir(self.dir)
+
+
+class SplitReader:
+    """A verified, memory-mapped view of one split: the concatenation of its shards' documents."""
+
+    def __init__(self, directory: Path, fingerprint: str | None = None, verify_checksums: bool = True):
+        self.dir = Path(directory)
+        redo = f"delete {self.dir} and re-run `hybridtron prepare`"
+        m = read_manifest(self.dir)
+        if m is None:
+            raise ShardError(f"{self.dir / MANIFEST} is missing; run `hybridtron prepare` for this data.out_dir")
+        if not m.get("complete"):
+            raise ShardError(f"{self.dir} is incomplete (prepare was interrupted); re-run `hybridtron prepare`")
+        if fingerprint is not None and m["tokenizer_fingerprint"] != fingerprint:
+            raise ShardError(
+                f"{self.dir} was tokenized with tokenizer {m['tokenizer_fingerprint'][:12]}, not the one in use "
+                f"({fingerprint[:12]}); {redo}, or use the tokenizer it was made with"
+            )
+        self.dtype = np.dtype(m["dtype"])
+        self.manifest = m
+        self._tokens: list[np.ndarray] = []
+        offsets = []
+        base = 0
+        for e in m["shards"]:
+            for kind, expected in (("bin", e["n_tokens"] * self.dtype.itemsize), ("idx", (e["n_docs"] + 1) * 8)):
+                f = self.dir / e[kind]
+                if not f.is_file():
+                    raise ShardError(f"shard file {f} is missing; {redo}")
+                size = f.stat().st_size
+                if size != expected:
+                    raise ShardError(f"shard file {f} has {size} bytes, the manifest expects {expected}; {redo}")
+                if verify_checksums and file_digest(f) != e[kind + "_blake2b"]:
+                    raise ShardError(f"shard file {f} fails its checksum (corrupted on disk); {redo}")
+            idx = np.fromfile(self.dir / e["idx"], dtype=np.int64)
+            if idx[0] != 0 or idx[-1] != e["n_tokens"] or np.any(np.diff(idx) <= 0):
+                raise ShardError(f"shard index {self.dir / e['idx']} has inconsistent offsets; {redo}")
+            n = e["n_tokens"]
+            self._tokens.append(np.memmap(self.dir / e["bin"], dtype=self.dtype, mode="r", shape=(n,)))
+            offsets.append(idx[:-1] + base)
+            base += n
+        self.n_tokens = base
+        self.n_docs = int(m["n_docs"])
+        # global token offset of every document start, plus the end; doc boundaries for doc_ids
+        self.doc_starts = np.concatenate([*offsets, np.array([base], np.int64)])
+        self._shard_starts = np.cumsum([0] + [len(t) for t in self._tokens])
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the split's concatenated stream, across shard borders."""
+        parts = []
+        s = int(np.searchsorted(self._shard_starts, start, side="right")) - 1
+        while start < stop:
+            lo = start - self._shard_starts[s]
+            take = min(stop - start, len(self._tokens[s]) - lo)
+            parts.append(self._tokens[s][lo : lo + take])
+            start += take
+            s += 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -1,0 +1,87 @@
+"""Grouped-query self-attention with QK-norm, partial rotary and an output gate.
+
+The gate is that of "Gated Attention for Large Language Models" (Qiu et al., 2025): the attention
+output of each head is multiplied by sigmoid(x W_g), x being the normed block input, before o_proj.
+
+- ``elementwise``: one gate per channel. As in transformers' Qwen3-Next / Qwen3.5 the gate is fused
+  into q_proj: its output, viewed as (..., n_heads, 2 * head_dim), holds [query | gate] per head.
+  Keeping that layout makes the HF export a rename.
+- ``headwise``: one gate per head from a separate ``gate_proj`` (n_heads, d_model); no HF counterpart.
+- ``none``: the ungated baseline (q_proj is n_heads * head_dim wide).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..configs import ModelConfig
+from .norm import build_norm
+from .rotary import apply_rotary
+
+
+def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, 1, T, T) bool, True where query t may attend key s:
+    s <= t and doc_ids[s] == doc_ids[t]. The diagonal is always True, so no row is empty."""
+    T = doc_ids.shape[1]
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same_doc & causal)[:, None]
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.resolved_head_dim()
+        self.gate = cfg.attn_gate
+        if self.gate not in ("elementwise", "headwise", "none"):
+            raise ValueError(f"model.attn_gate={self.gate!r} is not one of 'elementwise', 'headwise', 'none'")
+        q_width = self.n_heads * self.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, 2 * q_width if self.gate == "elementwise" else q_width, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        if self.gate == "headwise":
+            self.gate_proj = nn.Linear(cfg.d_model, self.n_heads, bias=False)
+        self.o_proj = nn.Linear(q_width, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            # Over head_dim only (Qwen3), so one gain vector is shared by all heads.
+            self.q_norm = build_norm(cfg.norm_type, self.head_dim, cfg.norm_eps)
+            self.k_norm = build_norm(cfg.norm_type, self.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x: (B, T, d_model), the normed block input; cos, sin: (T, rot_dim/2) rotary tables;
+        attn_mask: None (plain causal) or (B, 1, T, T) bool from `doc_causal_mask`."""
+        B, T, _ = x.shape
+        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
+
+        q = self.q_proj(x)
+        if self.gate == "elementwise":
+            q, gate = q.view(B, T, H, 2 * D).split(D, dim=-1)  # each (B, T, H, D)
+        else:
+            q = q.view(B, T, H, D)
+        k = self.k_proj(x).view(B, T, KV, D)
+        v = self.v_proj(x).view(B, T, KV, D)
+
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        # SDPA wants (B, heads, T, D). enable_gqa maps query head h to kv head h // (H // KV), the
+        # repeat_interleave grouping that transformers' repeat_kv uses too.
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=KV != H,
+        ).transpose(1, 2)  # (B, T, H, D)
+
+        if self.gate == "elementwise":
+            out = out * torch.sigmoid(gate)
+        elif self.gate == "headwise":
+            out = out * torch.sigmoid(self.gate_proj(x)).unsqueeze(-1)  # (B, T, H, 1)
+        return self.o_proj(out.reshape(B, T, H * D))

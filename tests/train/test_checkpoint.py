@@ -1,0 +1,104 @@
+"""Checkpoints are atomic, pruned, and restore model, optimizer and RNG exactly."""
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hybridtron.train import checkpoint as ck
+from hybridtron.train.checkpoint import CheckpointError, CheckpointManager, TrainerState
+
+
+def _setup(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    return model, opt, tok
+
+
+def test_save_load_roundtrip_and_rng(tmp_path):
+    model, opt, tok = _setup(tmp_path)
+    mgr = CheckpointManager(tmp_path / "run", keep_last=2)
+    torch.manual_seed(123)
+    random.seed(5)
+    np.random.seed(7)
+    path = mgr.save(TrainerState(step=3, consumed_samples=48, tokens_seen=999), model, opt, "a: 1\n", tok)
+    expect = (torch.rand(3), random.random(), np.random.rand())
+    assert (path / "tokenizer" / "tokenizer.json").is_file() and (path / "config.yaml").read_text() == "a: 1\n"
+
+    model2 = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    state = CheckpointManager.load(mgr.latest(), model2, opt2)
+    assert state == TrainerState(3, 48, 999)
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) for k in s1)
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(expect[0], got[0]) and expect[1] == got[1] and expect[2] == got[2]
+
+
+def test_keep_last_and_latest_pointer(tmp_path):
+    model, opt, tok = _setup(tmp_path)
+    mgr = CheckpointManager(tmp_path / "run", keep_last=2)
+    for s in (10, 20, 30):
+        mgr.save(TrainerState(step=s), model, opt, "", tok)
+    assert [p.name for p in mgr.complete()] == ["step_00000020", "step_00000030"]
+    assert (mgr.dir / "latest").read_text() == "step_00000030"
+    assert mgr.latest().name == "step_00000030"
+
+
+def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt, tok = _setup(tmp_path)
+    mgr = CheckpointManager(tmp_path / "run", keep_last=3)
+    mgr.save(TrainerState(step=10), model, opt, "", tok)
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck.torch, "save", boom)
+    with pytest.raises(OSError):
+        mgr.save(TrainerState(step=20), model, opt, "", tok)
+    monkeypatch.undo()
+    assert mgr.latest().name == "step_00000010"
+    assert [p.name for p in mgr.complete()] == ["step_00000010"]
+    leftovers = [p for p in mgr.dir.iterdir() if p.name.startswith(".tmp-")]
+    assert leftovers, "the interrupted save should have left its temporary directory"
+    mgr.clean_partial()
+    assert not [p for p in mgr.dir.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_stale_latest_pointer_falls_back(tmp_path):
+    model, opt, tok = _setup(tmp_path)
+    mgr = CheckpointManager(tmp_path / "run")
+    mgr.save(TrainerState(step=10), model, opt, "", tok)
+    (mgr.dir / "latest").write_text("step_00000099")
+    assert mgr.latest().name == "step_00000010"
+
+
+def test_mismatched_model_is_a_clear_error(tmp_path):
+    model, opt, tok = _setup(tmp_path)
+    mgr = CheckpointManager(tmp_path / "run")
+    path = mgr.save(TrainerState(step=1), model, opt, "", tok)
+    other = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 3))
+    with pytest.raises(CheckpointError, match="does not fit this model"):
+        CheckpointManager.load(path, other)
+    os.remove(path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        CheckpointManager.load(path, model)
+
+
+def test_optimizer_file_holds_no_pickled_code(tmp_path):
+    model, opt, tok = _setup(tmp_path)
+    path = CheckpointManager(tmp_path / "run").save(TrainerState(step=1), model, opt, "", tok)
+    # weights_only=True refuses arbitrary objects; loading must succeed with it
+    torch.load(path / "optimizer.pt", weights_only=True)
+    torch.load(path / "rng.pt", weights_only=True)

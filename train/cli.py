@@ -1,0 +1,249 @@
+"""``hybridtron`` command line: prepare, train, eval, sample.
+
+Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``).
+``train`` reads like the recipe it is: config -> data -> model -> parallelize -> init -> fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from hybridtron.configs import ConfigError, JobConfig, config_from_dict, load_config, parse_overrides
+
+DEFAULT_PRESET = "tiny"
+
+
+def _log(msg: str) -> None:
+    print(f"[hybridtron] {msg}", flush=True)
+
+
+# ---- config + run directory ---------------------------------------------------------------------
+def default_run_dir(config: str | None) -> Path:
+    return Path("runs") / Path(config or DEFAULT_PRESET).stem
+
+
+def resolve_job(args) -> tuple[JobConfig, Path]:
+    """The run's config: --config (or the run dir's saved config when resuming, or the tiny preset) + overrides."""
+    overrides = parse_overrides(args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
+    saved = run_dir / "config.yaml"
+    if args.config is None and saved.is_file():
+        import yaml
+
+        cfg = config_from_dict(yaml.safe_load(saved.read_text()))
+        from hybridtron.configs import apply_override
+
+        for k, v in overrides:
+            apply_override(cfg, k, v)
+        cfg.validate()
+    else:
+        cfg = load_config(args.config or DEFAULT_PRESET, overrides)
+    return cfg, run_dir
+
+
+def check_resume_compatible(cfg: JobConfig, run_dir: Path) -> None:
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    import yaml
+
+    old = yaml.safe_load(saved.read_text())
+    new = cfg.to_dict()
+    diffs = [k for k in new["model"] if old.get("model", {}).get(k) != new["model"][k]]
+    if diffs:
+        k = diffs[0]
+        raise ConfigError(
+            f"--run-dir {run_dir} holds a run with model.{k}={old['model'].get(k)!r}, but this config has "
+            f"model.{k}={new['model'][k]!r}; resume with the same model or choose another --run-dir"
+        )
+
+
+# ---- builders shared by the subcommands ---------------------------------------------------------
+def build_model(cfg: JobConfig, vocab_size: int, device: torch.device):
+    from hybridtron.model import GatedLM
+
+    from .parallelize import parallelize
+
+    with torch.device("meta"):
+        model = GatedLM(cfg.model, vocab_size)
+    model = parallelize(model, cfg.train)
+    model.to_empty(device=device)
+    torch.manual_seed(cfg.train.seed)
+    model.init_weights()
+    return model
+
+
+def _val_factory(val_ds, cfg: JobConfig):
+    from hybridtron.data_pipeline import build_loader
+
+    def make():
+        return build_loader(val_ds, cfg.train.micro_batch_size, 1, seed=cfg.data.seed, shuffle=False)
+
+    return make
+
+
+# ---- subcommands --------------------------------------------------------------------------------
+def cmd_prepare(args) -> int:
+    from hybridtron.data_pipeline import prepare_data
+
+    cfg, _ = resolve_job(args)
+    prepared = prepare_data(cfg.data, log=_log)
+    _log(f"prepared data in {prepared.out_dir} (tokenizer: {prepared.tokenizer_dir})")
+    _log(json.dumps(prepared.stats))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from hybridtron.data_pipeline import build_dataset, build_loader, prepare_data
+    from hybridtron.model import flops_per_token
+
+    from .checkpoint import write_text_atomic
+    from .optim import build_optimizer
+    from .parallelize import autocast_dtype, select_device
+    from .trainer import Trainer
+
+    cfg, run_dir = resolve_job(args)  # 1. config, validated before any heavy work
+    device = select_device(cfg.train)
+    prepared = prepare_data(cfg.data, log=_log)  # 2. data (idempotent)
+    cfg.model.vocab_size = cfg.model.resolve_vocab(prepared.tokenizer.vocab_size)
+    check_resume_compatible(cfg, run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_yaml = cfg.to_yaml()
+    write_text_atomic(run_dir / "config.yaml", config_yaml)
+    train_ds, val_ds = build_dataset(cfg.data, "train"), build_dataset(cfg.data, "val")
+    t = cfg.train
+    train_loader = build_loader(train_ds, t.micro_batch_size, t.grad_accum_steps, seed=cfg.data.seed)
+    model = build_model(cfg, cfg.model.vocab_size, device)  # 3. model, parallelized, initialised
+    optimizer = build_optimizer(model, t)
+    _log(f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
+         f"non-embedding), device {device}, {len(train_ds)} train / {len(val_ds)} val sequences of {cfg.data.seq_len}")
+    trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,
+                      amp_dtype=autocast_dtype(t, device), run_dir=run_dir, config_yaml=config_yaml,
+                      tokenizer_dir=prepared.tokenizer_dir,
+                      flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len))
+    result = trainer.fit(log=_log)  # 4. fit
+    _log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
+    if result.final_val_loss is not None:
+        _log(f"final val_loss {result.final_val_loss:.4f}")
+    _log(f"run directory:  {run_dir.resolve()}")
+    _log(f"metrics:        {(run_dir / 'metrics.jsonl').resolve()}")
+    _log(f"tensorboard:    tensorboard --logdir {(run_dir / 'tensorboard').resolve()}")
+    _log(f"checkpoint:     {result.last_checkpoint.resolve() if result.last_checkpoint else None}")
+    _log(f"data+tokenizer: {prepared.out_dir.resolve()}")
+    if result.state.step < t.max_steps:
+        _log("run the same command again to resume")
+    return 0
+
+
+def _load_checkpoint_for_inference(args):
+    """(cfg, model, tokenizer, ckpt path, device) from --run-dir's latest (or --checkpoint)."""
+    import yaml
+
+    from hybridtron.data_pipeline import load_tokenizer
+
+    from .checkpoint import CheckpointError, CheckpointManager
+    from .parallelize import select_device
+
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(None)
+    ckpt = Path(args.checkpoint) if args.checkpoint else CheckpointManager(run_dir).latest()
+    if ckpt is None or not ckpt.is_dir():
+        raise CheckpointError(f"no checkpoint in {run_dir}/checkpoints; train first or pass --checkpoint DIR")
+    cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
+    from hybridtron.configs import apply_override
+
+    for k, v in parse_overrides(args.overrides):
+        apply_override(cfg, k, v)
+    tokenizer = load_tokenizer(ckpt / "tokenizer")
+    device = select_device(cfg.train)
+    cfg.train.activation_checkpointing = False
+    model = build_model(cfg, cfg.model.vocab_size, device)
+    CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False)
+    return cfg, model, tokenizer, ckpt, device
+
+
+def cmd_eval(args) -> int:
+    from hybridtron.data_pipeline import build_dataset, prepare_data
+
+    from .parallelize import autocast_dtype
+    from .trainer import evaluate
+
+    cfg, model, _tok, ckpt, device = _load_checkpoint_for_inference(args)
+    prepare_data(cfg.data, log=_log)
+    val_ds = build_dataset(cfg.data, "val")
+    n = args.batches or cfg.train.eval_batches
+    loss = evaluate(model, _val_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
+    import math
+
+    print(json.dumps({"checkpoint": str(ckpt), "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+                      "batches": n, "tokens": n * cfg.train.micro_batch_size * cfg.data.seq_len}))
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from .sample import generate
+
+    cfg, model, tok, _ckpt, device = _load_checkpoint_for_inference(args)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = [tok.bos_id] + tok.encode(args.prompt)
+    out = generate(model, prompt, args.max_new_tokens, max_seq_len=cfg.model.max_seq_len,
+                   temperature=args.temperature, top_k=args.top_k, eos_id=tok.eos_id, generator=gen, device=device)
+    print(tok.decode(out[1:]))
+    return 0
+
+
+# ---- argument parsing ---------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,eval,sample}")
+
+    def common(sp, with_config=True):
+        if with_config:
+            sp.add_argument("--config", default=None, help=f"preset name or YAML path (default: {DEFAULT_PRESET}, "
+                            "or the run directory's saved config when resuming)")
+        sp.add_argument("--run-dir", default=None, help="run directory (default: runs/<preset>)")
+
+    sp = sub.add_parser("prepare", help="build the tokenizer and token shards")
+    common(sp)
+    sp.set_defaults(func=cmd_prepare)
+    sp = sub.add_parser("train", help="train (resumes from the run directory's latest checkpoint)")
+    common(sp)
+    sp.set_defaults(func=cmd_train)
+    sp = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
+    common(sp, with_config=False)
+    sp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
+    sp.add_argument("--batches", type=int, default=0, help="validation micro-batches (default: train.eval_batches)")
+    sp.set_defaults(func=cmd_eval)
+    sp = sub.add_parser("sample", help="generate text from a checkpoint")
+    common(sp, with_config=False)
+    sp.add_argument("--checkpoint", default=None)
+    sp.add_argument("--prompt", default="def ")
+    sp.add_argument("--max-new-tokens", type=int, default=200)
+    sp.add_argument("--temperature", type=float, default=0.8)
+    sp.add_argument("--top-k", type=int, default=50)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.set_defaults(func=cmd_sample)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    args.overrides = rest
+    from hybridtron.data_pipeline import ShardError
+
+    from .checkpoint import CheckpointError
+
+    try:
+        return args.func(args)
+    except (ConfigError, ShardError, CheckpointError) as e:
+        print(f"hybridtron {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

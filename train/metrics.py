@@ -1,0 +1,84 @@
+"""Run metrics: ``metrics.jsonl``, TensorBoard events, console lines, MFU and peak memory."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import write_text_atomic
+
+# Dense bf16 tensor-core peak per device (vendor datasheets, no sparsity). MFU is reported only when
+# the device is found here or train.peak_flops is set: a CPU has no meaningful single figure.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,
+    "H100 80GB HBM3": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+}
+
+
+def device_peak_flops(device: torch.device, configured: float) -> float | None:
+    if configured > 0:
+        return configured
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return flops
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # ru_maxrss is KiB on Linux: the process's peak resident set, the closest CPU analogue.
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * (1 if sys.platform.startswith("linux") else 1 / 1024) / 2**20
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step and mirrors scalars to TensorBoard."""
+
+    def __init__(self, run_dir: Path, resume_step: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.tb_dir = Path(run_dir) / "tensorboard"
+        if resume_step is not None and self.path.exists():
+            # Steps after the checkpoint were lost with the interrupted process and are trained again;
+            # drop their old lines so every step appears once.
+            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            write_text_atomic(self.path, "".join(ln + "\n" for ln in kept))
+        self._fh = open(self.path, "a")
+        from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
+
+        self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=(resume_step + 1) if resume_step else None)
+
+    def log(self, record: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._fh.write(json.dumps(clean) + "\n")
+        self._fh.flush()
+        step = record["step"]
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                self._tb.add_scalar(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, step)
+
+    def close(self) -> None:
+        self._fh.close()
+        self._tb.flush()
+        self._tb.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]

@@ -1,0 +1,185 @@
+"""The train loop: steps, evaluation, logging, checkpoints, and stopping cleanly.
+
+Everything it needs is built by the recipe in ``train/cli.py`` and handed in; side concerns
+(metrics, checkpoints, signals, the non-finite-loss guard) stay small and separate.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from hybridtron.configs import JobConfig
+
+from .checkpoint import CheckpointManager, TrainerState
+from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
+from .parallelize import autocast_context
+from .schedule import lr_at
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient norm became NaN/inf; the run stops before writing a checkpoint."""
+
+
+class StopSignal:
+    """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop at the end of the step."""
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C aborts at once
+        self.received = signum
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclass
+class FitResult:
+    state: TrainerState
+    last_checkpoint: Path | None
+    final_val_loss: float | None
+    stopped_by: str  # "max_steps" | "exit_interval" | "signal"
+    history: list[dict] = field(default_factory=list)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype) -> float:
+    """Mean loss over the first ``n_batches`` validation micro-batches (the same ones every time)."""
+    was_training = model.training
+    model.eval()
+    loader = val_loader_factory()
+    total = 0.0
+    for _ in range(n_batches):
+        b = {k: v.to(device) for k, v in next(loader).items()}
+        with autocast_context(device, amp_dtype):
+            total += model(b["input_ids"], b.get("doc_ids"), labels=b["labels"]).float().item()
+    model.train(was_training)
+    return total / n_batches
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, model, optimizer, train_loader, val_loader_factory, *, device, amp_dtype,
+                 run_dir: Path, config_yaml: str, tokenizer_dir: Path, flops_per_token: float):
+        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.train_loader, self.val_loader_factory = train_loader, val_loader_factory
+        self.device, self.amp_dtype = device, amp_dtype
+        self.run_dir, self.config_yaml, self.tokenizer_dir = run_dir, config_yaml, tokenizer_dir
+        self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last)
+        self.state = TrainerState()
+        self.flops_per_token = flops_per_token
+        self.peak_flops = device_peak_flops(device, cfg.train.peak_flops)
+
+    def resume_if_possible(self) -> Path | None:
+        self.ckpt.clean_partial()
+        latest = self.ckpt.latest()
+        if latest is None:
+            return None
+        self.state = CheckpointManager.load(latest, self.model, self.optimizer)
+        self.train_loader.load_state_dict({"consumed_samples": self.state.consumed_samples})
+        return latest
+
+    def save(self) -> Path:
+        self.state.consumed_samples = self.train_loader.state_dict()["consumed_samples"]
+        return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir)
+
+    def train_step(self) -> dict:
+        t, accum = self.cfg.train, self.cfg.train.grad_accum_steps
+        lr = lr_at(self.state.step, t)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum, tokens = torch.zeros((), device=self.device), 0
+        for _ in range(accum):
+            b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
+            doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
+            with autocast_context(self.device, self.amp_dtype):
+                loss = self.model(b["input_ids"], doc_ids, labels=b["labels"])
+            (loss / accum).backward()
+            loss_sum += loss.detach().float()
+            tokens += b["input_ids"].numel()
+        loss = (loss_sum / accum).item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf")).item()
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+        self.state.tokens_seen += tokens  # this rank's tokens; the DP issue multiplies by dp size
+        if not finite:
+            if t.nan_policy == "stop":
+                raise NonFiniteLossError(
+                    f"non-finite loss={loss} / grad_norm={grad_norm} at step {self.state.step}; stopping without "
+                    f"saving (the last good checkpoint is kept). Lower train.lr or set train.nan_policy=skip."
+                )
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite}
+
+    def fit(self, log=print) -> FitResult:
+        t, cfg = self.cfg.train, self.cfg
+        resumed_from = self.resume_if_possible()
+        if resumed_from is not None:
+            log(f"resumed from {resumed_from} (step {self.state.step})")
+        metrics = MetricsLogger(self.run_dir, resume_step=self.state.step if resumed_from else None)
+        self.model.train()
+        bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not t.progress_bar, desc="train",
+                   dynamic_ncols=True)
+        last_ckpt, val_loss, stopped_by, history = resumed_from, None, "max_steps", []
+        try:
+            with StopSignal() as stop:
+                while self.state.step < t.max_steps:
+                    t0 = time.perf_counter()
+                    out = self.train_step()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    dt = time.perf_counter() - t0
+                    step = self.state.step
+                    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
+                           "tokens_per_s": out["tokens"] / dt, "tokens_seen": self.state.tokens_seen}
+                    if self.peak_flops:
+                        rec["mfu"] = self.flops_per_token * rec["tokens_per_s"] / self.peak_flops
+                    rec["peak_mem_gib"] = peak_memory_gib(self.device)
+                    if out["skipped"]:
+                        rec["skipped"] = True
+                        log(f"step {step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
+                    if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                        val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
+                                            self.amp_dtype)
+                        rec["val_loss"], rec["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
+                        bar.write(f"step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
+                                  f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")
+                    if step % t.log_every == 0 or "val_loss" in rec:
+                        metrics.log(rec)
+                        history.append(rec)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                    if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
+                        last_ckpt = self.save()
+                    if stop.received is not None:
+                        stopped_by = "signal"
+                        log(f"received signal {stop.received}; saving a checkpoint at step {step} and stopping")
+                        break
+                    if t.exit_interval and step % t.exit_interval == 0 and step < t.max_steps:
+                        stopped_by = "exit_interval"
+                        break
+                # A signal or exit_interval stop always saves: that is what makes it resumable.
+                if (cfg.checkpoint.at_exit or stopped_by != "max_steps") and (last_ckpt is None or last_ckpt.name != f"step_{self.state.step:08d}"):
+                    last_ckpt = self.save()
+        finally:
+            bar.close()
+            metrics.close()
+        return FitResult(self.state, last_ckpt, val_loss, stopped_by, history)
