@@ -1,1 +1,21 @@
-"""data_pipeline"""
+"""data_pipeline: sources -> tokenizer -> token shards -> packed, blended, resumable batches."""
+
+from .dataset import BlendedDataset, PackedDataset, build_dataset
+from .prepare import PreparedData, prepare_data
+from .sampler import DataLoaderState, DistributedLoader, build_loader
+from .shards import ShardError
+from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "BlendedDataset",
+    "DataLoaderState",
+    "DistributedLoader",
+    "PackedDataset",
+    "PreparedData",
+    "ShardError",
+    "Tokenizer",
+    "build_dataset",
+    "build_loader",
+    "load_tokenizer",
+    "prepare_data",
+]

@@ -15,9 +15,9 @@ def test_presets_load_and_validate():
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config("tiny", parse_overrides(["--train.max_steps", "7", "--model.n_layers=2", "--train.lr", "1e-3",
+    cfg = load_config("tiny", parse_overrides(["--train.max_steps", "70", "--model.n_layers=2", "--train.lr", "1e-3",
                                                 "--model.attn_gate", "headwise", "--model.qk_norm", "false"]))
-    assert cfg.train.max_steps == 7 and cfg.model.n_layers == 2 and cfg.train.lr == 1e-3
+    assert cfg.train.max_steps == 70 and cfg.model.n_layers == 2 and cfg.train.lr == 1e-3
     assert cfg.model.attn_gate == "headwise" and cfg.model.qk_norm is False
 
 

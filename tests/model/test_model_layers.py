@@ -10,7 +10,15 @@ import torch
 from hybridtron.configs import ModelConfig
 from hybridtron.model import GatedAttention, RMSNorm, RotaryEmbedding, apply_rotary, doc_causal_mask
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    # Tolerances here are float64 ones; restore the default so other test files are unaffected.
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def tiny_cfg(**kw) -> ModelConfig:
