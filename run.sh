@@ -18,8 +18,12 @@ setup() {
         echo "[run.sh] creating virtual environment $VENV"
         "$PYTHON" -m venv "$VENV"
     fi
-    # shellcheck disable=SC1091
-    . "$VENV/bin/activate"
+    if [ -f "$VENV/bin/activate" ]; then
+        # shellcheck disable=SC1091
+        . "$VENV/bin/activate"
+    else  # an interpreter prefix that is not a venv (e.g. a conda or pyenv install)
+        export PATH="$VENV/bin:$PATH"
+    fi
     local stamp="$VENV/.installed-$extras"
     if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
         # torch first and pinned: a bare `torch` requirement on an empty env would pull a multi-GB CUDA build.

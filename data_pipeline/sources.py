@@ -36,9 +36,14 @@ def source_name(src: SourceConfig) -> str:
 
 
 def _stdlib_files() -> list[Path]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages"}
-    return sorted(p for p in root.rglob("*.py") if p.is_file() and not skip.intersection(p.relative_to(root).parts))
+    root = sysconfig.get_paths()["stdlib"]
+    # prune while walking: site-packages usually sits inside stdlib and can be 20x larger than it
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = []
+    for d, subdirs, names in os.walk(root):
+        subdirs[:] = [s for s in subdirs if s not in skip]
+        files.extend(Path(d, n) for n in names if n.endswith(".py"))
+    return sorted(f for f in files if f.is_file())
 
 
 def _format_of(path: Path) -> str:

@@ -1,0 +1,54 @@
+"""Shared fixtures: one small prepared corpus (40 stdlib files, 512-id BPE) for the train/CLI tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Tests are CPU-only and must be reproducible; two intra-op threads match the CI machine.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+SMALL_OVERRIDES = [
+    ("data.sources", "[{path: stdlib, max_files: 40}]"),
+    ("data.tokenizer.vocab_size", "512"),
+    ("data.seq_len", "64"),
+    ("model.max_seq_len", "128"),
+    ("model.d_model", "64"),
+    ("model.n_layers", "2"),
+    ("model.n_heads", "4"),
+    ("model.n_kv_heads", "2"),
+    ("train.micro_batch_size", "8"),
+    ("train.max_steps", "30"),
+    ("train.warmup_steps", "5"),
+    ("train.eval_every", "10"),
+    ("train.eval_batches", "4"),
+    ("train.progress_bar", "false"),
+    ("checkpoint.every", "10"),
+]
+
+
+@pytest.fixture(scope="session")
+def small_data_dir(tmp_path_factory):
+    """Prepared once per session; tests point data.out_dir here."""
+    from hybridtron.configs import load_config
+    from hybridtron.data_pipeline import prepare_data
+
+    out = tmp_path_factory.mktemp("data") / "small"
+    cfg = load_config("tiny", SMALL_OVERRIDES + [("data.out_dir", str(out))])
+    prepare_data(cfg.data, log=lambda *_: None)
+    return out
+
+
+def small_train_argv(data_dir, run_dir, extra=()):
+    """argv for `hybridtron train` on the small corpus."""
+    args = ["train", "--config", "tiny", "--run-dir", str(run_dir)]
+    for k, v in SMALL_OVERRIDES + [("data.out_dir", str(data_dir))]:
+        args += [f"--{k}", v]
+    return args + list(extra)
+
+
+@pytest.fixture
+def cli_args():
+    return small_train_argv
