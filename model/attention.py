@@ -63,7 +63,7 @@ class GatedAttention(nn.Module):
 
         q = self.q_proj(x)
         if self.gate == "elementwise":
-            gate, q = q.view(B, T, H, 2 * D).split(D, dim=-1)  # each (B, T, H, D)
+            q, gate = q.view(B, T, H, 2 * D).split(D, dim=-1)  # each (B, T, H, D)
         else:
             q = q.view(B, T, H, D)
         k = self.k_proj(x).view(B, T, KV, D)

@@ -232,3 +232,24 @@ def test_cross_entropy_reference_agrees_with_torch():
     logp = logits - torch.logsumexp(logits, -1, keepdim=True)
     manual = -(logp[0, 1] + logp[2, 3] + logp[3, 6] + logp[4, 0]) / 4
     torch.testing.assert_close(F.cross_entropy(logits, labels, ignore_index=-100), manual)
+
+
+def test_init_and_names_survive_checkpoint_wrapping_of_layers():
+    # The trainer wraps each block (activation checkpointing) before init_weights; the o_proj/down_proj
+    # scaling must still find its modules and the state_dict keys must keep the export names.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    cfg = tiny_cfg(d_model=64, n_layers=4)
+    plain_keys = list(GatedLM(cfg, V).state_dict())
+    with torch.device("meta"):
+        model = GatedLM(cfg, V)
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights()
+    assert list(model.state_dict()) == plain_keys
+    o = torch.cat([p.flatten() for n, p in model.named_parameters() if n.endswith("o_proj.weight")])
+    assert o.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
+    x = torch.randint(0, V, (2, 8))
+    model(x, labels=x).backward()
