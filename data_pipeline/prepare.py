@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from hybridtron.configs.job import DataConfig
 
 from .shards import SplitWriter, read_manifest, token_dtype
@@ -100,8 +99,9 @@ def is_val(seed: int, doc_index: int, val_fraction: float) -> bool:
 
 
 def _assign_splits(batches: Iterator[list[str]], seed: int, val_fraction: float) -> Iterator[tuple[str, str]]:
-    """(split, text) per document. The last document is held back one step so that, if no document drew val,
-    it can go to val: a non-empty val split whenever there are >= 2 documents, without knowing the count upfront."""
+    """(split, text) per document. The last document is held back one step so that it can fill a split that
+    no document drew: train is never empty, and val is non-empty whenever there are >= 2 documents, without
+    knowing the count upfront (streaming)."""
     prev: str | None = None
     n = n_val = 0
     for batch in batches:
@@ -113,8 +113,13 @@ def _assign_splits(batches: Iterator[list[str]], seed: int, val_fraction: float)
             prev = text
             n += 1
     if prev is not None:
-        last_val = is_val(seed, n - 1, val_fraction) or (n_val == 0 and n >= 2)
-        yield ("val" if last_val else "train"), prev
+        if n_val == n - 1:  # no train document yet
+            last = "train"
+        elif n_val == 0:
+            last = "val"
+        else:
+            last = "val" if is_val(seed, n - 1, val_fraction) else "train"
+        yield last, prev
 
 
 def _source_key(cfg: DataConfig, i: int, files: list[Path], fmt: str) -> str:

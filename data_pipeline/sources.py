@@ -82,9 +82,7 @@ def resolve_files(src: SourceConfig) -> tuple[list[Path], str]:
     return files, fmt
 
 
-def iter_documents(
-    src: SourceConfig, streaming: bool, cache_dir: Path, batch_size: int = 256
-) -> Iterator[list[str]]:
+def iter_documents(src: SourceConfig, streaming: bool, cache_dir: Path, batch_size: int = 256) -> Iterator[list[str]]:
     """Yield batches of document texts in file order. Empty documents are dropped (they carry no tokens)."""
     import datasets
 

@@ -132,10 +132,13 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         meta = read_meta(p)
         if meta is None:
             raise FileNotFoundError(f"{p} holds no {META_FILE}; it was not written by Tokenizer.save")
-        tok = Tokenizer(meta["kind"], (p / meta["file"]).read_bytes())
-        if tok.fingerprint != meta["fingerprint"]:
-            raise ValueError(f"{p / meta['file']} does not match the fingerprint in {p / META_FILE}; it was modified")
-        return tok
+        blob = (p / meta["file"]).read_bytes()
+        if hashlib.sha256(blob).hexdigest() != meta["fingerprint"]:
+            raise ValueError(
+                f"{p / meta['file']} does not match the fingerprint in {p / META_FILE}; it was modified or "
+                f"half-written: delete {p} and re-run `hybridtron prepare`"
+            )
+        return Tokenizer(meta["kind"], blob)
     if not p.is_file():
         raise FileNotFoundError(f"tokenizer path {p} does not exist")
     if p.suffix == ".json":

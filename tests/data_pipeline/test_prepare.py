@@ -1,0 +1,208 @@
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hybridtron.configs.job import SourceConfig, TokenizerConfig
+from hybridtron.data_pipeline import load_tokenizer, prepare_data, shards
+from hybridtron.data_pipeline.prepare import is_val
+
+from .conftest import N_FILES, quiet, stdlib_cfg
+from .helpers import split_docs, stdlib_texts, tree_bytes
+
+
+def test_shards_hold_every_document_plus_eos(prepared_stdlib):
+    cfg, prep = prepared_stdlib
+    tok = prep.tokenizer
+    texts = stdlib_texts(N_FILES)
+    out = prep.out_dir / "stdlib"
+    got = {s: split_docs(out / s) for s in ("train", "val")}
+    for docs in got.values():
+        assert all(d[-1] == tok.eos_id and tok.eos_id not in d[:-1] for d in docs)
+    decoded = {s: [tok.decode(d[:-1].tolist()) for d in docs] for s, docs in got.items()}
+    # every file is one document, each in exactly one split, in file order within the split
+    assert sorted(decoded["train"] + decoded["val"]) == sorted(texts)
+    assert _is_subsequence(decoded["train"], texts) and _is_subsequence(decoded["val"], texts)
+    assert len(decoded["val"]) >= 1 and len(decoded["train"]) >= 1
+    assert prep.stats["train"]["docs"] == len(got["train"])
+    assert prep.stats["val"]["tokens"] == sum(len(d) for d in got["val"])
+    assert prep.sources == ["stdlib"] and prep.tokenizer_dir == prep.out_dir / "tokenizer"
+
+
+def _is_subsequence(part, whole) -> bool:
+    it = iter(whole)
+    return all(any(x == y for y in it) for x in part)
+
+
+def test_manifest_fields(prepared_stdlib):
+    cfg, prep = prepared_stdlib
+    m = json.loads((prep.out_dir / "stdlib" / "train" / "manifest.json").read_text())
+    assert m["complete"] and m["dtype"] == "uint16"
+    assert m["tokenizer_fingerprint"] == prep.tokenizer.fingerprint
+    assert all(e["n_docs"] <= cfg.shard_docs for e in m["shards"]) and len(m["shards"]) >= 2
+    assert sum(e["n_tokens"] for e in m["shards"]) == m["n_tokens"]
+
+
+def test_split_is_hash_of_seed_and_index():
+    hits = sum(is_val(0, i, 0.1) for i in range(20000))
+    assert 1700 < hits < 2300
+    assert [is_val(0, i, 0.3) for i in range(50)] != [is_val(1, i, 0.3) for i in range(50)]
+
+
+def test_rerun_is_idempotent(copy_prepared):
+    before = tree_bytes(copy_prepared.out_dir)
+    logs = []
+    prep = prepare_data(copy_prepared, log=logs.append)
+    assert not any("tokenizing" in m or "training" in m for m in logs)
+    assert tree_bytes(copy_prepared.out_dir) == before
+    assert prep.stats["train"]["docs"] > 0
+
+
+@pytest.mark.parametrize("mode", ["raise_before_commit", "raise_after_files"])
+def test_interrupted_prepare_resumes_to_same_result(prepared_stdlib, tmp_path, monkeypatch, mode):
+    ref_cfg, _ = prepared_stdlib
+    cfg = stdlib_cfg(tmp_path / "out")
+    # reuse the reference tokenizer so both runs tokenize identically
+    shutil.copytree(ref_cfg.out_dir + "/tokenizer", tmp_path / "out" / "tokenizer")
+    real = shards.write_shard
+    calls = []
+
+    def crashing(directory, index, docs, dtype):
+        calls.append(index)
+        if len(calls) == 3:
+            if mode == "raise_after_files":
+                real(directory, index, docs, dtype)  # files on disk, manifest not yet updated
+                (directory / "shard_99999.bin.tmp").write_bytes(b"partial")
+            raise KeyboardInterrupt("simulated crash")
+        return real(directory, index, docs, dtype)
+
+    monkeypatch.setattr(shards, "write_shard", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(cfg, log=quiet)
+    monkeypatch.setattr(shards, "write_shard", real)
+    logs = []
+    prepare_data(cfg, log=logs.append)
+    assert any("resuming" in m for m in logs)
+    assert tree_bytes(cfg.out_dir) == tree_bytes(ref_cfg.out_dir)
+
+
+def test_changed_tokenizer_config_is_refused(copy_prepared):
+    copy_prepared.tokenizer = TokenizerConfig(kind="bpe", vocab_size=400)
+    with pytest.raises(ValueError, match="another data.out_dir or delete"):
+        prepare_data(copy_prepared, log=quiet)
+
+
+def test_changed_split_config_is_refused(copy_prepared):
+    copy_prepared.seed = 7
+    with pytest.raises(shards.ShardError, match="delete"):
+        prepare_data(copy_prepared, log=quiet)
+
+
+def test_streaming_gives_same_tokens(prepared_stdlib, tmp_path):
+    ref_cfg, _ = prepared_stdlib
+    cfg = stdlib_cfg(tmp_path / "s", streaming=True)
+    shutil.copytree(ref_cfg.out_dir + "/tokenizer", tmp_path / "s" / "tokenizer")
+    prepare_data(cfg, log=quiet)
+    assert tree_bytes(cfg.out_dir) == tree_bytes(ref_cfg.out_dir)
+
+
+def _decoded(prep, name):
+    tok = prep.tokenizer
+    return [tok.decode(d[:-1].tolist()) for s in ("train", "val") for d in split_docs(prep.out_dir / name / s)]
+
+
+TEXTS = [f"document {i}: " + "lorem ipsum dolor sit amet, ünïcödé " * (i % 5 + 1) for i in range(30)]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_jsonl_and_parquet_with_text_field(tmp_path, tokenizer_json, fmt):
+    rows = [{"id": i, "content": t} for i, t in enumerate(TEXTS)]
+    if fmt == "jsonl":
+        f = tmp_path / "data.jsonl"
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        f = tmp_path / "data.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), f)
+    for streaming in (False, True):
+        cfg = stdlib_cfg(
+            tmp_path / f"out{streaming}",
+            sources=[SourceConfig(path=str(f), text_field="content")],
+            tokenizer=TokenizerConfig(kind="pretrained", path=str(tokenizer_json)),
+            streaming=streaming,
+        )
+        prep = prepare_data(cfg, log=quiet)
+        assert prep.sources == ["data"]
+        assert sorted(_decoded(prep, "data")) == sorted(TEXTS)
+        assert prep.tokenizer.fingerprint == load_tokenizer(tokenizer_json).fingerprint
+
+
+def test_missing_text_field_is_named(tmp_path, tokenizer_json):
+    f = tmp_path / "data.jsonl"
+    f.write_text(json.dumps({"body": "x"}) + "\n")
+    cfg = stdlib_cfg(
+        tmp_path / "o",
+        sources=[SourceConfig(path=str(f))],
+        tokenizer=TokenizerConfig(kind="pretrained", path=str(tokenizer_json)),
+    )
+    with pytest.raises(KeyError, match="'text'"):
+        prepare_data(cfg, log=quiet)
+
+
+@pytest.mark.parametrize("pattern", ["dir", "glob"])
+def test_directory_and_glob_sources(tmp_path, tokenizer_json, pattern):
+    d = tmp_path / "corpus"
+    (d / "sub").mkdir(parents=True)
+    for i, t in enumerate(TEXTS[:10]):
+        (d / ("sub" if i % 2 else "") / f"f{i:02d}.txt").write_text(t)
+    (d / "notes.md").write_text("not matched by the glob")
+    path = str(d) if pattern == "dir" else str(d / "**" / "*.txt")
+    cfg = stdlib_cfg(
+        tmp_path / "o",
+        sources=[SourceConfig(path=path, name="c")],
+        tokenizer=TokenizerConfig(kind="pretrained", path=str(tokenizer_json)),
+    )
+    prep = prepare_data(cfg, log=quiet)
+    expected = TEXTS[:10] + (["not matched by the glob"] if pattern == "dir" else [])
+    assert sorted(_decoded(prep, "c")) == sorted(expected)
+
+
+def test_no_matching_files_names_the_path(tmp_path, tokenizer_json):
+    cfg = stdlib_cfg(
+        tmp_path / "o",
+        sources=[SourceConfig(path=str(tmp_path / "nothing*.txt"))],
+        tokenizer=TokenizerConfig(kind="pretrained", path=str(tokenizer_json)),
+    )
+    with pytest.raises(FileNotFoundError, match="nothing"):
+        prepare_data(cfg, log=quiet)
+
+
+def test_sentencepiece_prepare_and_pretrained_model(tmp_path):
+    cfg = stdlib_cfg(
+        tmp_path / "sp", tokenizer=TokenizerConfig(kind="sentencepiece", vocab_size=400, train_max_chars=200_000)
+    )
+    prep = prepare_data(cfg, log=quiet)
+    assert prep.tokenizer.kind == "sp" and prep.tokenizer.vocab_size == 400
+    assert sorted(_decoded(prep, "stdlib")) == sorted(stdlib_texts(N_FILES))
+    model = prep.tokenizer_dir / "tokenizer.model"
+    cfg2 = stdlib_cfg(tmp_path / "sp2", tokenizer=TokenizerConfig(kind="pretrained", path=str(model)))
+    prep2 = prepare_data(cfg2, log=quiet)
+    assert tree_bytes(prep2.out_dir / "stdlib") == tree_bytes(prep.out_dir / "stdlib")
+
+
+@pytest.mark.parametrize("n_docs,expected", [(1, (1, 0)), (2, (1, 1))])
+def test_tiny_corpus_fills_train_then_val(tmp_path, tokenizer_json, n_docs, expected):
+    d = tmp_path / "c"
+    d.mkdir()
+    for i in range(n_docs):
+        (d / f"{i}.txt").write_text(f"doc {i}")
+    cfg = stdlib_cfg(
+        tmp_path / "o",
+        sources=[SourceConfig(path=str(d))],
+        tokenizer=TokenizerConfig(kind="pretrained", path=str(tokenizer_json)),
+        val_fraction=0.01,
+    )
+    st = prepare_data(cfg, log=quiet).stats
+    assert (st["train"]["docs"], st["val"]["docs"]) == expected

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hybridtron.data_pipeline import ShardError, build_dataset
+from hybridtron.data_pipeline.shards import SplitReader, SplitWriter, token_dtype
+
+from .helpers import split_docs
+
+
+def _first_shard(cfg, split="train") -> tuple[Path, dict]:
+    d = Path(cfg.out_dir) / "stdlib" / split
+    return d, json.loads((d / "manifest.json").read_text())["shards"][0]
+
+
+def test_intact_data_opens(copy_prepared):
+    assert len(build_dataset(copy_prepared, "train")) > 0
+
+
+def test_truncated_bin(copy_prepared):
+    d, e = _first_shard(copy_prepared)
+    f = d / e["bin"]
+    f.write_bytes(f.read_bytes()[:-2])
+    with pytest.raises(ShardError, match=r"shard_00000\.bin has .* bytes.*re-run `hybridtron prepare`"):
+        build_dataset(copy_prepared, "train")
+
+
+def test_flipped_byte(copy_prepared):
+    d, e = _first_shard(copy_prepared)
+    f = d / e["bin"]
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    f.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=r"shard_00000\.bin fails its checksum"):
+        build_dataset(copy_prepared, "train")
+
+
+def test_missing_file(copy_prepared):
+    d, e = _first_shard(copy_prepared, "val")
+    (d / e["idx"]).unlink()
+    with pytest.raises(ShardError, match=r"val/shard_00000\.idx is missing"):
+        build_dataset(copy_prepared, "val")
+
+
+def test_missing_manifest(copy_prepared):
+    (Path(copy_prepared.out_dir) / "stdlib" / "train" / "manifest.json").unlink()
+    with pytest.raises(ShardError, match="manifest.json is missing"):
+        build_dataset(copy_prepared, "train")
+
+
+def test_wrong_tokenizer_fingerprint(copy_prepared):
+    d = Path(copy_prepared.out_dir) / "stdlib" / "train"
+    with pytest.raises(ShardError, match="tokenized with tokenizer"):
+        SplitReader(d, fingerprint="0" * 64)
+    # and through build_dataset, when the tokenizer beside the shards is another one
+    meta_f = Path(copy_prepared.out_dir) / "tokenizer" / "tokenizer_meta.json"
+    meta = json.loads(meta_f.read_text())
+    meta["fingerprint"] = "f" * 64
+    meta_f.write_text(json.dumps(meta))
+    with pytest.raises(ShardError, match="not the one in use"):
+        build_dataset(copy_prepared, "train")
+
+
+def test_incomplete_split_refused(tmp_path):
+    w = SplitWriter(tmp_path / "s", np.uint16, "fp", "key", shard_docs=2)
+    for n in (3, 4, 5):
+        w.add(np.arange(n, dtype=np.uint16))
+    with pytest.raises(ShardError, match="incomplete"):
+        SplitReader(tmp_path / "s", fingerprint="fp")
+    w.finish()
+    r = SplitReader(tmp_path / "s", fingerprint="fp")
+    assert r.n_docs == 3 and r.n_tokens == 12
+    np.testing.assert_array_equal(r.tokens(2, 9), [2, 0, 1, 2, 3, 0, 1])  # crosses the shard border at 7
+    np.testing.assert_array_equal(r.doc_starts, [0, 3, 7, 12])
+    assert [len(x) for x in split_docs(tmp_path / "s")] == [3, 4, 5]
+
+
+def test_dtype_choice():
+    assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32 and token_dtype(300) == np.uint16
