@@ -24,6 +24,7 @@ SMALL_OVERRIDES = [
     ("train.warmup_steps", "5"),
     ("train.eval_every", "10"),
     ("train.eval_batches", "4"),
+    ("data.val_fraction", "0.1"),
     ("train.progress_bar", "false"),
     ("checkpoint.every", "10"),
 ]
