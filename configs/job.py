@@ -218,7 +218,7 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
-    def validate(self) -> "JobConfig":
+    def validate(self) -> JobConfig:
         self.model.validate()
         self.data.validate()
         self.train.validate()

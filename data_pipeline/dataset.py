@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from hybridtron.configs.job import DataConfig
 
 from .prepare import source_names

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from hybridtron.configs.job import DataConfig
 
 from .shards import SplitWriter, read_manifest, token_dtype

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
+
+from .atomic import fsync_dir, write_bytes_atomic
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -40,26 +41,6 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_durable(path: Path, data: bytes) -> str:
-    """Write ``data`` to ``path`` atomically; returns its blake2b digest."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def _fsync_dir(d: Path) -> None:
-    # the rename itself is durable only once the directory entry is flushed
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def shard_stem(index: int) -> str:
     return f"shard_{index:05d}"
 
@@ -75,8 +56,8 @@ def write_shard(directory: Path, index: int, docs: list[np.ndarray], dtype: np.d
         "idx": stem + ".idx",
         "n_docs": len(docs),
         "n_tokens": int(offsets[-1]),
-        "bin_blake2b": _write_durable(directory / (stem + ".bin"), tokens.tobytes()),
-        "idx_blake2b": _write_durable(directory / (stem + ".idx"), offsets.tobytes()),
+        "bin_blake2b": write_bytes_atomic(directory / (stem + ".bin"), tokens.tobytes()),
+        "idx_blake2b": write_bytes_atomic(directory / (stem + ".idx"), offsets.tobytes()),
     }
 
 
@@ -156,8 +137,8 @@ class SplitWriter:
         return self.manifest
 
     def _save(self) -> None:
-        _write_durable(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
-        _fsync_dir(self.dir)
+        write_bytes_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())
+        fsync_dir(self.dir)
 
 
 class SplitReader:

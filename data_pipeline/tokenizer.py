@@ -14,6 +14,8 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from .atomic import write_bytes_atomic
+
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 META_FILE = "tokenizer_meta.json"
 HF_FILE = "tokenizer.json"
@@ -88,7 +90,7 @@ class Tokenizer:
         """Write the tokenizer file and ``tokenizer_meta.json``; ``config`` records how it was made."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(d / self.filename, self._blob)
+        write_bytes_atomic(d / self.filename, self._blob)
         meta = {
             "file": self.filename,
             "kind": self.kind,
@@ -100,7 +102,7 @@ class Tokenizer:
             "config": config or {},
         }
         # meta last: its presence means the tokenizer file is complete
-        _atomic_write(d / META_FILE, json.dumps(meta, indent=2).encode())
+        write_bytes_atomic(d / META_FILE, json.dumps(meta, indent=2).encode())
         return d
 
     def __repr__(self) -> str:
@@ -109,15 +111,6 @@ class Tokenizer:
 
 def _first(ids: list[int | None], default: int | None = None) -> int | None:
     return next((i for i in ids if i is not None), default)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def read_meta(directory: str | Path) -> dict | None:

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
 
+from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
+
 STEP_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
 
@@ -43,30 +45,12 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: Path) -> None:
     for root, _dirs, files in os.walk(path):
         for f in files:
             with open(os.path.join(root, f), "rb") as fh:
                 os.fsync(fh.fileno())
-        _fsync_dir(Path(root))
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+        fsync_dir(Path(root))
 
 
 def capture_rng() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -157,7 +141,7 @@ class CheckpointManager:
         if final.exists():  # re-saving the same step (e.g. exit right after a periodic save)
             shutil.rmtree(final)
         os.rename(tmp, final)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         write_text_atomic(self.dir / LATEST, final.name)
         self._prune()
         return final

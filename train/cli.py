@@ -100,9 +100,9 @@ def cmd_prepare(args) -> int:
 
 def cmd_train(args) -> int:
     from hybridtron.data_pipeline import build_dataset, build_loader, prepare_data
+    from hybridtron.data_pipeline.atomic import write_text_atomic
     from hybridtron.model import flops_per_token
 
-    from .checkpoint import write_text_atomic
     from .optim import build_optimizer
     from .parallelize import autocast_dtype, select_device
     from .trainer import Trainer

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from hybridtron.configs.job import DataConfig, SourceConfig, TokenizerConfig
 from hybridtron.data_pipeline import prepare_data
 

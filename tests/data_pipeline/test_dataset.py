@@ -3,6 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from hybridtron.configs.job import SourceConfig, TokenizerConfig
 from hybridtron.data_pipeline import build_dataset, prepare_data
 from hybridtron.data_pipeline.dataset import BlendedDataset, PackedDataset

@@ -6,6 +6,7 @@ import shutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from hybridtron.configs.job import SourceConfig, TokenizerConfig
 from hybridtron.data_pipeline import load_tokenizer, prepare_data, shards
 from hybridtron.data_pipeline.prepare import is_val

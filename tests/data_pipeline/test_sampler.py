@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hybridtron.data_pipeline import build_loader
 
 

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from hybridtron.data_pipeline import ShardError, build_dataset
 from hybridtron.data_pipeline.shards import SplitReader, SplitWriter, token_dtype
 

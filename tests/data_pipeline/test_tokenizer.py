@@ -4,6 +4,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
 from hybridtron.data_pipeline import Tokenizer, load_tokenizer
 from hybridtron.data_pipeline.tokenizer import train_bpe, train_sentencepiece
 

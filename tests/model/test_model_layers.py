@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from hybridtron.configs import ModelConfig
 from hybridtron.model import GatedAttention, RMSNorm, RotaryEmbedding, apply_rotary, doc_causal_mask
 

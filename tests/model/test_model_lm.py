@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+
 from hybridtron.configs import ModelConfig
 from hybridtron.model import Block, GatedLM, flops_per_token
 

@@ -38,7 +38,7 @@ def test_save_load_roundtrip_and_rng(tmp_path):
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     state = CheckpointManager.load(mgr.latest(), model2, opt2)
     assert state == TrainerState(3, 48, 999)
-    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True):
         assert torch.equal(a, b)
     s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
     assert all(torch.equal(s1[k]["exp_avg"], s2[k]["exp_avg"]) for k in s1)

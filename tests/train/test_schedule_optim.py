@@ -18,7 +18,7 @@ def test_cosine_warmup_and_floor():
     assert lr_at(60, c) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
     assert lr_at(110, c) == pytest.approx(0.1)
     lrs = [lr_at(s, c) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
 
 
 def test_wsd_holds_then_decays_linearly():
