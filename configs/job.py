@@ -117,7 +117,10 @@ class DataConfig:
     seq_len: int = 128
     val_fraction: float = 0.02  # share of documents held out for validation
     shard_docs: int = 1000  # documents per shard file
-    streaming: bool = False  # read sources with datasets' streaming mode (larger than memory)
+    # Read sources with datasets' streaming mode: one pass, no Arrow copy of the corpus, works for corpora
+    # larger than memory or disk headroom. false materialises an Arrow cache under out_dir/.hf_cache first
+    # (measured 1.17 s vs 0.41 s to read 600 stdlib files, 7.5 MB).
+    streaming: bool = True
     num_workers: int = 0  # tokenization processes; 0 = all cores
     seed: int = 0  # split and sample order
 

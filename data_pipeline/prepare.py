@@ -16,7 +16,9 @@ import hashlib
 import json
 import os
 import struct
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,8 +31,8 @@ from .sources import iter_documents, resolve_files, source_name
 from .tokenizer import Tokenizer, load_tokenizer, read_meta, train_bpe, train_sentencepiece
 
 SPLITS = ("train", "val")
-# HF encode_batch parallelises over the documents of one call; ~4M characters keeps both cores busy
-# while bounding memory (stdlib files average ~18k chars)
+# HF encode_batch parallelises over the documents of one call; batches of ~4M characters keep the cores
+# busy (each batch ends with a tail where its longest documents run alone) while bounding memory
 _ENCODE_CHARS = 4_000_000
 
 
@@ -153,27 +155,43 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
     pending: dict[str, list[str]] = {s: [] for s in SPLITS}
     chars = dict.fromkeys(SPLITS, 0)
     eos = tok.eos_id
+    # Encoding runs on one worker thread (tokenizers and SentencePiece release the GIL and use every core
+    # themselves), so reading the next batch and writing the previous one's shards overlap with it. Two
+    # concurrent encode calls measured slower than one (Rayon already saturates the cores). Results are
+    # written in submission order, so the shards are identical to a serial run.
+    in_flight: deque[tuple[str, Future]] = deque()
 
-    def flush(split: str) -> None:
-        for ids in tok.encode_batch(pending[split]):
+    def write_oldest() -> None:
+        split, fut = in_flight.popleft()
+        for ids in fut.result():
             doc = np.empty(len(ids) + 1, dtype=dtype)
             doc[:-1] = ids
             doc[-1] = eos
             writers[split].add(doc)
-        pending[split].clear()
-        chars[split] = 0
 
-    docs = iter_documents(src, cfg.streaming, out / ".hf_cache")
-    for split, text in _assign_splits(docs, cfg.seed, cfg.val_fraction):
-        seen[split] += 1
-        if seen[split] <= skip[split]:
-            continue  # already in a committed shard: reading is cheap, tokenizing is what we avoid
-        pending[split].append(text)
-        chars[split] += len(text)
-        if chars[split] >= _ENCODE_CHARS:
-            flush(split)
+    def submit(split: str) -> None:
+        if pending[split]:
+            in_flight.append((split, pool.submit(tok.encode_batch, pending[split])))
+            pending[split] = []
+            chars[split] = 0
+        while len(in_flight) > 1:
+            write_oldest()
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
+        docs = iter_documents(src, cfg.streaming, out / ".hf_cache")
+        for split, text in _assign_splits(docs, cfg.seed, cfg.val_fraction):
+            seen[split] += 1
+            if seen[split] <= skip[split]:
+                continue  # already in a committed shard: reading is cheap, tokenizing is what we avoid
+            pending[split].append(text)
+            chars[split] += len(text)
+            if chars[split] >= _ENCODE_CHARS:
+                submit(split)
+        for s in SPLITS:
+            submit(s)
+        while in_flight:
+            write_oldest()
     for s in SPLITS:
-        flush(s)
         writers[s].finish()
 
 
