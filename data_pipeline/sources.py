@@ -82,25 +82,44 @@ def resolve_files(src: SourceConfig) -> tuple[list[Path], str]:
     return files, fmt
 
 
+def _stamp(f: Path) -> str:
+    st = f.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _read_text_files(files: list[str], stamps: list[str]) -> Iterator[dict[str, str]]:
+    for f in files:
+        # universal newlines, as datasets' text builder reads; errors="replace": a few stdlib files are latin-1
+        # on purpose (encoding tests), keep them rather than fail
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            yield {"text": fh.read()}
+
+
 def iter_documents(src: SourceConfig, streaming: bool, cache_dir: Path, batch_size: int = 256) -> Iterator[list[str]]:
     """Yield batches of document texts in file order. Empty documents are dropped (they carry no tokens)."""
     import datasets
 
     offline_env()
     files, fmt = resolve_files(src)
-    kwargs: dict = {}
-    if fmt == "text":
-        # errors="replace": a few stdlib files are latin-1 on purpose (encoding tests); keep them rather than fail
-        kwargs = {"sample_by": "document", "encoding_errors": "replace"}
     datasets.utils.logging.disable_progress_bar()
-    ds = datasets.load_dataset(
-        _BUILDER[fmt],
-        data_files=[str(f) for f in files],
-        split="train",
-        streaming=streaming,
-        cache_dir=str(cache_dir),
-        **kwargs,
-    )
+    if fmt == "text":
+        # One file is one document: a generator-backed dataset reads the files we resolved. load_dataset("text")
+        # would first resolve every path as a pattern and hash its metadata: 0.63 s of a 1.2 s read of 600
+        # stdlib files, a fifth of the cost of tokenizing them on two cores.
+        # the stamps change the kwargs' hash, hence the Arrow cache key, when a file is edited in place
+        gen_kwargs = {"files": [str(f) for f in files], "stamps": [_stamp(f) for f in files]}
+        if streaming:
+            ds = datasets.IterableDataset.from_generator(_read_text_files, gen_kwargs=gen_kwargs)
+        else:
+            ds = datasets.Dataset.from_generator(_read_text_files, gen_kwargs=gen_kwargs, cache_dir=str(cache_dir))
+    else:
+        ds = datasets.load_dataset(
+            _BUILDER[fmt],
+            data_files=[str(f) for f in files],
+            split="train",
+            streaming=streaming,
+            cache_dir=str(cache_dir),
+        )
     column = "text" if fmt == "text" else src.text_field
     names = ds.column_names if not streaming else None
     if names is not None and column not in names:

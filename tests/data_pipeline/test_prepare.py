@@ -207,3 +207,21 @@ def test_tiny_corpus_fills_train_then_val(tmp_path, tokenizer_json, n_docs, expe
     )
     st = prepare_data(cfg, log=quiet).stats
     assert (st["train"]["docs"], st["val"]["docs"]) == expected
+
+
+def test_arrow_cached_text_source_sees_edited_files(tmp_path):
+    """Non-streaming reads go through an Arrow cache; editing a file in place must not serve stale text."""
+    from hybridtron.configs.job import SourceConfig
+    from hybridtron.data_pipeline.sources import iter_documents
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    (d / "a.txt").write_text("first version")
+    src = SourceConfig(path=str(d))
+    cache = tmp_path / "cache"
+    assert [t for b in iter_documents(src, False, cache) for t in b] == ["first version"]
+    import os
+
+    (d / "a.txt").write_text("second, longer version")
+    os.utime(d / "a.txt", ns=(1, 1))
+    assert [t for b in iter_documents(src, False, cache) for t in b] == ["second, longer version"]

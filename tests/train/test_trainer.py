@@ -157,3 +157,27 @@ def test_metrics_jsonl_has_no_duplicate_steps_after_crash(small_data_dir, cli_ar
     assert main(cli_args(small_data_dir, run, extra)) == 0
     steps = [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]
+
+
+def test_bf16_autocast_and_mfu_fields(small_data_dir, cli_args, tmp_path):
+    """bf16 autocast (the GPU default) runs through the same loop on the CPU; MFU is logged when a peak is known."""
+    from hybridtron.configs import load_config
+    from hybridtron.model import flops_per_token
+
+    run = tmp_path / "bf16"
+    peak = 1e12
+    extra = ["--train.max_steps", "6", "--train.eval_every", "3", "--train.dtype", "bf16",
+             "--train.peak_flops", str(peak)]
+    assert main(cli_args(small_data_dir, run, extra)) == 0
+    recs = read_metrics(run)
+    assert all(math.isfinite(r["loss"]) for r in recs)
+    assert recs[-1]["loss"] < math.log(512)
+    cfg = load_config(str(run / "config.yaml"))
+    fpt = flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
+    for r in recs:
+        assert r["mfu"] == pytest.approx(fpt * r["tokens_per_s"] / peak, rel=1e-9)
+    # the same run in fp32 differs: autocast really changed the arithmetic
+    run32 = tmp_path / "fp32"
+    assert main(cli_args(small_data_dir, run32, extra[:-4])) == 0
+    assert read_metrics(run32)[0]["loss"] != recs[0]["loss"]
+    assert "mfu" not in read_metrics(run32)[0]  # CPU without a configured peak: no made-up MFU
