@@ -1,6 +1,7 @@
 """data_pipeline: sources -> tokenizer -> token shards -> packed, blended, resumable batches."""
 
 from .dataset import BlendedDataset, PackedDataset, build_dataset
+from .errors import DataError
 from .prepare import PreparedData, prepare_data
 from .sampler import DataLoaderState, DistributedLoader, build_loader
 from .shards import ShardError
@@ -8,6 +9,7 @@ from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "BlendedDataset",
+    "DataError",
     "DataLoaderState",
     "DistributedLoader",
     "PackedDataset",

@@ -9,6 +9,7 @@ import torch
 
 from hybridtron.configs.job import DataConfig
 
+from .errors import DataError
 from .prepare import source_names
 from .shards import ShardError, SplitReader
 from .tokenizer import read_meta
@@ -28,7 +29,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self.name = name or str(reader.dir)
         self.n_samples = max(0, (reader.n_tokens - 1) // seq_len)
         if self.n_samples == 0:
-            raise ValueError(
+            raise DataError(
                 f"{self.name} holds {reader.n_tokens} tokens in {reader.n_docs} documents, fewer than "
                 f"seq_len+1={seq_len + 1} needed for one sample; lower data.seq_len or add data "
                 f"(for val: raise data.val_fraction)"

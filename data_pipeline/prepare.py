@@ -26,6 +26,7 @@ import numpy as np
 
 from hybridtron.configs.job import DataConfig
 
+from .errors import DataError
 from .shards import SplitWriter, read_manifest, token_dtype
 from .sources import iter_documents, resolve_files, source_name
 from .tokenizer import Tokenizer, load_tokenizer, read_meta, train_bpe, train_sentencepiece
@@ -49,7 +50,7 @@ def source_names(cfg: DataConfig) -> list[str]:
     names = [source_name(s) for s in cfg.sources]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
-        raise ValueError(f"data.sources have duplicate names {dup}; give each source a distinct `name`")
+        raise DataError(f"data.sources have duplicate names {dup}; give each source a distinct `name`")
     return names
 
 
@@ -80,7 +81,7 @@ def get_tokenizer(cfg: DataConfig, out: Path, log: Callable = print) -> Tokenize
     meta = read_meta(tdir)
     if meta is not None:
         if meta.get("config") != want:
-            raise ValueError(
+            raise DataError(
                 f"{tdir} holds a tokenizer made with {meta.get('config')}, but data.tokenizer asks for {want}; "
                 f"use another data.out_dir or delete {out}"
             )

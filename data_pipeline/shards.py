@@ -18,13 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from .atomic import fsync_dir, write_bytes_atomic
+from .errors import DataError
 
 MANIFEST = "manifest.json"
 VERSION = 1
 _CHUNK = 1 << 22
 
 
-class ShardError(RuntimeError):
+class ShardError(DataError):
     """Prepared data is missing, damaged, or was made with another tokenizer."""
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from hybridtron.configs.job import SourceConfig
 
+from .errors import DataError, DataNotFoundError, MissingColumnError
+
 _EXT_FORMAT = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
 # datasets' builder name for each of our formats
 _BUILDER = {"text": "text", "jsonl": "json", "parquet": "parquet"}
@@ -69,14 +71,14 @@ def resolve_files(src: SourceConfig) -> tuple[list[Path], str]:
         if fmt == "auto" and files:
             found = sorted({_format_of(f) for f in files})
             if len(found) > 1:
-                raise ValueError(
+                raise DataError(
                     f"source {src.path!r} mixes formats {found}; set format explicitly or point at one kind of file"
                 )
             fmt = found[0]
     if src.max_files:
         files = files[: src.max_files]
     if not files:
-        raise FileNotFoundError(
+        raise DataNotFoundError(
             f"source path {src.path!r} matches no files (format={src.format}); give an existing file, directory or glob"
         )
     return files, fmt
@@ -123,10 +125,10 @@ def iter_documents(src: SourceConfig, streaming: bool, cache_dir: Path, batch_si
     column = "text" if fmt == "text" else src.text_field
     names = ds.column_names if not streaming else None
     if names is not None and column not in names:
-        raise KeyError(f"source {src.path!r} has no column {column!r} (columns: {names}); set text_field")
+        raise MissingColumnError(f"source {src.path!r} has no column {column!r} (columns: {names}); set text_field")
     for batch in ds.iter(batch_size=batch_size):
         if column not in batch:
-            raise KeyError(f"source {src.path!r} has no column {column!r} (columns: {list(batch)}); set text_field")
+            raise MissingColumnError(f"source {src.path!r} has no column {column!r} (columns: {list(batch)}); set text_field")
         texts = [t for t in batch[column] if t]
         if texts:
             yield texts

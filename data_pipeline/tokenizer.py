@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .atomic import write_bytes_atomic
+from .errors import DataError, DataNotFoundError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 META_FILE = "tokenizer_meta.json"
@@ -124,21 +125,21 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if p.is_dir():
         meta = read_meta(p)
         if meta is None:
-            raise FileNotFoundError(f"{p} holds no {META_FILE}; it was not written by Tokenizer.save")
+            raise DataNotFoundError(f"{p} holds no {META_FILE}; it was not written by Tokenizer.save")
         blob = (p / meta["file"]).read_bytes()
         if hashlib.sha256(blob).hexdigest() != meta["fingerprint"]:
-            raise ValueError(
+            raise DataError(
                 f"{p / meta['file']} does not match the fingerprint in {p / META_FILE}; it was modified or "
                 f"half-written: delete {p} and re-run `hybridtron prepare`"
             )
         return Tokenizer(meta["kind"], blob)
     if not p.is_file():
-        raise FileNotFoundError(f"tokenizer path {p} does not exist")
+        raise DataNotFoundError(f"tokenizer path {p} does not exist")
     if p.suffix == ".json":
         return Tokenizer("hf", p.read_bytes())
     if p.suffix == ".model":
         return Tokenizer("sp", p.read_bytes())
-    raise ValueError(f"tokenizer file {p} must be a tokenizer.json or a SentencePiece .model")
+    raise DataError(f"tokenizer file {p} must be a tokenizer.json or a SentencePiece .model")
 
 
 def _capped(texts: Iterable[str], max_chars: int) -> Iterator[str]:

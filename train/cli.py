@@ -234,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.overrides = rest
-    from hybridtron.data_pipeline import ShardError
+    from hybridtron.data_pipeline import DataError
 
     from .checkpoint import CheckpointError
 
     try:
         return args.func(args)
-    except (ConfigError, ShardError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError) as e:
         print(f"hybridtron {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -181,3 +181,32 @@ def test_bf16_autocast_and_mfu_fields(small_data_dir, cli_args, tmp_path):
     assert main(cli_args(small_data_dir, run32, extra[:-4])) == 0
     assert read_metrics(run32)[0]["loss"] != recs[0]["loss"]
     assert "mfu" not in read_metrics(run32)[0]  # CPU without a configured peak: no made-up MFU
+
+
+def test_data_errors_are_one_clear_line(tmp_path, capsys):
+    rc = main(["prepare", "--data.sources", f"[{{path: {tmp_path}/nothing/*.txt}}]",
+               "--data.out_dir", str(tmp_path / "d")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "matches no files" in err and "nothing" in err and "Traceback" not in err
+
+
+def test_doc_mask_passes_document_ids(small_data_dir, cli_args, tmp_path, monkeypatch):
+    """model.doc_mask hands the packed document ids to the model (whose masking math tests/model checks)."""
+    from hybridtron.model import GatedLM
+
+    real, seen = GatedLM.forward, []
+
+    def spy(self, input_ids, doc_ids=None, labels=None):
+        if self.training:
+            seen.append(doc_ids)
+        return real(self, input_ids, doc_ids, labels=labels)
+
+    monkeypatch.setattr(GatedLM, "forward", spy)
+    extra = ["--train.max_steps", "6", "--train.eval_every", "0", "--checkpoint.every", "0"]
+    assert main(cli_args(small_data_dir, tmp_path / "plain", extra)) == 0
+    assert len(seen) == 6 and all(d is None for d in seen)
+    seen.clear()
+    assert main(cli_args(small_data_dir, tmp_path / "doc", extra + ["--model.doc_mask", "true"])) == 0
+    assert len(seen) == 6 and all(d is not None and d.shape == (8, 64) for d in seen)
+    assert all(int(d[:, 0].abs().sum()) == 0 for d in seen)  # ids restart at 0 in every sample
