@@ -39,6 +39,8 @@ def test_run_sh_train_twice_resumes_then_eval_and_sample(tmp_path, small_data_di
     assert (data / "tokenizer").is_dir()
     out2 = _run([str(REPO / "run.sh"), "train", *args], tmp_path, env)
     assert "resumed from" in out2 and "stopped at step 12/12 (max_steps)" in out2
+    # not a terminal: plain progress lines for log files instead of a redrawn bar
+    assert "step 10/12  loss" in out2 and "\r" not in out2
 
     recs = read_metrics(run)
     assert [r["step"] for r in recs] == list(range(1, 13))

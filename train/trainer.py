@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +137,9 @@ class Trainer:
             log(f"resumed from {resumed_from} (step {self.state.step})")
         metrics = MetricsLogger(self.run_dir, resume_step=self.state.step if resumed_from else None)
         self.model.train()
-        bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not t.progress_bar, desc="train",
+        # A bar only on a terminal; in a log file (SLURM output) a plain line every 10 logged steps instead.
+        interactive = t.progress_bar and sys.stderr.isatty()
+        bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not interactive, desc="train",
                    dynamic_ncols=True)
         last_ckpt, val_loss, stopped_by, history = resumed_from, None, "max_steps", []
         try:
@@ -167,6 +170,9 @@ class Trainer:
                         history.append(rec)
                     bar.update(1)
                     bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+                    if t.progress_bar and not interactive and step % (10 * t.log_every) == 0:
+                        log(f"step {step}/{t.max_steps}  loss {out['loss']:.4f}  lr {out['lr']:.2e}  "
+                            f"grad_norm {out['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
                     if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                         last_ckpt = self.save()
                     if stop.received is not None:
