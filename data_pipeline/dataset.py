@@ -54,20 +54,20 @@ class PackedDataset(torch.utils.data.Dataset):
 def blend_assignment(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(source, sample index within source) for each of ``size`` blended samples.
 
-    Greedy, Megatron style: sample i goes to the source whose count lags its target share ``w * (i+1)`` the
-    most (ties to the lower index), so every prefix of the blend is as close to the weights as possible.
+    Source j's k-th sample is due at the ideal position (k + 1/2) / w_j (Webster / Sainte-Lague order);
+    the blend is all sources' due positions merged in order, ties to the lower source index. Every prefix
+    of n samples then holds n * w_j of source j to within 1/2 + S * w_j / 2 samples (S sources). It is a
+    sort, not a Python loop: a greedy loop over samples cost 7.8 us each (13 min for 100M samples).
     """
     w = np.asarray(weights, dtype=np.float64)
     w = w / w.sum()
-    counts = np.zeros(len(w), dtype=np.int64)
-    src = np.empty(size, dtype=np.int64)
-    idx = np.empty(size, dtype=np.int64)
-    for i in range(size):
-        j = int(np.argmax(w * (i + 1) - counts))
-        src[i] = j
-        idx[i] = counts[j]
-        counts[j] += 1
-    return src, idx
+    # enough due positions per source to cover any prefix of `size`: n_j <= w_j * size + 1/2 + S/2
+    per_source = np.ceil(w * size).astype(np.int64) + len(w) + 1
+    src = np.repeat(np.arange(len(w), dtype=np.int64), per_source)
+    idx = np.concatenate([np.arange(n, dtype=np.int64) for n in per_source])
+    due = (idx + 0.5) / w[src]
+    order = np.lexsort((src, due))[:size]
+    return src[order], idx[order]
 
 
 class BlendedDataset(torch.utils.data.Dataset):

@@ -105,3 +105,20 @@ def test_build_dataset_blends_two_sources(prepared_stdlib, tmp_path, tokenizer_j
     assert abs(share - 0.75) < 0.01
     first_std = int(np.argmax(ds.source == 0))
     assert torch.equal(ds[first_std]["input_ids"], single[0]["input_ids"])
+
+
+def test_blend_prefix_bound_many_sources():
+    """Every prefix holds n*w_j of each source to within 1/2 + S*w_j/2, and each source is read in order."""
+    from hybridtron.data_pipeline.dataset import blend_assignment
+
+    rng = np.random.default_rng(3)
+    for S in (2, 5, 9):
+        w = rng.random(S) + 0.01
+        w = w / w.sum()
+        src, idx = blend_assignment(list(w), 20_000)
+        assert len(src) == 20_000
+        n = np.arange(1, 20_001)
+        for j in range(S):
+            dev = np.abs(np.cumsum(src == j) - w[j] * n)
+            assert dev.max() <= 0.5 + S * w[j] / 2 + 1e-9
+            assert np.array_equal(idx[src == j], np.arange((src == j).sum()))
