@@ -16,7 +16,12 @@ setup() {
     local extras=$1
     if [ ! -x "$VENV/bin/python" ]; then
         echo "[run.sh] creating virtual environment $VENV"
-        "$PYTHON" -m venv "$VENV"
+        if ! "$PYTHON" -m venv "$VENV"; then
+            echo "[run.sh] error: '$PYTHON -m venv' failed; on Debian/Ubuntu install python3-venv" \
+                 "(apt-get install python3-venv), or set PYTHON to another interpreter" >&2
+            rm -rf "$VENV"
+            exit 1
+        fi
     fi
     if [ -f "$VENV/bin/activate" ]; then
         # shellcheck disable=SC1091
