@@ -189,7 +189,9 @@ def cmd_sample(args) -> int:
 
     cfg, model, tok, _ckpt, device = _load_checkpoint_for_inference(args)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = [tok.bos_id] + tok.encode(args.prompt)
+    # In the packed training stream every document follows the previous one's EOS, so EOS (not BOS, which
+    # training never shows) is the context the model knows as "a document starts here".
+    prompt = [tok.eos_id] + tok.encode(args.prompt)
     out = generate(model, prompt, args.max_new_tokens, max_seq_len=cfg.model.max_seq_len,
                    temperature=args.temperature, top_k=args.top_k, eos_id=tok.eos_id, generator=gen, device=device)
     print(tok.decode(out[1:]))
