@@ -96,14 +96,5 @@ class DistributedLoader:
         self._micro_step = 0
 
 
-def build_loader(
-    ds,
-    micro_batch_size: int,
-    grad_accum_steps: int,
-    dp_rank: int = 0,
-    dp_size: int = 1,
-    seed: int = 0,
-    consumed_samples: int = 0,
-    shuffle: bool = True,
-) -> DistributedLoader:
-    return DistributedLoader(ds, micro_batch_size, grad_accum_steps, dp_rank, dp_size, seed, consumed_samples, shuffle)
+# The loader is its own factory: `build_loader(ds, micro, accum, dp_rank, dp_size, seed, consumed_samples, shuffle)`.
+build_loader = DistributedLoader

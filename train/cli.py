@@ -8,12 +8,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import torch
+import yaml
 
-from hybridtron.configs import ConfigError, JobConfig, config_from_dict, load_config, parse_overrides
+from hybridtron.configs import ConfigError, JobConfig, apply_override, config_from_dict, load_config, parse_overrides
+from hybridtron.data_pipeline import DataError, build_dataset, build_loader, load_tokenizer, prepare_data
+from hybridtron.data_pipeline.atomic import write_text_atomic
+from hybridtron.model import GatedLM, flops_per_token
+
+from .checkpoint import CheckpointError, CheckpointManager
+from .optim import build_optimizer
+from .parallelize import autocast_dtype, parallelize, select_device
+from .sample import generate
+from .trainer import Trainer, evaluate
 
 DEFAULT_PRESET = "tiny"
 
@@ -33,11 +44,7 @@ def resolve_job(args) -> tuple[JobConfig, Path]:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     saved = run_dir / "config.yaml"
     if args.config is None and saved.is_file():
-        import yaml
-
         cfg = config_from_dict(yaml.safe_load(saved.read_text()))
-        from hybridtron.configs import apply_override
-
         for k, v in overrides:
             apply_override(cfg, k, v)
         cfg.validate()
@@ -50,8 +57,6 @@ def check_resume_compatible(cfg: JobConfig, run_dir: Path) -> None:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         return
-    import yaml
-
     old = yaml.safe_load(saved.read_text())
     new = cfg.to_dict()
     diffs = [k for k in new["model"] if old.get("model", {}).get(k) != new["model"][k]]
@@ -65,10 +70,6 @@ def check_resume_compatible(cfg: JobConfig, run_dir: Path) -> None:
 
 # ---- builders shared by the subcommands ---------------------------------------------------------
 def build_model(cfg: JobConfig, vocab_size: int, device: torch.device):
-    from hybridtron.model import GatedLM
-
-    from .parallelize import parallelize
-
     with torch.device("meta"):
         model = GatedLM(cfg.model, vocab_size)
     model = parallelize(model, cfg.train)
@@ -79,8 +80,6 @@ def build_model(cfg: JobConfig, vocab_size: int, device: torch.device):
 
 
 def _val_factory(val_ds, cfg: JobConfig):
-    from hybridtron.data_pipeline import build_loader
-
     def make():
         return build_loader(val_ds, cfg.train.micro_batch_size, 1, seed=cfg.data.seed, shuffle=False)
 
@@ -89,8 +88,6 @@ def _val_factory(val_ds, cfg: JobConfig):
 
 # ---- subcommands --------------------------------------------------------------------------------
 def cmd_prepare(args) -> int:
-    from hybridtron.data_pipeline import prepare_data
-
     cfg, _ = resolve_job(args)
     prepared = prepare_data(cfg.data, log=_log)
     _log(f"prepared data in {prepared.out_dir} (tokenizer: {prepared.tokenizer_dir})")
@@ -99,14 +96,6 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from hybridtron.data_pipeline import build_dataset, build_loader, prepare_data
-    from hybridtron.data_pipeline.atomic import write_text_atomic
-    from hybridtron.model import flops_per_token
-
-    from .optim import build_optimizer
-    from .parallelize import autocast_dtype, select_device
-    from .trainer import Trainer
-
     cfg, run_dir = resolve_job(args)  # 1. config, validated before any heavy work
     device = select_device(cfg.train)
     prepared = prepare_data(cfg.data, log=_log)  # 2. data (idempotent)
@@ -142,20 +131,11 @@ def cmd_train(args) -> int:
 
 def _load_checkpoint_for_inference(args):
     """(cfg, model, tokenizer, ckpt path, device) from --run-dir's latest (or --checkpoint)."""
-    import yaml
-
-    from hybridtron.data_pipeline import load_tokenizer
-
-    from .checkpoint import CheckpointError, CheckpointManager
-    from .parallelize import select_device
-
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(None)
     ckpt = Path(args.checkpoint) if args.checkpoint else CheckpointManager(run_dir).latest()
     if ckpt is None or not ckpt.is_dir():
         raise CheckpointError(f"no checkpoint in {run_dir}/checkpoints; train first or pass --checkpoint DIR")
     cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
-    from hybridtron.configs import apply_override
-
     for k, v in parse_overrides(args.overrides):
         apply_override(cfg, k, v)
     tokenizer = load_tokenizer(ckpt / "tokenizer")
@@ -167,26 +147,17 @@ def _load_checkpoint_for_inference(args):
 
 
 def cmd_eval(args) -> int:
-    from hybridtron.data_pipeline import build_dataset, prepare_data
-
-    from .parallelize import autocast_dtype
-    from .trainer import evaluate
-
     cfg, model, _tok, ckpt, device = _load_checkpoint_for_inference(args)
     prepare_data(cfg.data, log=_log)
     val_ds = build_dataset(cfg.data, "val")
     n = args.batches or cfg.train.eval_batches
     loss = evaluate(model, _val_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
-    import math
-
     print(json.dumps({"checkpoint": str(ckpt), "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
                       "batches": n, "tokens": n * cfg.train.micro_batch_size * cfg.data.seq_len}))
     return 0
 
 
 def cmd_sample(args) -> int:
-    from .sample import generate
-
     cfg, model, tok, _ckpt, device = _load_checkpoint_for_inference(args)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     # In the packed training stream every document follows the previous one's EOS, so EOS (not BOS, which
@@ -236,10 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     args.overrides = rest
-    from hybridtron.data_pipeline import DataError
-
-    from .checkpoint import CheckpointError
-
     try:
         return args.func(args)
     except (ConfigError, DataError, CheckpointError) as e:
