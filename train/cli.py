@@ -24,7 +24,7 @@ from .checkpoint import CheckpointError, CheckpointManager
 from .optim import build_optimizer
 from .parallelize import autocast_dtype, parallelize, select_device
 from .sample import generate
-from .trainer import Trainer, evaluate
+from .trainer import NonFiniteLossError, Trainer, evaluate
 
 DEFAULT_PRESET = "tiny"
 
@@ -212,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError) as e:
         print(f"hybridtron {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteLossError as e:
+        print(f"hybridtron {args.command}: training diverged: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -122,12 +122,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.state.step += 1
         self.state.tokens_seen += tokens  # this rank's tokens; the DP issue multiplies by dp size
-        if not finite:
-            if t.nan_policy == "stop":
-                raise NonFiniteLossError(
-                    f"non-finite loss={loss} / grad_norm={grad_norm} at step {self.state.step}; stopping without "
-                    f"saving (the last good checkpoint is kept). Lower train.lr or set train.nan_policy=skip."
-                )
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite}
 
     def fit(self, log=print) -> FitResult:
@@ -158,6 +152,13 @@ class Trainer:
                     rec["peak_mem_gib"] = peak_memory_gib(self.device)
                     if out["skipped"]:
                         rec["skipped"] = True
+                        if t.nan_policy == "stop":
+                            metrics.log(rec)  # the bad step's line is the first thing a user looks for
+                            raise NonFiniteLossError(
+                                f"non-finite loss={out['loss']} / grad_norm={out['grad_norm']} at step {step}; "
+                                f"stopped without saving (the last good checkpoint is kept). Lower train.lr, "
+                                f"or set train.nan_policy=skip to drop such steps."
+                            )
                         log(f"step {step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
                     if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
                         val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
