@@ -26,6 +26,7 @@ import numpy as np
 
 from hybridtron.configs.job import DataConfig
 
+from .atomic import write_text_atomic
 from .errors import DataError
 from .shards import SplitWriter, read_manifest, token_dtype
 from .sources import iter_documents, resolve_files, source_name
@@ -230,7 +231,7 @@ def prepare_data(cfg: DataConfig, log: Callable = print) -> PreparedData:
     for i, name in enumerate(names):
         _prepare_source(cfg, i, name, tok, out, log)
     stats = _stats(out, names)
-    (out / "prepare_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    write_text_atomic(out / "prepare_config.json", json.dumps(asdict(cfg), indent=2))
     log(
         f"prepared {out}: train {stats['train']['docs']} docs / {stats['train']['tokens']:,} tokens, "
         f"val {stats['val']['docs']} docs / {stats['val']['tokens']:,} tokens"
