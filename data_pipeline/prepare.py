@@ -180,7 +180,7 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
             write_oldest()
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
-        docs = iter_documents(src, cfg.streaming, out / ".hf_cache")
+        docs = iter_documents(src, cfg.streaming, out / ".hf_cache", resolved=(files, fmt))
         for split, text in _assign_splits(docs, cfg.seed, cfg.val_fraction):
             seen[split] += 1
             if seen[split] <= skip[split]:

@@ -97,12 +97,19 @@ def _read_text_files(files: list[str], stamps: list[str]) -> Iterator[dict[str, 
             yield {"text": fh.read()}
 
 
-def iter_documents(src: SourceConfig, streaming: bool, cache_dir: Path, batch_size: int = 256) -> Iterator[list[str]]:
-    """Yield batches of document texts in file order. Empty documents are dropped (they carry no tokens)."""
+def iter_documents(
+    src: SourceConfig,
+    streaming: bool,
+    cache_dir: Path,
+    batch_size: int = 256,
+    resolved: tuple[list[Path], str] | None = None,
+) -> Iterator[list[str]]:
+    """Yield batches of document texts in file order. Empty documents are dropped (they carry no tokens).
+    ``resolved``: the caller's ``resolve_files(src)``, to skip walking the source tree again."""
     import datasets
 
     offline_env()
-    files, fmt = resolve_files(src)
+    files, fmt = resolved or resolve_files(src)
     datasets.utils.logging.disable_progress_bar()
     if fmt == "text":
         # One file is one document: a generator-backed dataset reads the files we resolved. load_dataset("text")

@@ -10,7 +10,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,7 +57,6 @@ class FitResult:
     last_checkpoint: Path | None
     final_val_loss: float | None
     stopped_by: str  # "max_steps" | "exit_interval" | "signal"
-    history: list[dict] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -135,7 +134,7 @@ class Trainer:
         interactive = t.progress_bar and sys.stderr.isatty()
         bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not interactive, desc="train",
                    dynamic_ncols=True)
-        last_ckpt, val_loss, stopped_by, history = resumed_from, None, "max_steps", []
+        last_ckpt, val_loss, stopped_by = resumed_from, None, "max_steps"
         try:
             with StopSignal() as stop:
                 while self.state.step < t.max_steps:
@@ -168,7 +167,6 @@ class Trainer:
                                   f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")
                     if step % t.log_every == 0 or "val_loss" in rec:
                         metrics.log(rec)
-                        history.append(rec)
                     bar.update(1)
                     bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
                     if t.progress_bar and not interactive and step % (10 * t.log_every) == 0:
@@ -189,4 +187,4 @@ class Trainer:
         finally:
             bar.close()
             metrics.close()
-        return FitResult(self.state, last_ckpt, val_loss, stopped_by, history)
+        return FitResult(self.state, last_ckpt, val_loss, stopped_by)
