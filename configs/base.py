@@ -31,7 +31,6 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is Any:
         return value
     if origin is Union or origin is types.UnionType:
-        errors = []
         for arg in get_args(tp):
             if arg is type(None):
                 if value is None:
@@ -39,8 +38,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 continue
             try:
                 return _coerce(value, arg, where)
-            except ConfigError as e:
-                errors.append(str(e))
+            except ConfigError:
+                pass
         raise ConfigError(f"{where}: value {value!r} is not a {_type_name(tp)}")
     if origin is typing.Literal:
         allowed = get_args(tp)

@@ -7,7 +7,6 @@ default); ``load_config`` merges a preset with dotted CLI overrides and validate
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,7 +271,3 @@ def load_config(path: str | None = None, overrides: list[tuple[str, Any]] | None
 
 def config_from_dict(raw: dict[str, Any]) -> JobConfig:
     return from_dict(JobConfig, raw).validate()
-
-
-def replace(cfg: JobConfig, **sections: Any) -> JobConfig:
-    return dataclasses.replace(cfg, **sections)

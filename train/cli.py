@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from hybridtron.configs import ConfigError, JobConfig, apply_override, config_from_dict, load_config, parse_overrides
+from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 from hybridtron.data_pipeline import DataError, build_dataset, build_loader, load_tokenizer, prepare_data
 from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
@@ -43,14 +43,8 @@ def resolve_job(args) -> tuple[JobConfig, Path]:
     overrides = parse_overrides(args.overrides)
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     saved = run_dir / "config.yaml"
-    if args.config is None and saved.is_file():
-        cfg = config_from_dict(yaml.safe_load(saved.read_text()))
-        for k, v in overrides:
-            apply_override(cfg, k, v)
-        cfg.validate()
-    else:
-        cfg = load_config(args.config or DEFAULT_PRESET, overrides)
-    return cfg, run_dir
+    resuming = args.config is None and saved.is_file()
+    return load_config(str(saved) if resuming else args.config or DEFAULT_PRESET, overrides), run_dir
 
 
 def check_resume_compatible(cfg: JobConfig, run_dir: Path) -> None:
@@ -135,9 +129,7 @@ def _load_checkpoint_for_inference(args):
     ckpt = Path(args.checkpoint) if args.checkpoint else CheckpointManager(run_dir).latest()
     if ckpt is None or not ckpt.is_dir():
         raise CheckpointError(f"no checkpoint in {run_dir}/checkpoints; train first or pass --checkpoint DIR")
-    cfg = config_from_dict(yaml.safe_load((ckpt / "config.yaml").read_text()))
-    for k, v in parse_overrides(args.overrides):
-        apply_override(cfg, k, v)
+    cfg = load_config(str(ckpt / "config.yaml"), parse_overrides(args.overrides))
     tokenizer = load_tokenizer(ckpt / "tokenizer")
     device = select_device(cfg.train)
     cfg.train.activation_checkpointing = False
