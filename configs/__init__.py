@@ -13,9 +13,11 @@ from .job import (
     load_config,
     resolve_preset,
 )
+from .model import DeltaNetConfig, MoEConfig, ScaleVectorConfig, StructuredFFNConfig
 
 __all__ = [
-    "CheckpointConfig", "ConfigError", "DataConfig", "JobConfig", "ModelConfig", "SourceConfig",
+    "CheckpointConfig", "ConfigError", "DataConfig", "DeltaNetConfig", "JobConfig", "MoEConfig", "ModelConfig",
+    "ScaleVectorConfig", "SourceConfig", "StructuredFFNConfig",
     "TokenizerConfig", "TrainConfig", "apply_override", "config_from_dict", "load_config",
     "parse_overrides", "resolve_preset",
 ]

@@ -7,7 +7,6 @@ default); ``load_config`` merges a preset with dotted CLI overrides and validate
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -15,78 +14,9 @@ from typing import Any, Literal
 import yaml
 
 from .base import ConfigError, apply_override, from_dict, to_dict
+from .model import ModelConfig
 
 PRESET_DIR = Path(__file__).resolve().parent
-
-
-@dataclass
-class ModelConfig:
-    vocab_size: int = 0  # 0: the tokenizer's size rounded up to vocab_multiple
-    vocab_multiple: int = 64
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 0  # 0: d_model // n_heads
-    ffn_hidden: int = 0  # 0: 8/3 * d_model rounded up to a multiple of 64
-    max_seq_len: int = 512  # length of the rotary table
-    rope_theta: float = 10000.0
-    rotary_fraction: float = 1.0  # fraction of head_dim that is rotated (Qwen3.5 uses 0.25)
-    qk_norm: bool = True
-    attn_gate: Literal["elementwise", "headwise", "none"] = "elementwise"
-    norm_type: Literal["rmsnorm", "rmsnorm_zero_centered"] = "rmsnorm"
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = True
-    init_std: float = 0.02
-    doc_mask: bool = False  # restrict attention to tokens of the same document
-
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.d_model // self.n_heads
-
-    def resolved_ffn_hidden(self) -> int:
-        if self.ffn_hidden:
-            return self.ffn_hidden
-        return int(math.ceil(8 * self.d_model / 3 / 64) * 64)
-
-    def resolve_vocab(self, tokenizer_vocab: int) -> int:
-        """The embedding size for a tokenizer of ``tokenizer_vocab`` ids."""
-        if self.vocab_size:
-            if self.vocab_size < tokenizer_vocab:
-                raise ConfigError(
-                    f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's {tokenizer_vocab} ids; "
-                    f"set it to at least {tokenizer_vocab} or to 0 (derive from the tokenizer)"
-                )
-            return self.vocab_size
-        m = self.vocab_multiple
-        return (tokenizer_vocab + m - 1) // m * m
-
-    def validate(self) -> None:
-        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "vocab_multiple"):
-            v = getattr(self, name)
-            if v <= 0:
-                raise ConfigError(f"model.{name}={v} must be a positive integer")
-        if self.vocab_size < 0 or self.head_dim < 0 or self.ffn_hidden < 0:
-            raise ConfigError("model.vocab_size, model.head_dim and model.ffn_hidden must be >= 0 (0 = derived)")
-        if not self.head_dim and self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}; "
-                f"choose n_heads among the divisors of d_model or set model.head_dim explicitly"
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise ConfigError(
-                f"model.n_kv_heads={self.n_kv_heads} does not divide model.n_heads={self.n_heads}; "
-                f"grouped-query attention needs n_heads to be a multiple of n_kv_heads"
-            )
-        if not 0.0 < self.rotary_fraction <= 1.0:
-            raise ConfigError(f"model.rotary_fraction={self.rotary_fraction} must be in (0, 1]")
-        rot = int(self.resolved_head_dim() * self.rotary_fraction)
-        if rot < 2 or rot % 2:
-            raise ConfigError(
-                f"model.rotary_fraction={self.rotary_fraction} rotates {rot} of head_dim="
-                f"{self.resolved_head_dim()} channels; that must be an even number >= 2"
-            )
-        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
-            raise ConfigError("model.rope_theta, model.norm_eps and model.init_std must be positive")
 
 
 @dataclass

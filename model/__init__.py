@@ -2,12 +2,12 @@
 
 from .attention import GatedAttention, doc_causal_mask
 from .flops import flops_per_token
-from .lm import Block, GatedLM
+from .lm import Block, DecodeCache, GatedLM
 from .mlp import SwiGLU
 from .norm import RMSNorm, build_norm
 from .rotary import RotaryEmbedding, apply_rotary
 
 __all__ = [
-    "Block", "GatedAttention", "GatedLM", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "build_norm",
+    "Block", "DecodeCache", "GatedAttention", "GatedLM", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "build_norm",
     "doc_causal_mask", "flops_per_token",
 ]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
+from .linear import make_linear
 from .norm import build_norm
 from .rotary import apply_rotary
 
@@ -40,12 +41,12 @@ class GatedAttention(nn.Module):
         if self.gate not in ("elementwise", "headwise", "none"):
             raise ValueError(f"model.attn_gate={self.gate!r} is not one of 'elementwise', 'headwise', 'none'")
         q_width = self.n_heads * self.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, 2 * q_width if self.gate == "elementwise" else q_width, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.q_proj = make_linear(cfg, cfg.d_model, 2 * q_width if self.gate == "elementwise" else q_width)
+        self.k_proj = make_linear(cfg, cfg.d_model, self.n_kv_heads * self.head_dim)
+        self.v_proj = make_linear(cfg, cfg.d_model, self.n_kv_heads * self.head_dim)
         if self.gate == "headwise":
-            self.gate_proj = nn.Linear(cfg.d_model, self.n_heads, bias=False)
-        self.o_proj = nn.Linear(q_width, cfg.d_model, bias=False)
+            self.gate_proj = make_linear(cfg, cfg.d_model, self.n_heads)
+        self.o_proj = make_linear(cfg, q_width, cfg.d_model)
         if cfg.qk_norm:
             # Over head_dim only (Qwen3), so one gain vector is shared by all heads.
             self.q_norm = build_norm(cfg.norm_type, self.head_dim, cfg.norm_eps)
@@ -54,10 +55,17 @@ class GatedAttention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        cache: dict | None = None,
     ) -> torch.Tensor:
-        """x: (B, T, d_model), the normed block input; cos, sin: (T, rot_dim/2) rotary tables;
-        attn_mask: None (plain causal) or (B, 1, T, T) bool from `doc_causal_mask`."""
+        """x: (B, T, d_model), the normed block input; cos, sin: (T, rot_dim/2) rotary tables for the
+        positions of x; attn_mask: None (plain causal) or (B, 1, T, T) bool from `doc_causal_mask`.
+        cache: decoding state of this layer ({} at the first call): keys and values of earlier
+        positions, extended in place, so each new token costs one query against the cache."""
         B, T, _ = x.shape
         H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
 
@@ -73,11 +81,22 @@ class GatedAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
+        is_causal = attn_mask is None
+        if cache is not None:
+            past = cache.get("k")
+            if past is not None:
+                k, v = torch.cat([past, k], dim=1), torch.cat([cache["v"], v], dim=1)
+                if T > 1:  # a prompt after a prompt: query t sees cached keys and keys up to itself
+                    S = k.shape[1]
+                    attn_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+                is_causal = False  # one query: it sees every cached key
+            cache["k"], cache["v"] = k, v
+
         # SDPA wants (B, heads, T, D). enable_gqa maps query head h to kv head h // (H // KV), the
         # repeat_interleave grouping that transformers' repeat_kv uses too.
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=attn_mask, is_causal=attn_mask is None, enable_gqa=KV != H,
+            attn_mask=attn_mask, is_causal=is_causal and T > 1, enable_gqa=KV != H,
         ).transpose(1, 2)  # (B, T, H, D)
 
         if self.gate == "elementwise":

@@ -1,24 +1,46 @@
-"""Training FLOPs per token of GatedLM, counted from its matmuls.
+"""Training FLOPs per token of GatedLM, counted from its matmuls (for MFU).
 
 Convention: a (m x k) @ (k x n) matmul is 2 m k n FLOPs; training is 3x the forward (backward =
-2x forward: grads w.r.t. inputs and weights). Counted: every projection at its real width (the fused
-elementwise gate doubles q_proj, the headwise gate adds n_heads outputs, k/v use n_kv_heads), the
-SwiGLU's three matrices, the lm_head (tied or not, it is a matmul), and attention's QK^T and AV.
-For those, a causal query sees on average about half the sequence, so per token we count
-2 (QK^T, AV) * 2 * n_heads * head_dim * seq_len / 2; document masking, which skips more, is ignored
-(an upper bound then). Not counted: the embedding lookup, norms, rotary, softmax, gating, residuals.
+2x forward: grads w.r.t. inputs and weights). Every weight matrix of the layers (>= 2-D parameters:
+projections, structured-FFN factors and blocks, experts, the depthwise convolution) is used exactly
+once per token, so the weight matmuls cost 2 FLOPs per *active* parameter: a MoE layer counts its
+router, its top_k experts and its shared expert only. The parameters are counted on a meta-device
+model, so the count follows the layout exactly and costs no memory. Added to that:
+- the lm_head (tied or not, it is a matmul of d_model x vocab);
+- attention's QK^T and AV: a causal query sees on average about half the sequence, 2 * 2 * n_heads *
+  head_dim * seq_len / 2 per token; document masking, which skips more, is ignored (an upper bound);
+- the chunked delta rule, per value head and token with chunk C: QK^T and KK^T within the chunk
+  (2 C Dk), the UT solve and the intra-chunk AV (about C (Dk + Dv) / 2 + C Dv), and three state
+  products (q S, k S, the rank-C update: 3 Dk Dv); DeltaProduct runs that n_h times per token.
+Not counted: the embedding lookup, norms, rotary, softmax, gating, residuals, conv of the state
+window during decoding. Self-guided dense weights count while they exist (they are computed).
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..configs import ModelConfig
 
 
 def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
-    d, H, KV, D = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim()
-    q_out = {"elementwise": 2 * H * D, "headwise": H * D + H, "none": H * D}[cfg.attn_gate]
-    proj = d * q_out + 2 * d * KV * D + H * D * d  # q(+gate), k, v, o: multiply-adds per token
-    attn = 2 * H * D * seq_len / 2  # QK^T and AV over the causal half
-    mlp = 3 * d * cfg.resolved_ffn_hidden()
-    forward = 2 * (cfg.n_layers * (proj + attn + mlp) + d * vocab_size)
+    from .lm import GatedLM
+
+    with torch.device("meta"):
+        model = GatedLM(cfg, vocab_size)
+    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and n != "embed_tokens.weight")
+    for m in model.layers.modules():
+        if hasattr(m, "active_params_per_token"):  # MoE: only the routed experts compute
+            total = sum(p.numel() for p in m.parameters() if p.ndim >= 2)
+            matmul_params -= total - m.active_params_per_token()
+    if model.lm_head is None:
+        matmul_params += cfg.d_model * vocab_size
+    types = cfg.layer_types()
+    H, D = cfg.n_heads, cfg.resolved_head_dim()
+    attn = types.count("A") * 2 * H * D * seq_len / 2
+    _hk, hv, dk, dv = cfg.deltanet.resolved(cfg)
+    C = min(cfg.deltanet.chunk_size, seq_len)
+    per_head = 2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv
+    delta = types.count("L") * hv * cfg.deltanet.n_householder * per_head
+    forward = 2 * (matmul_params + attn + delta)
     return 3.0 * forward

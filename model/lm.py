@@ -1,15 +1,23 @@
-"""GatedLM: a pre-norm decoder-only LM with gated attention and SwiGLU.
+"""GatedLM: the project's one decoder-only LM, assembled per layer from a mixer and a feed-forward.
 
-Parameter names follow transformers' Qwen3.5 text model (``qwen3_5_text``) minus its ``model.``
-prefix, so export is a rename: embed_tokens, layers.{i}.{input_layernorm, self_attn.*,
-post_attention_layernorm, mlp.*}, norm, lm_head. With tied embeddings there is no lm_head module at
-all (HF's tie_word_embeddings=True also stores none); the logits reuse embed_tokens.weight.
-Extras without an HF counterpart: layers.{i}.self_attn.gate_proj (headwise gate only).
+Layer i is ``x + mixer(input_layernorm(x))`` then ``x + mlp(post_attention_layernorm(x))``. The mixer
+is gated attention (``self_attn``) or a Gated DeltaNet (``linear_attn``) by ``model.layer_pattern``;
+the feed-forward (``mlp``) is SwiGLU, a mixture of experts or a structured SwiGLU (``model/ffn.py``).
+
+Parameter names follow transformers' Qwen3.5 text model (``qwen3_5_text`` / ``qwen3_5_moe``) minus its
+``model.`` prefix, so export is a rename plus folds: embed_tokens, layers.{i}.{input_layernorm,
+self_attn.* | linear_attn.*, post_attention_layernorm, mlp.*}, norm, lm_head. With tied embeddings
+there is no lm_head module at all (HF's tie_word_embeddings=True also stores none).
+
+Initialisation convention: ``init_weights`` visits modules in registration order; a module that
+defines ``init_weights(std, out_std)`` initialises its own direct parameters and buffers, every other
+nn.Linear / nn.Embedding is N(0, std) (output projections N(0, out_std)), norms reset to identity.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -17,23 +25,54 @@ from torch import nn
 
 from ..configs import ModelConfig
 from .attention import GatedAttention, doc_causal_mask
-from .mlp import SwiGLU
+from .ffn import build_ffn
 from .norm import RMSNorm, build_norm
 from .rotary import RotaryEmbedding
 
+# Projections writing into the residual stream: their init is scaled down with depth (GPT-2).
+OUT_PROJ_NAMES = ("o_proj", "down_proj", "out_proj")
+
+
+@dataclass
+class DecodeCache:
+    """Incremental-decoding state: per layer, attention's keys/values or the delta-rule mixer's
+    convolution window and recurrent state (each module keeps its own keys in its dict); ``pos`` is
+    the number of positions already consumed."""
+
+    layers: list[dict] = field(default_factory=list)
+    pos: int = 0
+
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
+        self.layer_idx = layer_idx
+        self.mixer_type = cfg.layer_types()[layer_idx]
         self.input_layernorm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps)
-        self.self_attn = GatedAttention(cfg)
+        if self.mixer_type == "A":
+            self.self_attn = GatedAttention(cfg)
+        else:
+            from .gated_deltanet import GatedDeltaNet
+
+            self.linear_attn = GatedDeltaNet(cfg)
         self.post_attention_layernorm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden())
+        self.mlp = build_ffn(cfg, layer_idx)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        cache: dict | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
+        h = self.input_layernorm(x)
+        if self.mixer_type == "A":
+            h = self.self_attn(h, cos, sin, attn_mask, cache=cache)
+        else:
+            h = self.linear_attn(h, doc_ids=doc_ids, cache=cache)
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -46,7 +85,7 @@ class GatedLM(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, cfg.d_model)
         # One rotary table shared by all layers; it has no parameters, so it is no part of the layer list.
         self.rotary = RotaryEmbedding(cfg.resolved_head_dim(), cfg.rotary_fraction, cfg.max_seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, vocab_size, bias=False)
 
@@ -54,16 +93,17 @@ class GatedLM(nn.Module):
     def init_weights(self) -> None:
         """Initialise every parameter and buffer in place (after `to_empty` from meta, too).
 
-        Matrices and the embedding ~ N(0, init_std); o_proj and down_proj ~ N(0, init_std / sqrt(2 n_layers))
-        so the residual stream's variance does not grow with depth (GPT-2). Modules are visited in
+        Matrices and the embedding ~ N(0, init_std); projections into the residual stream ~ N(0, init_std /
+        sqrt(2 n_layers)) so its variance does not grow with depth (GPT-2). Modules are visited in
         registration order, so the result is a function of the torch seed only.
         """
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                is_out = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, mean=0.0, std=out_std if is_out else std)
+            if module is not self and hasattr(module, "init_weights"):
+                module.init_weights(std=std, out_std=out_std)
+            elif isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=out_std if name.endswith(OUT_PROJ_NAMES) else std)
             elif isinstance(module, (RMSNorm, RotaryEmbedding)):
                 module.reset_parameters()
 
@@ -72,15 +112,23 @@ class GatedLM(nn.Module):
         input_ids: torch.Tensor,
         doc_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        cache: DecodeCache | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V), or with labels (B, T) the mean cross-entropy over
-        labels != -100 (labels[t] is the target for position t: the caller shifts). doc_ids (B, T)
-        restricts attention to earlier tokens of the same document."""
-        cos, sin = self.rotary(input_ids.shape[1])
+        labels != -100 (labels[t] is the target for position t: the caller shifts) plus the MoE
+        auxiliary losses. doc_ids (B, T) keeps attention and recurrent state within a document.
+        cache: from `new_cache`, extended in place, for incremental decoding: input_ids are then the
+        tokens after those already in the cache."""
+        T = input_ids.shape[1]
+        start = 0 if cache is None else cache.pos
+        cos, sin = self.rotary(start + T)
+        cos, sin = cos[start:], sin[start:]
         attn_mask = doc_causal_mask(doc_ids) if doc_ids is not None else None
         h = self.embed_tokens(input_ids)  # (B, T, d)
-        for layer in self.layers:
-            h = layer(h, cos, sin, attn_mask)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, attn_mask, doc_ids, None if cache is None else cache.layers[i])
+        if cache is not None:
+            cache.pos = start + T
         h = self.norm(h)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, head)  # (B, T, V)
@@ -88,7 +136,16 @@ class GatedLM(nn.Module):
             return logits
         # fp32 log-softmax: under bf16 autocast the logits arrive in bf16, too coarse for the loss.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return loss + self.aux_loss()
+
+    def aux_loss(self) -> torch.Tensor | float:
+        """Sum of the auxiliary losses (MoE balance, router z-loss) of the last forward, already weighted."""
+        return sum((m.aux_loss for m in self.layers.modules() if getattr(m, "aux_loss", None) is not None), 0.0)
+
+    def new_cache(self) -> DecodeCache:
+        """An empty decoding cache, filled by the first forward that gets it."""
+        return DecodeCache([{} for _ in self.layers])
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Unique parameters (a tied matrix counts once). exclude_embeddings drops the input
@@ -97,3 +154,12 @@ class GatedLM(nn.Module):
         if exclude_embeddings:
             n -= self.embed_tokens.weight.numel()
         return n
+
+    def num_active_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters one token uses: a MoE layer counts its router, top_k experts and shared expert."""
+        n = self.num_params(exclude_embeddings)
+        for m in self.layers.modules():
+            if hasattr(m, "active_params_per_token"):
+                n -= sum(p.numel() for p in m.parameters()) - m.active_params_per_token()
+        return n
+

@@ -6,13 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..configs import ModelConfig
+from .linear import make_linear
+
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, hidden: int):
+    def __init__(self, d_model: int, hidden: int, cfg: ModelConfig | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(d_model, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+        cfg = cfg or ModelConfig()
+        self.gate_proj = make_linear(cfg, d_model, hidden)
+        self.up_proj = make_linear(cfg, d_model, hidden)
+        self.down_proj = make_linear(cfg, hidden, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

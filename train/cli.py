@@ -20,7 +20,8 @@ from hybridtron.data_pipeline import DataError, build_dataset, build_loader, loa
 from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
-from .checkpoint import CheckpointError, CheckpointManager
+from .checkpoint import STEP_RE, CheckpointError, CheckpointManager
+from .model_hooks import structure_for_step
 from .optim import build_optimizer
 from .parallelize import autocast_dtype, parallelize, select_device
 from .sample import generate
@@ -63,14 +64,23 @@ def check_resume_compatible(cfg: JobConfig, run_dir: Path) -> None:
 
 
 # ---- builders shared by the subcommands ---------------------------------------------------------
-def build_model(cfg: JobConfig, vocab_size: int, device: torch.device):
+def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int = 0):
+    """The model as it is at training step ``step`` (structure that changes with the step, such as
+    self-guided FFN weights leaving the model, is applied), ready for a checkpoint of that step."""
     with torch.device("meta"):
         model = GatedLM(cfg.model, vocab_size)
     model = parallelize(model, cfg.train)
     model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
     model.init_weights()
+    structure_for_step(model, cfg, step)
     return model
+
+
+def checkpoint_step(ckpt: Path | None) -> int:
+    """The step a checkpoint directory was saved at (its name says it); 0 for None."""
+    m = STEP_RE.match(ckpt.name) if ckpt is not None else None
+    return int(m.group(1)) if m else 0
 
 
 def _val_factory(val_ds, cfg: JobConfig):
@@ -101,7 +111,8 @@ def cmd_train(args) -> int:
     train_ds, val_ds = build_dataset(cfg.data, "train"), build_dataset(cfg.data, "val")
     t = cfg.train
     train_loader = build_loader(train_ds, t.micro_batch_size, t.grad_accum_steps, seed=cfg.data.seed)
-    model = build_model(cfg, cfg.model.vocab_size, device)  # 3. model, parallelized, initialised
+    resume_step = checkpoint_step(CheckpointManager(run_dir).latest())
+    model = build_model(cfg, cfg.model.vocab_size, device, resume_step)  # 3. model, parallelized, initialised
     optimizer = build_optimizer(model, t)
     _log(f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
          f"non-embedding), device {device}, {len(train_ds)} train / {len(val_ds)} val sequences of {cfg.data.seq_len}")
@@ -133,7 +144,7 @@ def _load_checkpoint_for_inference(args):
     tokenizer = load_tokenizer(ckpt / "tokenizer")
     device = select_device(cfg.train)
     cfg.train.activation_checkpointing = False
-    model = build_model(cfg, cfg.model.vocab_size, device)
+    model = build_model(cfg, cfg.model.vocab_size, device, checkpoint_step(ckpt))
     CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False)
     return cfg, model, tokenizer, ckpt, device
 

@@ -21,6 +21,7 @@ from hybridtron.configs import JobConfig
 
 from .checkpoint import CheckpointManager, TrainerState
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
+from .model_hooks import after_step, before_step
 from .parallelize import autocast_context
 from .schedule import lr_at
 
@@ -101,6 +102,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         t, accum = self.cfg.train, self.cfg.train.grad_accum_steps
+        before_step(self.model, self.optimizer, self.cfg, self.state.step)
         lr = lr_at(self.state.step, t)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -119,9 +121,11 @@ class Trainer:
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        model_metrics = after_step(self.model)
         self.state.step += 1
         self.state.tokens_seen += tokens  # this rank's tokens; the DP issue multiplies by dp size
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite,
+                "model_metrics": model_metrics}
 
     def fit(self, log=print) -> FitResult:
         t, cfg = self.cfg.train, self.cfg
@@ -149,6 +153,7 @@ class Trainer:
                     if self.peak_flops:
                         rec["mfu"] = self.flops_per_token * rec["tokens_per_s"] / self.peak_flops
                     rec["peak_mem_gib"] = peak_memory_gib(self.device)
+                    rec.update(out["model_metrics"])
                     if out["skipped"]:
                         rec["skipped"] = True
                         if t.nan_policy == "stop":
