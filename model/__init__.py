@@ -6,8 +6,9 @@ from .lm import Block, DecodeCache, GatedLM
 from .mlp import SwiGLU
 from .norm import RMSNorm, build_norm
 from .rotary import RotaryEmbedding, apply_rotary
+from .scale import ScaledLinear, fold_scale_vectors
 
 __all__ = [
-    "Block", "DecodeCache", "GatedAttention", "GatedLM", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "build_norm",
-    "doc_causal_mask", "flops_per_token",
+    "Block", "DecodeCache", "GatedAttention", "GatedLM", "RMSNorm", "RotaryEmbedding", "ScaledLinear", "SwiGLU", "apply_rotary", "build_norm",
+    "doc_causal_mask", "flops_per_token", "fold_scale_vectors",
 ]

@@ -20,6 +20,7 @@ from ..configs import ModelConfig
 from .linear import make_linear
 from .norm import build_norm
 from .rotary import apply_rotary
+from .scale import norm_kwargs
 
 
 def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -41,16 +42,18 @@ class GatedAttention(nn.Module):
         if self.gate not in ("elementwise", "headwise", "none"):
             raise ValueError(f"model.attn_gate={self.gate!r} is not one of 'elementwise', 'headwise', 'none'")
         q_width = self.n_heads * self.head_dim
-        self.q_proj = make_linear(cfg, cfg.d_model, 2 * q_width if self.gate == "elementwise" else q_width)
-        self.k_proj = make_linear(cfg, cfg.d_model, self.n_kv_heads * self.head_dim)
-        self.v_proj = make_linear(cfg, cfg.d_model, self.n_kv_heads * self.head_dim)
+        qk = dict(after_norm=True, feeds_norm=cfg.qk_norm)
+        self.q_proj = make_linear(cfg, cfg.d_model, 2 * q_width if self.gate == "elementwise" else q_width, **qk)
+        self.k_proj = make_linear(cfg, cfg.d_model, self.n_kv_heads * self.head_dim, **qk)
+        self.v_proj = make_linear(cfg, cfg.d_model, self.n_kv_heads * self.head_dim, after_norm=True)
         if self.gate == "headwise":
-            self.gate_proj = make_linear(cfg, cfg.d_model, self.n_heads)
-        self.o_proj = make_linear(cfg, q_width, cfg.d_model)
+            self.gate_proj = make_linear(cfg, cfg.d_model, self.n_heads, after_norm=True)
+        self.o_proj = make_linear(cfg, q_width, cfg.d_model, residual_out=True)
         if cfg.qk_norm:
             # Over head_dim only (Qwen3), so one gain vector is shared by all heads.
-            self.q_norm = build_norm(cfg.norm_type, self.head_dim, cfg.norm_eps)
-            self.k_norm = build_norm(cfg.norm_type, self.head_dim, cfg.norm_eps)
+            qk_norm_kw = norm_kwargs(cfg, feeds_linear=False)  # Output-Norm gains
+            self.q_norm = build_norm(cfg.norm_type, self.head_dim, cfg.norm_eps, **qk_norm_kw)
+            self.k_norm = build_norm(cfg.norm_type, self.head_dim, cfg.norm_eps, **qk_norm_kw)
         else:
             self.q_norm = self.k_norm = None
 

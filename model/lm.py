@@ -28,6 +28,7 @@ from .attention import GatedAttention, doc_causal_mask
 from .ffn import build_ffn
 from .norm import RMSNorm, build_norm
 from .rotary import RotaryEmbedding
+from .scale import norm_kwargs
 
 # Projections writing into the residual stream: their init is scaled down with depth (GPT-2).
 OUT_PROJ_NAMES = ("o_proj", "down_proj", "out_proj")
@@ -48,14 +49,21 @@ class Block(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.mixer_type = cfg.layer_types()[layer_idx]
-        self.input_layernorm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps)
+        # Under model.scale.branch_specific these two carry no gain: each projection reading them has its own
+        # in_scale. A MoE feed-forward keeps its norm's gain (its experts' inputs have no scales).
+        self.input_layernorm = build_norm(
+            cfg.norm_type, cfg.d_model, cfg.norm_eps, **norm_kwargs(cfg, feeds_linear=True, branched=True)
+        )
         if self.mixer_type == "A":
             self.self_attn = GatedAttention(cfg)
         else:
             from .gated_deltanet import GatedDeltaNet
 
             self.linear_attn = GatedDeltaNet(cfg)
-        self.post_attention_layernorm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps)
+        self.post_attention_layernorm = build_norm(
+            cfg.norm_type, cfg.d_model, cfg.norm_eps,
+            **norm_kwargs(cfg, feeds_linear=True, branched=not cfg.moe.is_moe_layer(layer_idx)),
+        )
         self.mlp = build_ffn(cfg, layer_idx)
 
     def forward(
@@ -86,7 +94,7 @@ class GatedLM(nn.Module):
         # One rotary table shared by all layers; it has no parameters, so it is no part of the layer list.
         self.rotary = RotaryEmbedding(cfg.resolved_head_dim(), cfg.rotary_fraction, cfg.max_seq_len, cfg.rope_theta)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps)
+        self.norm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps, **norm_kwargs(cfg, feeds_linear=True))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, vocab_size, bias=False)
 
     @torch.no_grad()

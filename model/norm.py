@@ -5,7 +5,9 @@
 
 The zero-centred form has the same function at init but lets weight decay pull the gain towards 1
 instead of towards 0. Both compute in fp32 and multiply by the gain before casting back, as Qwen3.5
-does, so a bf16 input loses precision only once.
+does, so a bf16 input loses precision only once. Under ``model.scale`` a norm may have no gain, or a
+gain parameterised as magnitude * direction (``weight_m``, ``weight_d``); `folded_state` writes either
+back as the plain ``weight`` (model/scale.py).
 """
 
 from __future__ import annotations
@@ -13,36 +15,84 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .scale import add_scale, md_vector, reset_scale, scale_param_names
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, zero_centered: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        eps: float = 1e-6,
+        zero_centered: bool = False,
+        *,
+        gain: bool = True,
+        magnitude_direction: bool = False,
+        decay: bool | None = None,
+    ):
         super().__init__()
+        self.dim = dim
         self.eps = eps
         self.zero_centered = zero_centered
-        self.weight = nn.Parameter(torch.empty(dim))
+        # Scale-vector forms (model/scale.py): no gain (its consumers carry one each), or the gain as
+        # magnitude * direction (weight_m, weight_d), which is the gain itself, not 1 + w.
+        self.has_gain = gain
+        self.magnitude_direction = gain and magnitude_direction
+        if self.magnitude_direction:
+            add_scale(self, "weight", dim, magnitude_direction=True)
+        elif gain:
+            self.weight = nn.Parameter(torch.empty(dim))
+        if decay is not None and gain:
+            self.param_decay = {p: decay for p in scale_param_names("weight", self.magnitude_direction)}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # Either form is the identity gain at init.
-        with torch.no_grad():
-            self.weight.fill_(0.0 if self.zero_centered else 1.0)
+        # Every form is the identity gain at init.
+        if self.magnitude_direction:
+            reset_scale(self, "weight")
+        elif self.has_gain:
+            with torch.no_grad():
+                self.weight.fill_(0.0 if self.zero_centered else 1.0)
+
+    def gain(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The multiplier applied after normalising (1 + w when zero-centred); None for a gainless norm."""
+        if self.magnitude_direction:
+            return md_vector(self.weight_m, self.weight_d).to(dtype)
+        if not self.has_gain:
+            return None
+        g = self.weight.to(dtype)
+        return 1.0 + g if self.zero_centered else g
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (tests)
         xf = x.to(dtype)
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        gain = self.weight.to(dtype)
-        if self.zero_centered:
-            gain = 1.0 + gain
-        return (xf * gain).to(x.dtype)
+        gain = self.gain(dtype)
+        if gain is not None:
+            xf = xf * gain
+        return xf.to(x.dtype)
+
+    @torch.no_grad()
+    def folded_state(self, ref: torch.Tensor) -> dict[str, torch.Tensor]:
+        """{"weight": the stored w of a plain-form norm with this norm's gain} (see fold_scale_vectors)."""
+        if not self.has_gain:
+            w = ref.new_ones(self.dim)
+            return {"weight": w - 1.0 if self.zero_centered else w}
+        if not self.magnitude_direction:
+            return {"weight": self.weight.detach().clone()}
+        g = self.gain(torch.promote_types(self.weight_d.dtype, torch.float32))
+        return {"weight": (g - 1.0 if self.zero_centered else g).to(self.weight_d.dtype)}
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, zero_centered={self.zero_centered}"
+        extra = "" if self.has_gain else ", gain=False"
+        if self.magnitude_direction:
+            extra += ", magnitude_direction=True"
+        return f"{self.dim}, eps={self.eps}, zero_centered={self.zero_centered}{extra}"
 
 
-def build_norm(norm_type: str, dim: int, eps: float) -> RMSNorm:
+def build_norm(norm_type: str, dim: int, eps: float, **scale_kw) -> RMSNorm:
+    """scale_kw: RMSNorm's scale-vector keywords, from model.scale.norm_kwargs (none: the plain norm)."""
     if norm_type == "rmsnorm":
-        return RMSNorm(dim, eps, zero_centered=False)
+        return RMSNorm(dim, eps, zero_centered=False, **scale_kw)
     if norm_type == "rmsnorm_zero_centered":
-        return RMSNorm(dim, eps, zero_centered=True)
+        return RMSNorm(dim, eps, zero_centered=True, **scale_kw)
     raise ValueError(f"model.norm_type={norm_type!r} is not one of 'rmsnorm', 'rmsnorm_zero_centered'")

@@ -2,7 +2,8 @@
 
 Weight decay goes on matrices (>= 2-D weights); never on biases; on embeddings and norm scales only
 when configured. Decaying a zero-centred norm's ``w`` pulls the scale toward 1, a plain norm's toward
-0, which is why it is off by default.
+0, which is why it is off by default. A module may override this for its parameters with a
+``param_decay`` dict (model.scale.decay_rule: decay on Input-Norm scales, none on Output-Norm ones).
 """
 
 from __future__ import annotations
@@ -16,12 +17,17 @@ from hybridtron.configs import TrainConfig
 def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     decay, no_decay = [], []
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    # A module's ``param_decay`` ({local parameter name: decay?}) overrides the rules below for those
+    # parameters; model.scale.decay_rule uses it for the Input-Norm / Output-Norm scale split.
+    declared = {id(getattr(m, n)): d for m in model.modules() for n, d in getattr(m, "param_decay", {}).items()}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         is_embedding = id(p) in embedding_params
         is_norm = p.ndim < 2 and not name.endswith("bias")
-        if name.endswith("bias"):
+        if id(p) in declared:
+            use_decay = declared[id(p)]
+        elif name.endswith("bias"):
             use_decay = False
         elif is_embedding:
             use_decay = cfg.decay_embeddings
