@@ -3,7 +3,6 @@ the plain layout under each switch and all together, placement, init, the weight
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import replace
 
@@ -24,8 +23,6 @@ SWITCHES = {
     "magnitude_direction": dict(magnitude_direction=True),
     "all": dict(branch_specific=True, two_sided=True, magnitude_direction=True, decay_rule=True),
 }
-HAS_DELTANET = importlib.util.find_spec("hybridtron.model.gated_deltanet") is not None
-needs_deltanet = pytest.mark.skipif(not HAS_DELTANET, reason="model/gated_deltanet.py not written yet")
 
 
 def tiny_cfg(scale: dict | None = None, **kw) -> ModelConfig:
@@ -138,7 +135,6 @@ def test_fold_exact_for_every_gate_and_qk_norm(gate, qk_norm):
     _assert_fold_exact(tiny_cfg(SWITCHES["all"], attn_gate=gate, qk_norm=qk_norm))
 
 
-@needs_deltanet
 @pytest.mark.parametrize("switch", ["branch_specific", "all"])
 def test_fold_exact_with_gated_deltanet(switch):
     _assert_fold_exact(tiny_cfg(SWITCHES[switch], layer_pattern="LA"))
@@ -197,7 +193,7 @@ def test_two_sided_has_no_out_scale_only_right_before_qk_norm(qk_norm):
     }
 
 
-@pytest.mark.parametrize("pattern", ["A", pytest.param("LA", marks=needs_deltanet)])
+@pytest.mark.parametrize("pattern", ["A", "LA"])
 def test_residual_out_flag_matches_the_lm_out_projection_names(pattern):
     model = build(tiny_cfg(dict(two_sided=True), layer_pattern=pattern))
     scaled = {n: m for n, m in model.named_modules() if isinstance(m, ScaledLinear)}
@@ -206,7 +202,6 @@ def test_residual_out_flag_matches_the_lm_out_projection_names(pattern):
         assert m.residual_out == name.endswith(OUT_PROJ_NAMES), name
 
 
-@needs_deltanet
 def test_branch_specific_gives_every_deltanet_input_projection_its_scale():
     model = build(tiny_cfg(SWITCHES["branch_specific"], layer_pattern="LA"))
     in_projs = {n for n in _scales(model) if ".linear_attn.in_proj" in n}
