@@ -1,0 +1,217 @@
+"""Dropless top-k token-choice mixture of SwiGLU experts, in transformers' Qwen3.5-MoE layout.
+
+    scores = router(x)                      gate.weight (E, d); softmax or sigmoid, in fp32
+    chosen = top_k(scores + expert_bias)    the bias (auxiliary-loss-free balancing) only picks experts
+    w      = scores[chosen]                 renormalised to sum 1 when model.moe.norm_topk_prob
+    y      = sum_j w_j expert_{chosen_j}(x) + sigmoid(shared_expert_gate(x)) shared_expert(x)
+    expert_e(x) = down_e(silu(gate_e x) * up_e x)   experts.gate_up_proj (E, 2I, d) [gate rows, then up
+                                                    rows], experts.down_proj (E, d, I)
+
+Every token reaches all of its k experts (dropless: no capacity factor, nothing is dropped; the count
+of dropped assignments is logged and is 0 by construction). Dispatch sorts the N*k (token, expert)
+assignments by expert, so each expert's tokens are one contiguous slice, and runs the expert SwiGLUs
+as grouped matmuls over those slices:
+
+- ``native``: torch's grouped GEMM (``torch._grouped_mm``, CPU and CUDA) where the dtype and widths
+  allow it (fp32/bf16/fp16, rows 16-byte aligned), else one matmul per expert slice;
+- ``megablocks``: megablocks' grouped GEMM (``grouped_gemm.ops.gmm``, the kernel behind its dMoE) on
+  CUDA, with the same routing, weights and layout.
+
+`moe_reference` (a loop over experts with masks, no sorting) is the ground truth the tests compare both
+with. Combining the k outputs of a token is a fixed-order sum, so results do not depend on atomics.
+
+Balancing: the Switch-Transformer auxiliary loss ``E * sum_e f_e P_e`` (f_e the fraction of
+assignments that went to expert e, P_e its mean router probability) times aux_loss_coef; the ST-MoE
+router z-loss ``mean(logsumexp(logits)^2)`` times z_loss_coef; and DeepSeek-V3's auxiliary-loss-free
+bias, moved after every optimizer step by ``bias_update_rate * sign(mean load - load_e)`` outside the
+gradient (a persistent buffer, so it is checkpointed). The weighted losses of the last forward are in
+``aux_loss``; GatedLM adds them to the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..configs import ConfigError, ModelConfig
+from .mlp import SwiGLU
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts as two stacked weights (transformers' Qwen3.5-MoE ``mlp.experts``)."""
+
+    def __init__(self, n_experts: int, d_model: int, hidden: int):
+        super().__init__()
+        self.n_experts, self.d_model, self.hidden = n_experts, d_model, hidden
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * hidden, d_model))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, hidden))
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.gate_up_proj, std=std)
+        nn.init.normal_(self.down_proj, std=out_std)  # writes into the residual stream
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e on x (n, d) by plain matmuls: the reference path."""
+        gate, up = (x @ self.gate_up_proj[e].T).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj[e].T
+
+
+def _grouped_mm_ok(x: torch.Tensor, *widths: int) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return all(w * x.element_size() % 16 == 0 for w in widths)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], offsets: torch.Tensor,
+                   backend: str) -> torch.Tensor:
+    """Row block e of x (counts[e] rows, consecutive) times weight[e].T; weight (E, out, in)."""
+    if backend == "megablocks":
+        from grouped_gemm.ops import gmm  # megablocks' grouped GEMM
+
+        return gmm(x, weight, torch.tensor(counts, dtype=torch.int64), trans_b=True)
+    if _grouped_mm_ok(x, weight.shape[1], weight.shape[2]):
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    return torch.cat([xe @ weight[e].T for e, xe in enumerate(x.split(counts))])
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.n_experts, self.top_k = m.n_experts, m.top_k
+        self.router_kind, self.norm_topk_prob = m.router, m.norm_topk_prob
+        self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = m.aux_loss_coef, m.z_loss_coef, m.bias_update_rate
+        self.backend = m.backend
+        if self.backend == "megablocks":
+            try:
+                import grouped_gemm.ops  # noqa: F401  (installed with megablocks)
+            except ImportError as e:
+                raise ConfigError(
+                    "model.moe.backend=megablocks needs megablocks and its grouped_gemm kernels, which build on "
+                    "CUDA machines only (pip install 'hybridtron[gpu]'); use model.moe.backend=native elsewhere"
+                ) from e
+        hidden = m.expert_hidden or cfg.resolved_ffn_hidden()
+        self.gate = nn.Linear(cfg.d_model, self.n_experts, bias=False)  # the router
+        self.experts = Experts(self.n_experts, cfg.d_model, hidden)
+        if m.shared_expert_hidden:
+            # Plain projections: the MoE block's norm keeps its gain, so no scale vectors here.
+            self.shared_expert = SwiGLU(cfg.d_model, m.shared_expert_hidden)
+            self.shared_expert_gate = nn.Linear(cfg.d_model, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        self.register_buffer("expert_bias", torch.zeros(self.n_experts))  # persistent: resumes exactly
+        # Statistics since the last optimizer step (summed over micro-batches), for metrics and the bias.
+        self.register_buffer("_load", torch.zeros(self.n_experts, dtype=torch.float64), persistent=False)
+        self._stats = {"aux_loss": 0.0, "z_loss": 0.0, "dropped": 0.0, "forwards": 0}
+        self.aux_loss: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.expert_bias.zero_()
+        self._load.zero_()
+
+    def active_params_per_token(self) -> int:
+        """Router + top_k experts + the shared expert and its gate: the parameters one token uses."""
+        e = self.experts
+        n = self.gate.weight.numel() + self.top_k * (e.gate_up_proj[0].numel() + e.down_proj[0].numel())
+        if self.shared_expert is not None:
+            n += sum(p.numel() for p in self.shared_expert.parameters()) + self.shared_expert_gate.weight.numel()
+        return n
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, d) -> (logits (N, E) fp32, probs (N, E), top-k weights (N, k), top-k experts (N, k))."""
+        f32 = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64: tests)
+        logits = F.linear(x.to(f32), self.gate.weight.to(f32))
+        probs = logits.softmax(-1) if self.router_kind == "softmax" else logits.sigmoid()
+        choice = probs + self.expert_bias if self.bias_update_rate else probs
+        idx = choice.topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, idx)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, probs, weights, idx
+
+    def _losses(self, logits: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+        N, E = probs.shape
+        load = torch.bincount(idx.flatten(), minlength=E).to(probs.dtype) / (N * self.top_k)  # f_e
+        terms = []
+        if self.aux_loss_coef:
+            p = probs if self.router_kind == "softmax" else probs / probs.sum(-1, keepdim=True)
+            aux = E * (load * p.mean(0)).sum()
+            self._stats["aux_loss"] += float(aux.detach())
+            terms.append(self.aux_loss_coef * aux)
+        if self.z_loss_coef:
+            z = torch.logsumexp(logits, dim=-1).pow(2).mean()
+            self._stats["z_loss"] += float(z.detach())
+            terms.append(self.z_loss_coef * z)
+        return sum(terms) if terms else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        N, k = x.shape[0], self.top_k
+        logits, probs, weights, idx = self.route(x)
+        self.aux_loss = self._losses(logits, probs, idx) if self.training else None
+        flat = idx.flatten()  # assignment a = token * k + j
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        counts_t = torch.bincount(flat, minlength=self.n_experts)
+        counts = counts_t.tolist()
+        if self.training:
+            with torch.no_grad():
+                self._load += counts_t.double()
+                self._stats["dropped"] += N * k - sum(counts)  # 0: dropless
+                self._stats["forwards"] += 1
+        offsets = counts_t.cumsum(0).to(torch.int32)
+        xs = x[order // k]  # (N k, d), expert-sorted
+        gate_up = grouped_linear(xs, self.experts.gate_up_proj, counts, offsets, self.backend)
+        gate, up = gate_up.chunk(2, dim=-1)
+        ys = grouped_linear(F.silu(gate) * up, self.experts.down_proj, counts, offsets, self.backend)
+        ys = ys * weights.flatten()[order, None].to(ys.dtype)
+        y = torch.empty_like(ys).index_copy(0, order, ys)  # back to assignment order
+        out = y.view(N, k, -1).sum(1)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+    # -- between optimizer steps ------------------------------------------------------------------------
+
+    def metrics(self) -> dict[str, float]:
+        """Load per expert (fraction of assignments), the unweighted losses and the router biases,
+        averaged over the micro-batches since the last optimizer step."""
+        n = max(self._stats["forwards"], 1)
+        total = float(self._load.sum())
+        out = {f"load/{e}": (float(c) / total if total else 0.0) for e, c in enumerate(self._load.tolist())}
+        out["dropped"] = self._stats["dropped"]
+        if self.aux_loss_coef:
+            out["aux_loss"] = self._stats["aux_loss"] / n
+        if self.z_loss_coef:
+            out["z_loss"] = self._stats["z_loss"] / n
+        if self.bias_update_rate:
+            out.update({f"bias/{e}": b for e, b in enumerate(self.expert_bias.tolist())})
+        return out
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """Move the routing biases towards balance (an overloaded expert's bias down), then reset the
+        statistics for the next step."""
+        if self.bias_update_rate and self._load.sum() > 0:
+            load = self._load.float()
+            self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self._load.zero_()
+        self._stats = {"aux_loss": 0.0, "z_loss": 0.0, "dropped": 0.0, "forwards": 0}
+
+
+def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The same layer by a loop over experts with masks (no sorting, no grouped GEMM): ground truth."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    _, _, weights, idx = moe.route(x)
+    out = torch.zeros_like(x)
+    for e in range(moe.n_experts):
+        token, slot = (idx == e).nonzero(as_tuple=True)
+        if token.numel():
+            out = out.index_add(0, token, moe.experts.expert(e, x[token]) * weights[token, slot, None].to(x.dtype))
+    if moe.shared_expert is not None:
+        out = out + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+    return out.view(shape)

@@ -1,0 +1,265 @@
+"""The MoE layer: sorted/grouped dispatch against a per-token float64 formula and the loop reference,
+losses against their definitions, the auxiliary-loss-free bias, metrics, layout, placement, FLOPs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridtron.configs import ConfigError, ModelConfig, MoEConfig
+from hybridtron.model import GatedLM, flops_per_token
+from hybridtron.model.moe import MoE, moe_reference
+from hybridtron.train.model_hooks import after_step
+
+V = 48
+
+
+def cfg_for(n_layers: int = 1, **moe) -> ModelConfig:
+    base = dict(n_experts=6, top_k=2, expert_hidden=16)
+    return ModelConfig(d_model=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, max_seq_len=32, ffn_hidden=64,
+                       moe=MoEConfig(**{**base, **moe}))
+
+
+def layer(dtype=torch.float64, **moe) -> MoE:
+    torch.manual_seed(0)
+    m = MoE(cfg_for(**moe))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    if m.bias_update_rate:
+        m.expert_bias.normal_(std=0.2)
+    return m.to(dtype)
+
+
+def direct(m: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: router scores, top-k by sorting (bias only for the choice), SwiGLU experts."""
+    out = torch.zeros_like(x)
+    hid = m.experts.hidden
+    for n in range(x.shape[0]):
+        logits = m.gate.weight @ x[n]
+        scores = logits.softmax(0) if m.router_kind == "softmax" else logits.sigmoid()
+        chosen = sorted(range(m.n_experts), key=lambda e: -(scores[e] + m.expert_bias[e]).item())[: m.top_k]
+        w = scores[chosen]
+        if m.norm_topk_prob:
+            w = w / w.sum()
+        for wj, e in zip(w, chosen, strict=True):
+            gu = m.experts.gate_up_proj[e]
+            h = F.silu(gu[:hid] @ x[n]) * (gu[hid:] @ x[n])
+            out[n] += wj * (m.experts.down_proj[e] @ h)
+        if m.shared_expert is not None:
+            s = m.shared_expert
+            h = F.silu(s.gate_proj.weight @ x[n]) * (s.up_proj.weight @ x[n])
+            out[n] += torch.sigmoid(m.shared_expert_gate.weight[0] @ x[n]) * (s.down_proj.weight @ h)
+    return out
+
+
+VARIANTS = [
+    {},
+    {"router": "sigmoid"},
+    {"norm_topk_prob": False},
+    {"shared_expert_hidden": 24},
+    {"bias_update_rate": 0.01, "router": "sigmoid", "top_k": 3},
+    {"top_k": 6},  # every expert
+    {"top_k": 1, "n_experts": 1},
+]
+
+
+@pytest.mark.parametrize("moe", VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_forward_equals_direct_formula_float64(moe):
+    m = layer(**moe)
+    x = torch.randn(23, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(m(x), direct(m, x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("moe", VARIANTS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_grouped_dispatch_equals_loop_reference_fp32_with_grads(moe):
+    """fp32 with widths 32 and 16 takes torch's grouped GEMM; the reference is a masked loop."""
+    m = layer(torch.float32, **moe)
+    x = torch.randn(3, 17, 32, generator=torch.Generator().manual_seed(2))
+    outs, grads = [], []
+    for fn in (m.forward, lambda t: moe_reference(m, t)):
+        xi = x.clone().requires_grad_()
+        m.zero_grad()
+        y = fn(xi)
+        y.pow(2).sum().backward()
+        outs.append(y)
+        grads.append([xi.grad] + [p.grad.clone() for p in m.parameters()])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_per_expert_fallback_path_equals_grouped_path():
+    """Widths that are not 16-byte aligned fall back to one matmul per expert slice; same result."""
+    from hybridtron.model.moe import grouped_linear
+
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(10, 8, generator=gen), torch.randn(3, 12, 8, generator=gen)
+    counts = [4, 0, 6]
+    offsets = torch.tensor([4, 4, 10], dtype=torch.int32)
+    loop = torch.cat([x[:4] @ w[0].T, x[4:] @ w[2].T])
+    torch.testing.assert_close(grouped_linear(x, w, counts, offsets, "native"), loop)  # grouped GEMM
+    torch.testing.assert_close(grouped_linear(x[:, :7], w[:, :, :7], counts, offsets, "native"),
+                               torch.cat([x[:4, :7] @ w[0, :, :7].T, x[4:, :7] @ w[2, :, :7].T]))  # fallback
+
+
+def test_aux_and_z_loss_match_their_definitions():
+    m = layer(aux_loss_coef=0.1, z_loss_coef=0.01, top_k=2)
+    x = torch.randn(40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    m(x)
+    logits = x @ m.gate.weight.T
+    p = logits.softmax(-1)
+    top = p.topk(2, dim=-1).indices
+    f = torch.stack([(top == e).sum() for e in range(6)]).double() / (40 * 2)
+    aux = 6 * (f * p.mean(0)).sum()
+    z = torch.logsumexp(logits, -1).pow(2).mean()
+    torch.testing.assert_close(m.aux_loss, 0.1 * aux + 0.01 * z)
+    # Balanced routing gives the minimum, 1, of the Switch loss (uniform probabilities, uniform load).
+    assert aux > 1.0
+
+
+def test_lm_loss_adds_weighted_aux_losses_only_in_training():
+    cfg = cfg_for(2, aux_loss_coef=0.5, z_loss_coef=0.1, every=1)
+    model = GatedLM(cfg, V).double()
+    torch.manual_seed(0)
+    model.init_weights()
+    x = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(5))
+    ce = F.cross_entropy(model(x).flatten(0, 1), x.flatten())
+    loss = model(x, labels=x)
+    aux = sum(m.aux_loss for m in model.modules() if isinstance(m, MoE))
+    assert float(aux.detach()) > 0.5  # two layers of 0.5 * (>= 1)
+    torch.testing.assert_close(loss, ce + aux)
+    model.eval()
+    torch.testing.assert_close(model(x, labels=x), ce)
+
+
+def test_bias_picks_experts_without_weighting_them_and_moves_towards_balance():
+    m = layer(bias_update_rate=0.05, router="sigmoid", norm_topk_prob=False)
+    x = torch.randn(64, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        m.expert_bias.zero_()
+        m.expert_bias[3] = 10.0  # expert 3 is always chosen ...
+    _, probs, w, idx = m.route(x)
+    assert (idx == 3).any(-1).all()
+    slot = (idx == 3).int().argmax(-1)
+    torch.testing.assert_close(w.gather(-1, slot[:, None])[:, 0], probs[:, 3])  # ... at its own score
+    m.train()
+    m(x)
+    load = m.metrics()
+    assert load["load/3"] == pytest.approx(0.5)  # one of the two slots of every token
+    before = m.expert_bias.clone()
+    m.after_optimizer_step()
+    delta = m.expert_bias - before
+    assert delta[3] == pytest.approx(-0.05)  # overloaded: down by the rate
+    counts = torch.bincount(idx.flatten(), minlength=6).double()
+    expected = 0.05 * torch.sign(counts.mean() - counts)
+    torch.testing.assert_close(delta, expected.to(delta.dtype))
+    assert m.metrics()["load/0"] == 0.0  # statistics reset after the step
+
+
+def test_metrics_accumulate_micro_batches_and_skip_eval():
+    m = layer(aux_loss_coef=0.01, bias_update_rate=0.01)
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(10, 32, dtype=torch.float64, generator=gen) for _ in range(2)]
+    m.train()
+    idx = [m.route(x)[3] for x in xs]
+    auxes = []
+    for x in xs:
+        m(x)
+        auxes.append(float(m.aux_loss) / 0.01)
+    m.eval()
+    m(torch.randn(50, 32, dtype=torch.float64, generator=gen))  # not counted
+    stats = m.metrics()
+    counts = torch.bincount(torch.cat(idx).flatten(), minlength=6).double()
+    for e in range(6):
+        assert stats[f"load/{e}"] == pytest.approx(float(counts[e] / counts.sum()))
+    assert stats["dropped"] == 0
+    assert stats["aux_loss"] == pytest.approx(sum(auxes) / 2)
+    assert set(stats) >= {f"bias/{e}" for e in range(6)}
+
+
+def test_after_step_reports_per_layer_metrics():
+    cfg = cfg_for(4, every=2, bias_update_rate=0.01, z_loss_coef=0.001)
+    model = GatedLM(cfg, V)
+    torch.manual_seed(0)
+    model.init_weights()
+    model(torch.randint(0, V, (2, 8)), labels=torch.randint(0, V, (2, 8)))
+    rec = after_step(model)
+    layers = {k.split("/")[1] for k in rec}
+    assert layers == {"layer1", "layer3"}
+    assert rec["moe/layer1/dropped"] == 0
+    assert sum(rec[f"moe/layer3/load/{e}"] for e in range(6)) == pytest.approx(1.0)
+    assert "moe/layer1/z_loss" in rec and "moe/layer3/bias/5" in rec
+
+
+def test_qwen35_moe_names_shapes_and_fused_gate_up_order():
+    cfg = cfg_for(2, every=1, shared_expert_hidden=24)
+    sd = GatedLM(cfg, V).state_dict()
+    assert tuple(sd["layers.0.mlp.gate.weight"].shape) == (6, 32)
+    assert tuple(sd["layers.0.mlp.experts.gate_up_proj"].shape) == (6, 2 * 16, 32)
+    assert tuple(sd["layers.0.mlp.experts.down_proj"].shape) == (6, 32, 16)
+    assert tuple(sd["layers.1.mlp.shared_expert.gate_proj.weight"].shape) == (24, 32)
+    assert tuple(sd["layers.1.mlp.shared_expert.down_proj.weight"].shape) == (32, 24)
+    assert tuple(sd["layers.1.mlp.shared_expert_gate.weight"].shape) == (1, 32)
+    assert "layers.0.mlp.expert_bias" in sd
+    m = layer()
+    x = torch.randn(5, 32, dtype=torch.float64)
+    g, u = m.experts.gate_up_proj[2, :16], m.experts.gate_up_proj[2, 16:]  # gate rows first, then up
+    torch.testing.assert_close(m.experts.expert(2, x), (F.silu(x @ g.T) * (x @ u.T)) @ m.experts.down_proj[2].T)
+
+
+def test_placement_every_and_list():
+    assert [cfg_for(4, every=2).moe.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    cfg = cfg_for(4, layers=[0, 2])
+    model = GatedLM(cfg, V)
+    assert [isinstance(b.mlp, MoE) for b in model.layers] == [True, False, True, False]
+
+
+def test_active_params_and_flops_count_routed_experts_only():
+    cfg = cfg_for(2, every=1, shared_expert_hidden=24, n_experts=8, top_k=2)
+    model = GatedLM(cfg, V)
+    total, active = model.num_params(), model.num_active_params()
+    per_expert = 3 * 32 * 16
+    assert total - active == 2 * (8 - 2) * per_expert  # two layers, six idle experts each
+    # Adding experts at fixed top_k adds only the router's rows to the FLOPs.
+    more = cfg_for(2, every=1, shared_expert_hidden=24, n_experts=12, top_k=2)
+    diff = flops_per_token(more, V, 16) - flops_per_token(cfg, V, 16)
+    assert diff == pytest.approx(3 * 2 * (2 * 4 * 32))  # 3 x (fwd: 2 FLOPs x 2 layers x 4 rows x d)
+
+
+def test_bad_moe_configs_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"model.moe.top_k=9 .*n_experts=8"):
+        cfg_for(1, n_experts=8, top_k=9).validate()
+    with pytest.raises(ConfigError, match=r"model.moe.layers lists layer 5"):
+        cfg_for(2, layers=[5]).validate()
+
+
+def test_megablocks_backend_without_megablocks_names_the_fix():
+    try:
+        import grouped_gemm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="model.moe.backend=megablocks"):
+            MoE(cfg_for(backend="megablocks"))
+        return
+    MoE(cfg_for(backend="megablocks"))  # installed: builds
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="megablocks' grouped GEMM runs on CUDA only; no GPU here")
+def test_megablocks_backend_equals_native_on_gpu():
+    pytest.importorskip("grouped_gemm", reason="megablocks (grouped_gemm) is not installed")
+    native = layer(torch.bfloat16).cuda()
+    mb = layer(torch.bfloat16, backend="megablocks").cuda()
+    mb.load_state_dict(native.state_dict())
+    x = torch.randn(256, 32, device="cuda", dtype=torch.bfloat16)
+    outs, grads = [], []
+    for m in (native, mb):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        y.float().pow(2).sum().backward()
+        outs.append(y.float())
+        grads.append(m.experts.gate_up_proj.grad.float())
+    torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(grads[0], grads[1], rtol=5e-2, atol=5e-2)
+    assert math.isfinite(float(outs[0].sum()))
