@@ -181,14 +181,14 @@ class MoE(nn.Module):
         averaged over the micro-batches since the last optimizer step."""
         n = max(self._stats["forwards"], 1)
         total = float(self._load.sum())
-        out = {f"load/{e}": (float(c) / total if total else 0.0) for e, c in enumerate(self._load.tolist())}
+        out = {f"load/e{e}": (float(c) / total if total else 0.0) for e, c in enumerate(self._load.tolist())}
         out["dropped"] = self._stats["dropped"]
         if self.aux_loss_coef:
             out["aux_loss"] = self._stats["aux_loss"] / n
         if self.z_loss_coef:
             out["z_loss"] = self._stats["z_loss"] / n
         if self.bias_update_rate:
-            out.update({f"bias/{e}": b for e, b in enumerate(self.expert_bias.tolist())})
+            out.update({f"bias/e{e}": b for e, b in enumerate(self.expert_bias.tolist())})
         return out
 
     @torch.no_grad()

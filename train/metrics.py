@@ -71,7 +71,9 @@ class MetricsLogger:
         step = record["step"]
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
-                self._tb.add_scalar(f"{'val' if k.startswith('val_') else 'train'}/{k}", v, step)
+                # Grouped keys (moe/layer1/load/e0) keep their own section; the rest go under train/ or val/.
+                tag = k if "/" in k else f"{'val' if k.startswith('val_') else 'train'}/{k}"
+                self._tb.add_scalar(tag, v, step)
 
     def close(self) -> None:
         self._fh.close()

@@ -148,7 +148,7 @@ def test_bias_picks_experts_without_weighting_them_and_moves_towards_balance():
     m.train()
     m(x)
     load = m.metrics()
-    assert load["load/3"] == pytest.approx(0.5)  # one of the two slots of every token
+    assert load["load/e3"] == pytest.approx(0.5)  # one of the two slots of every token
     before = m.expert_bias.clone()
     m.after_optimizer_step()
     delta = m.expert_bias - before
@@ -156,7 +156,7 @@ def test_bias_picks_experts_without_weighting_them_and_moves_towards_balance():
     counts = torch.bincount(idx.flatten(), minlength=6).double()
     expected = 0.05 * torch.sign(counts.mean() - counts)
     torch.testing.assert_close(delta, expected.to(delta.dtype))
-    assert m.metrics()["load/0"] == 0.0  # statistics reset after the step
+    assert m.metrics()["load/e0"] == 0.0  # statistics reset after the step
 
 
 def test_metrics_accumulate_micro_batches_and_skip_eval():
@@ -174,10 +174,10 @@ def test_metrics_accumulate_micro_batches_and_skip_eval():
     stats = m.metrics()
     counts = torch.bincount(torch.cat(idx).flatten(), minlength=6).double()
     for e in range(6):
-        assert stats[f"load/{e}"] == pytest.approx(float(counts[e] / counts.sum()))
+        assert stats[f"load/e{e}"] == pytest.approx(float(counts[e] / counts.sum()))
     assert stats["dropped"] == 0
     assert stats["aux_loss"] == pytest.approx(sum(auxes) / 2)
-    assert set(stats) >= {f"bias/{e}" for e in range(6)}
+    assert set(stats) >= {f"bias/e{e}" for e in range(6)}
 
 
 def test_after_step_reports_per_layer_metrics():
@@ -190,8 +190,8 @@ def test_after_step_reports_per_layer_metrics():
     layers = {k.split("/")[1] for k in rec}
     assert layers == {"layer1", "layer3"}
     assert rec["moe/layer1/dropped"] == 0
-    assert sum(rec[f"moe/layer3/load/{e}"] for e in range(6)) == pytest.approx(1.0)
-    assert "moe/layer1/z_loss" in rec and "moe/layer3/bias/5" in rec
+    assert sum(rec[f"moe/layer3/load/e{e}"] for e in range(6)) == pytest.approx(1.0)
+    assert "moe/layer1/z_loss" in rec and "moe/layer3/bias/e5" in rec
 
 
 def test_qwen35_moe_names_shapes_and_fused_gate_up_order():
