@@ -1,4 +1,4 @@
-"""``hybridtron`` command line: prepare, train, eval, sample.
+"""``hybridtron`` command line: prepare, train, ablate, eval, sample.
 
 Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``).
 ``train`` reads like the recipe it is: config -> data -> model -> parallelize -> init -> fit.
@@ -101,8 +101,14 @@ def cmd_prepare(args) -> int:
 
 def cmd_train(args) -> int:
     cfg, run_dir = resolve_job(args)  # 1. config, validated before any heavy work
+    train_run(cfg, run_dir)
+    return 0
+
+
+def train_run(cfg: JobConfig, run_dir: Path, log=_log):
+    """Train (or resume) ``cfg`` in ``run_dir``; returns (FitResult, model)."""
     device = select_device(cfg.train)
-    prepared = prepare_data(cfg.data, log=_log)  # 2. data (idempotent)
+    prepared = prepare_data(cfg.data, log=log)  # 2. data (idempotent)
     cfg.model.vocab_size = cfg.model.resolve_vocab(prepared.tokenizer.vocab_size)
     check_resume_compatible(cfg, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,24 +120,25 @@ def cmd_train(args) -> int:
     resume_step = checkpoint_step(CheckpointManager(run_dir).latest())
     model = build_model(cfg, cfg.model.vocab_size, device, resume_step)  # 3. model, parallelized, initialised
     optimizer = build_optimizer(model, t)
-    _log(f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
-         f"non-embedding), device {device}, {len(train_ds)} train / {len(val_ds)} val sequences of {cfg.data.seq_len}")
+    log(f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
+        f"non-embedding, {model.num_active_params() / 1e6:.2f}M active), device {device}, {len(train_ds)} train / "
+        f"{len(val_ds)} val sequences of {cfg.data.seq_len}")
     trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,
                       amp_dtype=autocast_dtype(t, device), run_dir=run_dir, config_yaml=config_yaml,
                       tokenizer_dir=prepared.tokenizer_dir,
                       flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len))
-    result = trainer.fit(log=_log)  # 4. fit
-    _log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
+    result = trainer.fit(log=log)  # 4. fit
+    log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
     if result.final_val_loss is not None:
-        _log(f"final val_loss {result.final_val_loss:.4f}")
-    _log(f"run directory:  {run_dir.resolve()}")
-    _log(f"metrics:        {(run_dir / 'metrics.jsonl').resolve()}")
-    _log(f"tensorboard:    tensorboard --logdir {(run_dir / 'tensorboard').resolve()}")
-    _log(f"checkpoint:     {result.last_checkpoint.resolve() if result.last_checkpoint else None}")
-    _log(f"data+tokenizer: {prepared.out_dir.resolve()}")
+        log(f"final val_loss {result.final_val_loss:.4f}")
+    log(f"run directory:  {run_dir.resolve()}")
+    log(f"metrics:        {(run_dir / 'metrics.jsonl').resolve()}")
+    log(f"tensorboard:    tensorboard --logdir {(run_dir / 'tensorboard').resolve()}")
+    log(f"checkpoint:     {result.last_checkpoint.resolve() if result.last_checkpoint else None}")
+    log(f"data+tokenizer: {prepared.out_dir.resolve()}")
     if result.state.step < t.max_steps:
-        _log("run the same command again to resume")
-    return 0
+        log("run the same command again to resume")
+    return result, model
 
 
 def _load_checkpoint_for_inference(args):
@@ -172,10 +179,17 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_ablate(args) -> int:
+    from .ablate import run_ablation
+
+    run_ablation(args, train_run, log=_log)
+    return 0
+
+
 # ---- argument parsing ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,eval,sample}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,eval,sample}")
 
     def common(sp, with_config=True):
         if with_config:
@@ -189,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("train", help="train (resumes from the run directory's latest checkpoint)")
     common(sp)
     sp.set_defaults(func=cmd_train)
+    sp = sub.add_parser("ablate", help="train variants of one preset on the same data; table + loss plot")
+    common(sp)
+    sp.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
+                    help="one variant: a name, then its overrides (repeat; 'base:' for none)")
+    sp.add_argument("--variants", default=None, metavar="YAML", help="a file mapping variant names to overrides")
+    sp.set_defaults(func=cmd_ablate)
     sp = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     common(sp, with_config=False)
     sp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
