@@ -201,3 +201,20 @@ def test_gradients_chunk_equal_recurrent_through_module():
         grads.append({n: p.grad for n, p in m.named_parameters()})
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-8, atol=1e-10, msg=n)
+
+
+def test_flops_per_token_hand_count_for_a_deltanet_layer():
+    """One L layer (d 24, 2 key heads of 6, 4 value heads of 6, conv 4, chunk 4), SwiGLU 48, vocab 40."""
+    from hybridtron.model import flops_per_token
+
+    cfg = cfg_for("L", n_v_heads=4)
+    d, hk, hv, dk, dv, K, C, ffn = 24, 2, 4, 6, 6, 4, 4, 48
+    conv_dim = 2 * hk * dk + hv * dv
+    params = conv_dim * d + hv * dv * d + 2 * hv * d + conv_dim * K + d * hv * dv + 3 * d * ffn + d * V
+    delta = hv * (2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv)
+    assert flops_per_token(cfg, V, 16) == pytest.approx(6 * (params + delta))
+    # DeltaProduct with n_h = 2: two keys, two values and two betas per token, the delta rule twice.
+    cfg2 = cfg_for("L", n_v_heads=4, n_householder=2)
+    conv2 = hk * dk + 2 * hk * dk + 2 * hv * dv
+    params2 = conv2 * d + hv * dv * d + 3 * hv * d + conv2 * K + d * hv * dv + 3 * d * ffn + d * V
+    assert flops_per_token(cfg2, V, 16) == pytest.approx(6 * (params2 + 2 * delta))
