@@ -1,4 +1,4 @@
-"""``hybridtron`` command line: prepare, train, ablate, eval, sample.
+"""``hybridtron`` command line: prepare, train, ablate, export, eval, sample.
 
 Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``).
 ``train`` reads like the recipe it is: config -> data -> model -> parallelize -> init -> fit.
@@ -179,6 +179,16 @@ def cmd_sample(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from .export import export, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(Path(args.path))
+    _log(f"exporting {ckpt} -> {args.out}")
+    export(ckpt, Path(args.out), max_shard_size=args.max_shard_size, check=not args.no_check, log=_log)
+    _log(f"Hugging Face model: {Path(args.out).resolve()} (AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
 def cmd_ablate(args) -> int:
     from .ablate import run_ablation
 
@@ -189,7 +199,7 @@ def cmd_ablate(args) -> int:
 # ---- argument parsing ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,eval,sample}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,export,eval,sample}")
 
     def common(sp, with_config=True):
         if with_config:
@@ -209,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one variant: a name, then its overrides (repeat; 'base:' for none)")
     sp.add_argument("--variants", default=None, metavar="YAML", help="a file mapping variant names to overrides")
     sp.set_defaults(func=cmd_ablate)
+    sp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
+    sp.add_argument("path", help="run directory (its latest checkpoint) or a checkpoint directory")
+    sp.add_argument("--out", required=True, help="new directory for the Hugging Face model")
+    sp.add_argument("--max-shard-size", default="5GB", help="safetensors shard size limit (default 5GB)")
+    sp.add_argument("--no-check", action="store_true", help="skip the logit parity check against transformers")
+    sp.set_defaults(func=cmd_export)
     sp = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
     common(sp, with_config=False)
     sp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
