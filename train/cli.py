@@ -101,12 +101,18 @@ def cmd_prepare(args) -> int:
 
 def cmd_train(args) -> int:
     cfg, run_dir = resolve_job(args)  # 1. config, validated before any heavy work
-    train_run(cfg, run_dir)
+    init_from = None
+    if args.init_from:
+        from .hf_import import apply_init_from
+
+        init_from = apply_init_from(cfg, args.init_from)  # model section + tokenizer from the HF directory
+    train_run(cfg, run_dir, init_from=init_from)
     return 0
 
 
-def train_run(cfg: JobConfig, run_dir: Path, log=_log):
-    """Train (or resume) ``cfg`` in ``run_dir``; returns (FitResult, model)."""
+def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = None):
+    """Train (or resume) ``cfg`` in ``run_dir``; returns (FitResult, model). ``init_from``: a Hugging Face
+    directory whose weights start the run (ignored when resuming from a checkpoint)."""
     device = select_device(cfg.train)
     prepared = prepare_data(cfg.data, log=log)  # 2. data (idempotent)
     cfg.model.vocab_size = cfg.model.resolve_vocab(prepared.tokenizer.vocab_size)
@@ -119,6 +125,11 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log):
     train_loader = build_loader(train_ds, t.micro_batch_size, t.grad_accum_steps, seed=cfg.data.seed)
     resume_step = checkpoint_step(CheckpointManager(run_dir).latest())
     model = build_model(cfg, cfg.model.vocab_size, device, resume_step)  # 3. model, parallelized, initialised
+    if init_from is not None and resume_step == 0:
+        from .hf_import import load_hf_weights
+
+        load_hf_weights(model, init_from)
+        log(f"initialised from Hugging Face weights in {init_from}")
     optimizer = build_optimizer(model, t)
     log(f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
         f"non-embedding, {model.num_active_params() / 1e6:.2f}M active), device {device}, {len(train_ds)} train / "
@@ -212,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.set_defaults(func=cmd_prepare)
     sp = sub.add_parser("train", help="train (resumes from the run directory's latest checkpoint)")
     common(sp)
+    sp.add_argument("--init-from", default=None, metavar="hf:DIR",
+                    help="start from a local Hugging Face model (Qwen3.5, Qwen3.5-MoE, Qwen3, Llama) and its tokenizer")
     sp.set_defaults(func=cmd_train)
     sp = sub.add_parser("ablate", help="train variants of one preset on the same data; table + loss plot")
     common(sp)

@@ -1,0 +1,156 @@
+"""``hybridtron train --init-from hf:DIR``: continued pretraining from a local Hugging Face checkpoint.
+
+The inverse of ``train/export.py`` for the architectures it writes: ``qwen3_5_text`` / ``qwen3_5``
+(Qwen3.5 dense and hybrid), ``qwen3_5_moe_text`` / ``qwen3_5_moe``, ``qwen3`` and ``llama``. The HF
+config becomes the model section (norms in the target's own convention, so every tensor is copied bit
+for bit and an export of the imported model reproduces the files' tensors exactly); the directory's
+``tokenizer.json`` becomes the run's tokenizer (``data.tokenizer.kind=pretrained``). Training settings
+that HF configs do not carry (document masking, chunk sizes, MoE loss weights) stay as configured.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from hybridtron.configs import ConfigError, DeltaNetConfig, JobConfig, ModelConfig, MoEConfig
+
+SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3", "llama")
+
+
+class HFImportError(ConfigError):
+    """A Hugging Face directory that cannot become a hybridtron model; the message says why."""
+
+
+def read_hf_config(hf_dir: Path) -> dict:
+    f = hf_dir / "config.json"
+    if not f.is_file():
+        raise HFImportError(f"--init-from hf:{hf_dir}: no config.json there; point at a Hugging Face model directory")
+    try:
+        raw = json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HFImportError(f"{f} is not valid JSON ({e}); re-download or re-export the model") from None
+    if raw.get("model_type") in ("qwen3_5", "qwen3_5_moe") and "text_config" in raw:
+        raw = {**raw["text_config"], "tie_word_embeddings": raw.get("tie_word_embeddings", False)}
+    if raw.get("model_type") not in SUPPORTED:
+        raise HFImportError(f"{f}: model_type {raw.get('model_type')!r} is not supported; supported: {SUPPORTED}")
+    return raw
+
+
+def model_config_from_hf(raw: dict, base: ModelConfig) -> ModelConfig:
+    """The model section for HF config ``raw``; fields HF does not describe are taken from ``base``."""
+    mt = raw["model_type"]
+    qwen35 = mt.startswith("qwen3_5")
+    rope = raw.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise HFImportError(f"rope_type {rope.get('rope_type')!r} is not supported (plain rotary only)")
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    cfg = replace(
+        base,
+        vocab_size=raw["vocab_size"], d_model=raw["hidden_size"], n_layers=raw["num_hidden_layers"],
+        n_heads=raw["num_attention_heads"], n_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
+        head_dim=head_dim, ffn_hidden=raw["intermediate_size"],
+        max_seq_len=max(base.max_seq_len, 16), rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1e4))),
+        rotary_fraction=float(rope.get("partial_rotary_factor", 1.0)), norm_eps=float(raw["rms_norm_eps"]),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qk_norm=mt != "llama", attn_gate="elementwise" if qwen35 else "none",
+        norm_type="rmsnorm_zero_centered" if qwen35 else "rmsnorm",
+        layer_pattern=[{"full_attention": "A", "linear_attention": "L"}[t] for t in raw["layer_types"]]
+        if qwen35 else "A",
+    )
+    if qwen35:
+        cfg = replace(cfg, deltanet=replace(
+            base.deltanet if isinstance(base.deltanet, DeltaNetConfig) else DeltaNetConfig(),
+            n_k_heads=raw["linear_num_key_heads"], n_v_heads=raw["linear_num_value_heads"],
+            k_head_dim=raw["linear_key_head_dim"], v_head_dim=raw["linear_value_head_dim"],
+            conv_size=raw["linear_conv_kernel_dim"], neg_eigval=False, n_householder=1))
+    if mt.startswith("qwen3_5_moe"):
+        cfg = replace(cfg, moe=replace(
+            base.moe if base.moe.n_experts else MoEConfig(), n_experts=raw["num_experts"],
+            top_k=raw["num_experts_per_tok"], expert_hidden=raw["moe_intermediate_size"],
+            shared_expert_hidden=raw["shared_expert_intermediate_size"], router="softmax", norm_topk_prob=True,
+            bias_update_rate=0.0, every=1, layers=[]))
+    else:
+        cfg = replace(cfg, moe=replace(cfg.moe, n_experts=0))
+    cfg = replace(cfg, ffn=replace(cfg.ffn, kind="dense"),
+                  scale=replace(cfg.scale, branch_specific=False, two_sided=False, magnitude_direction=False))
+    cfg.validate()
+    return cfg
+
+
+def read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise HFImportError(f"--init-from hf:{hf_dir}: no *.safetensors files there (PyTorch .bin is not supported)")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> ours (drop ``model.``; the norm gains are already in our config's convention)."""
+    out = {}
+    for k, v in hf_state.items():
+        if k.startswith("mtp.") or k.startswith("model.visual."):
+            continue
+        name = k.removeprefix("model.language_model.").removeprefix("model.")
+        if name == "lm_head.weight" and cfg.tie_embeddings:
+            continue
+        out[name] = v
+    return fuse_experts(out)
+
+
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Qwen3.5-MoE files store experts one by one (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the hub
+    layout transformers writes on save); the model holds them stacked (``gate_up_proj`` (E, 2I, d) with
+    gate rows first, ``down_proj`` (E, d, I)). Stack them; the order of e is kept."""
+    per_expert = {}
+    for k in list(state):
+        parts = k.split(".")
+        if len(parts) >= 6 and parts[-4] == "experts" and parts[-3].isdigit():
+            prefix = ".".join(parts[:-3])
+            per_expert.setdefault(prefix, {})[(int(parts[-3]), parts[-2])] = state.pop(k)
+    for prefix, mats in per_expert.items():
+        n = 1 + max(e for e, _ in mats)
+        state[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([mats[(e, "gate_proj")], mats[(e, "up_proj")]]) for e in range(n)])
+        state[f"{prefix}.down_proj"] = torch.stack([mats[(e, "down_proj")] for e in range(n)])
+    return state
+
+
+def apply_init_from(cfg: JobConfig, spec: str) -> Path:
+    """Point ``cfg`` at the HF model ``spec`` ('hf:DIR'): model section and tokenizer. Returns DIR."""
+    if not spec.startswith("hf:"):
+        raise HFImportError(f"--init-from {spec!r}: write hf:DIR (a local Hugging Face model directory)")
+    hf_dir = Path(spec[3:]).expanduser()
+    raw = read_hf_config(hf_dir)
+    cfg.model = model_config_from_hf(raw, cfg.model)
+    tok = hf_dir / "tokenizer.json"
+    if not tok.is_file():
+        raise HFImportError(f"--init-from hf:{hf_dir}: no tokenizer.json there; the run trains with the model's tokenizer")
+    cfg.data.tokenizer = replace(cfg.data.tokenizer, kind="pretrained", path=str(tok))
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        cfg.model.max_seq_len = cfg.data.seq_len
+    cfg.validate()
+    return hf_dir
+
+
+@torch.no_grad()
+def load_hf_weights(model, hf_dir: Path) -> None:
+    state = state_from_hf(read_hf_state(hf_dir), model.cfg)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and not k.endswith(".expert_bias")]
+    unexpected = [k for k in state if k not in own]
+    if missing or unexpected:
+        raise HFImportError(f"--init-from hf:{hf_dir}: weights do not match the model its config describes "
+                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for k, v in state.items():
+        if own[k].shape != v.shape:
+            raise HFImportError(f"--init-from hf:{hf_dir}: {k} has shape {tuple(v.shape)}, expected {tuple(own[k].shape)}")
+        own[k].copy_(v)
