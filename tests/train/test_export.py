@@ -49,7 +49,7 @@ def tiny(**kw) -> GatedLM:
 CASES = {
     "dense_gated": dict(layer_pattern="A"),
     "hybrid_qwen35": dict(layer_pattern="LA", norm_type="rmsnorm_zero_centered", rotary_fraction=0.25),
-    "hybrid_untied": dict(layer_pattern="LLA", n_layers=3, tie_embeddings=False, rope_theta=500000.0),
+    "hybrid_untied": dict(layer_pattern="LLA", n_layers=3, tie_embeddings=False, rope_theta=500000.0, norm_eps=1e-3),
     "moe": dict(layer_pattern="LA", moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32, shared_expert_hidden=16)),
     "headwise": dict(layer_pattern="LA", attn_gate="headwise"),
     "ungated_qwen3": dict(attn_gate="none", norm_type="rmsnorm_zero_centered"),
