@@ -53,3 +53,9 @@ def small_train_argv(data_dir, run_dir, extra=()):
 @pytest.fixture
 def cli_args():
     return small_train_argv
+
+
+@pytest.fixture(scope="session")
+def small_argv():
+    """`small_train_argv` for fixtures of wider scope than a test."""
+    return small_train_argv

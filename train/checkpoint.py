@@ -9,20 +9,27 @@ Layout of ``<run_dir>/checkpoints/``::
         trainer_state.json  step, data position, tokens seen, python RNG
         config.yaml         the resolved job config
         tokenizer/          the tokenizer the run was trained with
+        manifest.json       size and blake2b digest of every file above, written last
     latest                  text file naming the newest complete checkpoint
 
 A checkpoint is written under a temporary name and renamed into place only when every file is on
 disk, and ``latest`` is replaced after that; a crash at any moment leaves either the previous state or
-the new one, never a directory that looks complete and is not.
+the new one, never a directory that looks complete and is not. Loading verifies every file against the
+manifest first, so a truncated, overwritten or missing file is named in a one-line error instead of
+resuming from different values. A full disk during a save removes the partial directory and says so;
+``latest`` keeps naming the previous checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +42,67 @@ from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
+MANIFEST = "manifest.json"
+# What a tokenizer directory may hold; temporary files of an interrupted save (".tokenizer.json.tmp-PID")
+# never travel into a checkpoint.
+TOKENIZER_SKIP = shutil.ignore_patterns(".*", "*.tmp*", "*.tmp-*")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit the model being trained."""
+    """A checkpoint is missing, incomplete, corrupt or does not fit the model being trained."""
+
+
+class DiskFullError(CheckpointError):
+    """No space left on the device while writing a checkpoint; nothing of it was kept."""
+
+
+def file_digest(path: Path) -> str:
+    """blake2b-128 of a file, read in 8 MiB blocks (about 0.6 s per GB on one core)."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(root: Path) -> None:
+    files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "blake2b": file_digest(p)} for p in _files(root)}
+    (root / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def verify_manifest(path: Path) -> None:
+    """Every file the manifest lists is there with its size and digest; CheckpointError naming the first that is not."""
+    advice = (f"delete {path} to resume from the checkpoint before it, or start a new --run-dir")
+    mf = path / MANIFEST
+    if not mf.is_file():
+        print(f"[hybridtron] warning: checkpoint {path} has no {MANIFEST} (written by an older version); "
+              f"its files cannot be verified", file=sys.stderr)
+        return
+    try:
+        files = json.loads(mf.read_text())["files"]
+    except (ValueError, KeyError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e}); {advice}") from None
+    for rel, want in files.items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path}: {rel} is missing; {advice}")
+        if f.stat().st_size != want["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} has {f.stat().st_size} bytes, the manifest says "
+                                  f"{want['bytes']} (truncated or replaced); {advice}")
+        if file_digest(f) != want["blake2b"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} does not match its checksum (corrupt or modified "
+                                  f"after saving); {advice}")
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(e).lower()  # torch.save reports ENOSPC as a RuntimeError from its zip writer
+    return "no space left" in text or "file write failed" in text
 
 
 def step_dir_name(step: int) -> str:
@@ -98,13 +162,20 @@ class CheckpointManager:
         return sorted(p for p in self.dir.iterdir() if p.is_dir() and STEP_RE.match(p.name))
 
     def latest(self) -> Path | None:
-        """The checkpoint named by ``latest``; if the pointer is missing or stale, the newest complete one."""
+        """The checkpoint named by ``latest``; if the pointer is missing or stale, the newest complete one
+        (and a warning saying so)."""
         ptr = self.dir / LATEST
+        named = None
         if ptr.is_file():
-            cand = self.dir / ptr.read_text().strip()
-            if cand.is_dir() and STEP_RE.match(cand.name):
+            named = ptr.read_text(errors="replace").strip()
+            cand = self.dir / named
+            if STEP_RE.match(named) and cand.is_dir():
                 return cand
         done = self.complete()
+        if named is not None:
+            print(f"[hybridtron] warning: {ptr} names {named!r}, which is not a checkpoint here; "
+                  f"{'using the newest complete one, ' + done[-1].name if done else 'no complete checkpoint is left'}",
+                  file=sys.stderr)
         return done[-1] if done else None
 
     def clean_partial(self) -> None:
@@ -128,16 +199,28 @@ class CheckpointManager:
         tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
-        tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        rng_tensors, rng_plain = capture_rng()
-        torch.save(rng_tensors, tmp / "rng.pt")
-        meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen}
-        (tmp / "trainer_state.json").write_text(json.dumps({**meta, "rng": rng_plain}))
-        (tmp / "config.yaml").write_text(config_yaml)
-        shutil.copytree(tokenizer_dir, tmp / "tokenizer")
-        _fsync_tree(tmp)
+        try:
+            tmp.mkdir()
+            save_model(model, str(tmp / "model.safetensors"))
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            rng_tensors, rng_plain = capture_rng()
+            torch.save(rng_tensors, tmp / "rng.pt")
+            meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen}
+            (tmp / "trainer_state.json").write_text(json.dumps({**meta, "rng": rng_plain}))
+            (tmp / "config.yaml").write_text(config_yaml)
+            shutil.copytree(tokenizer_dir, tmp / "tokenizer", ignore=TOKENIZER_SKIP)
+            write_manifest(tmp)
+            _fsync_tree(tmp)
+        except (OSError, RuntimeError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not _is_disk_full(e):
+                raise
+            prev = self.latest()
+            raise DiskFullError(
+                f"no space left on device writing checkpoint {final} (free space under {self.dir}, then run the same "
+                f"command to resume); the partial checkpoint was removed and {LATEST} still names "
+                f"{prev.name if prev else 'no checkpoint'}"
+            ) from None
         if final.exists():  # re-saving the same step (e.g. exit right after a periodic save)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -160,12 +243,25 @@ class CheckpointManager:
         restore_rng_state: bool = True,
     ) -> TrainerState:
         path = Path(path)
-        for name in ("model.safetensors", "trainer_state.json"):
+        advice = f"delete {path} to resume from the checkpoint before it, or start a new --run-dir"
+        needed = ["model.safetensors", "trainer_state.json"]
+        needed += ["optimizer.pt"] if optimizer is not None else []
+        needed += ["rng.pt"] if restore_rng_state else []
+        for name in needed:
             if not (path / name).is_file():
-                raise CheckpointError(f"checkpoint {path} has no {name}; it is incomplete or not a checkpoint")
+                raise CheckpointError(f"checkpoint {path} has no {name}; it is incomplete or not a checkpoint ({advice})")
+        verify_manifest(path)
+        try:
+            meta = json.loads((path / "trainer_state.json").read_text())
+            state = TrainerState(int(meta["step"]), int(meta["consumed_samples"]), int(meta["tokens_seen"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}: {e}); "
+                                  f"{advice}") from None
         try:
             missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
-        except RuntimeError as e:  # shape mismatch
+        except Exception as e:  # noqa: BLE001  (safetensors raises its own error type for a torn file)
+            if "size mismatch" not in str(e) and "shape" not in str(e).lower():
+                raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read ({e}); {advice}") from None
             raise CheckpointError(
                 f"checkpoint {path} does not fit this model ({e}); resume with the model config it was saved with "
                 f"(see {path / 'config.yaml'}) or start a new --run-dir"
@@ -175,9 +271,19 @@ class CheckpointManager:
                 f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, "
                 f"unexpected {sorted(unexpected)[:5]}; use the model config in {path / 'config.yaml'} or a new --run-dir"
             )
-        meta = json.loads((path / "trainer_state.json").read_text())
         if optimizer is not None:
-            optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu"))
+            optimizer.load_state_dict(_torch_load(path, "optimizer.pt", advice))
         if restore_rng_state:
-            restore_rng(torch.load(path / "rng.pt", weights_only=True), meta["rng"])
-        return TrainerState(meta["step"], meta["consumed_samples"], meta["tokens_seen"])
+            try:
+                restore_rng(_torch_load(path, "rng.pt", advice), meta["rng"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"checkpoint {path}: the RNG state in rng.pt / trainer_state.json is unusable "
+                                      f"({type(e).__name__}: {e}); {advice}") from None
+        return state
+
+
+def _torch_load(path: Path, name: str, advice: str):
+    try:
+        return torch.load(path / name, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001  (a torn zip or pickle surfaces as several error types)
+        raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({type(e).__name__}: {e}); {advice}") from None

@@ -7,8 +7,10 @@ Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--trai
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from hybridtron.data_pipeline import DataError, build_dataset, build_loader, loa
 from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
-from .checkpoint import STEP_RE, CheckpointError, CheckpointManager
+from .checkpoint import STEP_RE, CheckpointError, CheckpointManager, DiskFullError
 from .model_hooks import structure_for_step
 from .optim import build_optimizer
 from .parallelize import autocast_dtype, parallelize, select_device
@@ -48,18 +50,43 @@ def resolve_job(args) -> tuple[JobConfig, Path]:
     return load_config(str(saved) if resuming else args.config or DEFAULT_PRESET, overrides), run_dir
 
 
+# Data settings that do not change which tokens are trained on, in which order.
+DATA_FREE = ("num_workers", "streaming", "out_dir")
+
+
 def check_resume_compatible(cfg: JobConfig, run_dir: Path) -> None:
+    """A run directory continues only with the model and the data it was started with."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         return
-    old = yaml.safe_load(saved.read_text())
+    try:
+        old = yaml.safe_load(saved.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{saved} is not a readable config ({type(e).__name__}); restore it or start a new --run-dir") from None
+    if not isinstance(old, dict):
+        raise ConfigError(f"{saved} does not hold a config mapping; restore it or start a new --run-dir")
     new = cfg.to_dict()
-    diffs = [k for k in new["model"] if old.get("model", {}).get(k) != new["model"][k]]
-    if diffs:
-        k = diffs[0]
+    for section, skip in (("model", ()), ("data", DATA_FREE)):
+        before = old.get(section) or {}
+        for k, v in new[section].items():
+            # A data key the saved config lacks was added by a later version: nothing to compare.
+            if k not in skip and (section == "model" or k in before) and before.get(k) != v:
+                raise ConfigError(
+                    f"--run-dir {run_dir} holds a run with {section}.{k}={before.get(k)!r}, but this config has "
+                    f"{section}.{k}={v!r}; resume with the same {section} settings or choose another --run-dir"
+                )
+
+
+def check_resume_tokenizer(ckpt: Path | None, tokenizer, tokenizer_dir: Path) -> None:
+    """The checkpoint's tokenizer is the one the data was prepared with (same bytes)."""
+    if ckpt is None or not (ckpt / "tokenizer").is_dir():
+        return
+    old = load_tokenizer(ckpt / "tokenizer").fingerprint
+    if old != tokenizer.fingerprint:
         raise ConfigError(
-            f"--run-dir {run_dir} holds a run with model.{k}={old['model'].get(k)!r}, but this config has "
-            f"model.{k}={new['model'][k]!r}; resume with the same model or choose another --run-dir"
+            f"the run's checkpoint {ckpt} was trained with tokenizer {old[:12]} ({ckpt / 'tokenizer'}), but the data "
+            f"in {tokenizer_dir} uses tokenizer {tokenizer.fingerprint[:12]}; resume with the data.out_dir the run was "
+            f"prepared with, or start a new --run-dir"
         )
 
 
@@ -123,7 +150,9 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     train_ds, val_ds = build_dataset(cfg.data, "train"), build_dataset(cfg.data, "val")
     t = cfg.train
     train_loader = build_loader(train_ds, t.micro_batch_size, t.grad_accum_steps, seed=cfg.data.seed)
-    resume_step = checkpoint_step(CheckpointManager(run_dir).latest())
+    latest = CheckpointManager(run_dir).latest()
+    check_resume_tokenizer(latest, prepared.tokenizer, prepared.tokenizer_dir)
+    resume_step = checkpoint_step(latest)
     model = build_model(cfg, cfg.model.vocab_size, device, resume_step)  # 3. model, parallelized, initialised
     if init_from is not None and resume_step == 0:
         from .hf_import import load_hf_weights
@@ -209,7 +238,7 @@ def cmd_ablate(args) -> int:
 
 # ---- argument parsing ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,export,eval,sample}")
 
     def common(sp, with_config=True):
@@ -255,18 +284,39 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+EXIT_CODES = """exit codes: 0 done; 2 bad input or state (config, data, checkpoint, run directory), one line on stderr;
+3 training diverged (non-finite loss); 4 no space left on device. HYBRIDTRON_DEBUG=1 or --debug shows tracebacks."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a subcommand; errors a user can cause end in one line (see EXIT_CODES), bugs in a traceback."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    args.overrides = rest
+    debug = "--debug" in rest or os.environ.get("HYBRIDTRON_DEBUG", "") not in ("", "0")
+    args.overrides = [a for a in rest if a != "--debug"]
     try:
         return args.func(args)
+    except DiskFullError as e:
+        if debug:
+            raise
+        print(f"hybridtron {args.command}: error: {e}", file=sys.stderr)
+        return 4
     except (ConfigError, DataError, CheckpointError) as e:
+        if debug:
+            raise
         print(f"hybridtron {args.command}: error: {e}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:
+        if debug:
+            raise
         print(f"hybridtron {args.command}: training diverged: {e}", file=sys.stderr)
         return 3
+    except OSError as e:
+        if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"hybridtron {args.command}: error: no space left on device writing {e.filename or 'a file'}; free "
+              f"space and run the same command again", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

@@ -55,9 +55,21 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tb_dir = Path(run_dir) / "tensorboard"
         if resume_step is not None and self.path.exists():
-            # Steps after the checkpoint were lost with the interrupted process and are trained again;
-            # drop their old lines so every step appears once.
-            kept = [ln for ln in self.path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            # Steps after the checkpoint (all of them when there is none: resume_step 0) were lost with the
+            # interrupted process and are trained again; drop their old lines so every step appears once.
+            # A torn line (a kill in the middle of a write) is dropped too, with a word.
+            kept, torn = [], 0
+            for ln in self.path.read_text(errors="replace").splitlines():
+                try:
+                    rec = json.loads(ln) if ln.strip() else None
+                except ValueError:
+                    torn += 1
+                    continue
+                if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= resume_step:
+                    kept.append(ln)
+            if torn:
+                print(f"[hybridtron] warning: dropped {torn} unreadable line(s) of {self.path} (a write cut short)",
+                      file=sys.stderr)
             write_text_atomic(self.path, "".join(ln + "\n" for ln in kept))
         self._fh = open(self.path, "a")
         from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard

@@ -132,7 +132,7 @@ class Trainer:
         resumed_from = self.resume_if_possible()
         if resumed_from is not None:
             log(f"resumed from {resumed_from} (step {self.state.step})")
-        metrics = MetricsLogger(self.run_dir, resume_step=self.state.step if resumed_from else None)
+        metrics = MetricsLogger(self.run_dir, resume_step=self.state.step)  # 0 without a checkpoint
         self.model.train()
         # A bar only on a terminal; in a log file (SLURM output) a plain line every 10 logged steps instead.
         interactive = t.progress_bar and sys.stderr.isatty()
