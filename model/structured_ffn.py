@@ -82,18 +82,24 @@ class StructuredLinear(nn.Module):
         elif kind == "blockdense":
             self.rank = default_rank(kind, in_features, out_features, rank, n)
             if in_features % n or self.rank % n:
-                raise ValueError(f"blockdense needs n_blocks={n} to divide in={in_features} and rank={self.rank}")
+                raise ValueError(
+                    f"blockdense needs n_blocks={n} to divide in={in_features} and rank={self.rank}; each block "
+                    f"maps in / n_blocks inputs to rank / n_blocks channels"
+                )
             self.blocks = nn.Parameter(torch.empty(n, self.rank // n, in_features // n))
             self.U = nn.Parameter(torch.empty(out_features, self.rank))
         elif kind == "blockshuffle":
-            self.mid = min(in_features, out_features)
+            self.mid = min(in_features, out_features)  # middle width m; n | in and n | out give n | m
             if in_features % n or out_features % n:
-                raise ValueError(f"blockshuffle needs n_blocks={n} to divide in={in_features} and out={out_features}")
+                raise ValueError(
+                    f"blockshuffle needs n_blocks={n} to divide in={in_features}, out={out_features} and the "
+                    f"middle width m=min(in, out)={self.mid}; choose a common divisor"
+                )
             self.blocks1 = nn.Parameter(torch.empty(n, self.mid // n, in_features // n))
             self.blocks2 = nn.Parameter(torch.empty(n, out_features // n, self.mid // n))
         else:
             raise ValueError(f"unknown structured kind {kind!r}; allowed: lowrank, blockdense, blockshuffle")
-        self.alpha = 1.0 if self_guided else 0.0
+        self.alpha = 1.0 if self_guided else 0.0  # a plain float: set by the schedule, never trained or saved
         if self_guided:
             self.dense = nn.Parameter(torch.empty(out_features, in_features))
 
@@ -106,11 +112,11 @@ class StructuredLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dense = getattr(self, "dense", None)
-        if dense is None or self.alpha == 0.0:
+        if dense is None or self.alpha == 0.0:  # guide dropped or faded out: no dense matmul at all
             return self.structured(x)
         return self.alpha * F.linear(x, dense) + (1.0 - self.alpha) * self.structured(x)
 
-    def structured_weight(self) -> torch.Tensor:
+    def dense_weight(self) -> torch.Tensor:
         """The (out, in) matrix of the structured product (the identity pushed through `structured`)."""
         eye = torch.eye(self.in_features, dtype=self._factor().dtype, device=self._factor().device)
         return self.structured(eye).T
@@ -148,7 +154,7 @@ class StructuredLinear(nn.Module):
             keep = 1.0 if p2 <= q2 else q2 / p2
             self.blocks2.mul_(std * math.sqrt(self.in_features / keep))
         if hasattr(self, "dense"):
-            self.dense.copy_(self.structured_weight())
+            self.dense.copy_(self.dense_weight())
 
 
 class StructuredSwiGLU(nn.Module):
@@ -196,7 +202,7 @@ def drop_self_guided(model: nn.Module) -> list[nn.Parameter]:
 @torch.no_grad()
 def dense_equivalent(linear: StructuredLinear) -> torch.Tensor:
     """The (out, in) matrix the layer applies now, dense guide mixed in (exact: both maps are linear)."""
-    w = linear.structured_weight()
+    w = linear.dense_weight()
     dense = getattr(linear, "dense", None)
     if dense is not None and linear.alpha != 0.0:
         w = linear.alpha * dense + (1.0 - linear.alpha) * w

@@ -55,7 +55,22 @@ def test_forward_equals_explicit_product(kind, shape):
     x = torch.randn(3, 5, shape[0], dtype=torch.float64)
     W = explicit_matrix(m)
     torch.testing.assert_close(m(x), x @ W.T)
-    torch.testing.assert_close(m.structured_weight(), W)
+    torch.testing.assert_close(m.dense_weight(), W)
+    m(x).pow(2).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((30, 64, "blockshuffle"), r"n_blocks=4 to divide in=30, out=64 and the middle width m=min\(in, out\)=30"),
+        ((32, 64, "blockdense", 6), r"n_blocks=4 to divide in=32 and rank=6"),
+        ((32, 64, "butterfly"), r"unknown structured kind 'butterfly'"),
+    ],
+)
+def test_bad_layer_shapes_are_refused(args, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredLinear(*args, n_blocks=4)
 
 
 def test_lowrank_svd_init_is_best_rank_r_approximation():
@@ -98,7 +113,7 @@ def test_output_scale_at_init_matches_dense_layer(kind, shape):
 def test_self_guided_mixes_dense_and_structured(kind):
     m = layer(kind, self_guided=True)
     x = torch.randn(7, 16, dtype=torch.float64)
-    torch.testing.assert_close(m.dense, m.structured_weight())  # the dense guide starts at the product
+    torch.testing.assert_close(m.dense, m.dense_weight())  # the dense guide starts at the product
     for a in (1.0, 0.3):
         m.alpha = a
         torch.testing.assert_close(m(x), m.structured(x))
@@ -108,6 +123,10 @@ def test_self_guided_mixes_dense_and_structured(kind):
     torch.testing.assert_close(m(x), 0.3 * x @ m.dense.T + 0.7 * x @ explicit_matrix(m).T)
     m(x).pow(2).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in m.parameters())
+    with torch.no_grad():
+        m.dense.fill_(float("nan"))
+    m.alpha = 0.0  # the dense matmul is skipped: 0 * NaN would poison the output
+    torch.testing.assert_close(m(x), x @ explicit_matrix(m).T)
 
 
 def test_alpha_schedule_is_cosine_over_the_fraction():
@@ -124,13 +143,22 @@ def cfg_for(kind: str, self_guided: bool = False, **kw) -> ModelConfig:
 
 def test_drop_self_guided_removes_parameters_and_state():
     model = GatedLM(cfg_for("lowrank", self_guided=True), V)
+    torch.manual_seed(0)
+    model.init_weights()
     n_before = model.num_params()
     guides = [n for n in model.state_dict() if n.endswith(".dense")]
     assert len(guides) == 3  # layer 1's gate/up/down; layer 0 stays dense
+    guide_params = {id(p) for n, p in model.named_parameters() if n.endswith(".dense")}
     dropped = drop_self_guided(model)
-    assert len(dropped) == 3 and model.num_params() == n_before - sum(p.numel() for p in dropped)
+    assert {id(p) for p in dropped} == guide_params and len(dropped) == 3
+    assert model.num_params() == n_before - sum(p.numel() for p in dropped)
     assert not any(n.endswith(".dense") for n in model.state_dict())
+    assert not any(p is q for p in model.parameters() for q in dropped)
     assert drop_self_guided(model) == []
+    lin = model.layers[1].mlp.up_proj
+    x = torch.randn(3, 32)
+    assert lin.alpha == 0.0 and not hasattr(lin, "dense")
+    torch.testing.assert_close(lin(x), lin.structured(x))  # the structured path alone
 
 
 @pytest.mark.parametrize("kind", KINDS)
