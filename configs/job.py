@@ -52,6 +52,22 @@ class DataConfig:
     streaming: bool = True
     num_workers: int = 0  # tokenization processes; 0 = all cores
     seed: int = 0  # split and sample order
+    # What prepare does with a record it cannot train on (a binary file, invalid UTF-8, a malformed jsonl line,
+    # a non-string, missing or empty text, a record over max_record_mb, an unreadable file): skip it and count
+    # it (counts and the first few places go to the prepare summary and the shard manifests), or error: stop
+    # at the first one (empty documents are only counted). The README's data section has the whole policy.
+    on_bad_record: Literal["skip", "error"] = "skip"
+    # With skip, prepare still stops when more than this share of a source's records are malformed (invalid
+    # UTF-8, malformed JSON, non-string text, over max_record_mb, unreadable): that is damage, not noise.
+    # Binary files and empty or missing texts do not count. 0 = stop at the first malformed record, 1 = never.
+    max_malformed_fraction: float = 0.01
+    # A record (a text file, a jsonl line, a parquet cell) larger than this is skipped as too large: with the
+    # piecewise encoding it bounds prepare's memory whatever the documents hold.
+    max_record_mb: int = 64
+    # A source file added, removed or edited after its shards were made: error (refuse, naming the file) or
+    # rebuild that source's shards (the tokenizer is kept). An interrupted prepare whose files changed meanwhile
+    # starts the source over whatever this says (nothing can have trained on it).
+    on_source_change: Literal["error", "rebuild"] = "error"
 
     def validate(self) -> None:
         if not self.sources:
@@ -74,6 +90,14 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 0.5)")
         if self.shard_docs <= 0 or self.num_workers < 0:
             raise ConfigError("data.shard_docs must be > 0 and data.num_workers >= 0")
+        if self.on_bad_record not in ("skip", "error"):
+            raise ConfigError(f"data.on_bad_record={self.on_bad_record!r} must be 'skip' or 'error'")
+        if not 0.0 <= self.max_malformed_fraction <= 1.0:
+            raise ConfigError(f"data.max_malformed_fraction={self.max_malformed_fraction} must be in [0, 1]")
+        if self.max_record_mb <= 0:
+            raise ConfigError(f"data.max_record_mb={self.max_record_mb} must be > 0")
+        if self.on_source_change not in ("error", "rebuild"):
+            raise ConfigError(f"data.on_source_change={self.on_source_change!r} must be 'error' or 'rebuild'")
 
 
 @dataclass
@@ -189,6 +213,8 @@ def load_config(path: str | None = None, overrides: list[tuple[str, Any]] | None
             raw = yaml.safe_load(f.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {f} is not valid YAML: {e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config file {f} is not text (not UTF-8); point --config at a YAML file") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {f} must hold a mapping of sections, got {type(raw).__name__}")
         cfg = from_dict(JobConfig, raw)

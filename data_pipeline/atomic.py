@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -22,15 +23,23 @@ def fsync_dir(directory: Path) -> None:
 
 def write_bytes_atomic(path: Path, data: bytes) -> str:
     """Atomically replace ``path`` with ``data``; returns the blake2b-128 digest of ``data``."""
+    return write_chunks_atomic(path, [data])
+
+
+def write_chunks_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> str:
+    """``write_bytes_atomic`` of the concatenation of ``chunks``, without ever holding it whole."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    h = hashlib.blake2b(digest_size=16)
     with open(tmp, "wb") as f:
-        f.write(data)
+        for c in chunks:
+            h.update(c)
+            f.write(c)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_dir(path.parent)
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return h.hexdigest()
 
 
 def write_text_atomic(path: Path, text: str) -> None:

@@ -29,10 +29,21 @@ class PackedDataset(torch.utils.data.Dataset):
         self.name = name or str(reader.dir)
         self.n_samples = max(0, (reader.n_tokens - 1) // seq_len)
         if self.n_samples == 0:
+            if reader.n_docs == 0:
+                # a one-document corpus: no val_fraction can put half a document in val
+                advice = (
+                    "the train/val split is per document (a text file is one, a jsonl line or parquet row one) and "
+                    "none fell here: add documents, e.g. cut a large text file into several files or jsonl records, "
+                    "and re-run `hybridtron prepare`"
+                )
+            else:
+                advice = (
+                    "lower data.seq_len or add data; the split is per document, so val grows with more documents "
+                    "(or a larger data.val_fraction when there are many)"
+                )
             raise DataError(
                 f"{self.name} holds {reader.n_tokens} tokens in {reader.n_docs} documents, fewer than "
-                f"seq_len+1={seq_len + 1} needed for one sample; lower data.seq_len or add data "
-                f"(for val: raise data.val_fraction)"
+                f"seq_len+1={seq_len + 1} needed for one sample; {advice}"
             )
 
     def __len__(self) -> int:

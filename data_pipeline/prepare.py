@@ -1,4 +1,4 @@
-"""``prepare_data``: tokenizer + token shards for every source, resumable and idempotent.
+"""``prepare_data``: tokenizer + token shards for every source, resumable, idempotent and checked.
 
 Layout of ``out_dir``::
 
@@ -8,6 +8,17 @@ Layout of ``out_dir``::
 
 Each document is stored as its tokens followed by EOS. The train/val split is per document, from a hash of
 (seed, document index), so it is the same on every re-run and independent of sharding or streaming.
+
+Bad records (binary files, invalid UTF-8, malformed jsonl lines, non-string or empty texts, ...) are skipped
+and counted, or stop prepare, as ``data.on_bad_record`` and ``data.max_malformed_fraction`` say (sources.py);
+the counts and the first few places go to the log and to each split's manifest. A complete split is reused
+only while its source files have the paths, sizes and mtimes (or, for a touched file, the content hash)
+recorded in its manifest; otherwise ``data.on_source_change`` says whether to stop or rebuild.
+
+Memory does not grow with a document's length: documents arrive in pieces of at most ``PIECE_CHARS``
+characters (text files are read 1 MiB at a time), pieces are encoded in batches of about ``_ENCODE_BYTES``
+UTF-8 bytes with one batch in flight, and token ids wait in memory only until their shard (at most
+``shard_docs`` documents or ``MAX_SHARD_TOKENS`` tokens) is written; ``max_record_mb`` bounds one record.
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ import hashlib
 import json
 import os
 import struct
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -27,15 +38,26 @@ import numpy as np
 from hybridtron.configs.job import DataConfig
 
 from .atomic import write_text_atomic
-from .errors import DataError
-from .shards import SplitWriter, read_manifest, token_dtype
-from .sources import iter_documents, resolve_files, source_name
+from .errors import DataError, EmptySourceError, SourceChangedError, one_line
+from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
+from .sources import (
+    PIECE_CHARS,
+    READER_VERSION,
+    REASONS,
+    SourceStream,
+    file_hash,
+    file_stamp,
+    resolve_files,
+    source_name,
+)
 from .tokenizer import Tokenizer, load_tokenizer, read_meta, train_bpe, train_sentencepiece
 
 SPLITS = ("train", "val")
-# HF encode_batch parallelises over the documents of one call; batches of ~4M characters keep the cores
-# busy (each batch ends with a tail where its longest documents run alone) while bounding memory
-_ENCODE_CHARS = 4_000_000
+# HF encode_batch parallelises over the texts of one call; batches of ~4 MB keep the cores busy (each batch ends
+# with a tail where its longest pieces run alone) while bounding memory: the tokenizer holds ~100 bytes per token
+# of the batch it encodes, and byte-level BPE makes at most one token per UTF-8 byte
+_ENCODE_BYTES = 4_000_000
+_MAX_OPS = 16384  # bookkeeping entries per batch (resume skips documents without encoding them)
 
 
 @dataclass
@@ -60,19 +82,46 @@ def _tokenizer_config(cfg: DataConfig) -> dict:
     return {"kind": t.kind, "vocab_size": t.vocab_size if t.kind != "pretrained" else None, "path": t.path or None}
 
 
-def _training_texts(cfg: DataConfig, cache: Path) -> Iterator[str]:
-    """Each source contributes its weight's share of ``train_max_chars``, so one big source cannot crowd out the rest."""
+def _training_texts(cfg: DataConfig, cache: Path, reports: list) -> Iterator[str]:
+    """Each source contributes its weight's share of ``train_max_chars``, so one big source cannot crowd out the
+    rest. A document's pieces are passed on once it has ended well (a file can turn out invalid halfway)."""
     total_w = sum(s.weight for s in cfg.sources)
     for src in cfg.sources:
         budget = int(cfg.tokenizer.train_max_chars * src.weight / total_w)
-        for batch in iter_documents(src, cfg.streaming, cache):
-            for t in batch:
+        stream = SourceStream(src, cfg, cache)
+        reports.append(stream.report)
+        doc: list[str] = []
+        length = 0
+        for ev in stream:
+            if ev is None:
+                doc, length = [], 0
+                continue
+            text, last = ev
+            if length < budget:
+                doc.append(text[: budget - length])
+            length += len(text)
+            if last:
+                yield from doc
+                budget -= length
+                doc, length = [], 0
                 if budget <= 0:
                     break
-                yield t[:budget]
-                budget -= len(t)
-            if budget <= 0:
-                break
+
+
+class _Guarded:
+    """Keeps the DataError a text iterator raised: SentencePiece's trainer re-raises it as a RuntimeError."""
+
+    def __init__(self, texts: Iterator[str]):
+        self.texts, self.error, self.chars = texts, None, 0
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            for t in self.texts:
+                self.chars += len(t)
+                yield t
+        except DataError as e:
+            self.error = e
+            raise
 
 
 def get_tokenizer(cfg: DataConfig, out: Path, log: Callable = print) -> Tokenizer:
@@ -93,7 +142,22 @@ def get_tokenizer(cfg: DataConfig, out: Path, log: Callable = print) -> Tokenize
     else:
         log(f"training {t.kind} tokenizer (vocab {t.vocab_size}, <= {t.train_max_chars:,} chars)")
         train = train_bpe if t.kind == "bpe" else train_sentencepiece
-        tok = train(_training_texts(cfg, out / ".hf_cache"), t.vocab_size, t.train_max_chars)
+        reports: list = []
+        texts = _Guarded(_training_texts(cfg, out / ".hf_cache", reports))
+        try:
+            tok = train(texts, t.vocab_size, t.train_max_chars)
+        except Exception:
+            if texts.error is not None:
+                raise texts.error from None
+            if texts.chars:
+                raise
+            tok = None  # SentencePiece refuses an empty corpus: reported below
+        if texts.chars == 0:
+            what = "; ".join(f"{r.source}: {r.summary() or 'no records'}" for r in reports)
+            raise EmptySourceError(
+                f"no text to train the tokenizer on: no source yields a document ({what}); point data.sources at "
+                f"text files, or at jsonl/parquet records with a text field"
+            )
     tok.save(tdir, config=want)
     return load_tokenizer(tdir)
 
@@ -103,111 +167,226 @@ def is_val(seed: int, doc_index: int, val_fraction: float) -> bool:
     return int.from_bytes(h, "little") / 2.0**64 < val_fraction
 
 
-def _assign_splits(batches: Iterator[list[str]], seed: int, val_fraction: float) -> Iterator[tuple[str, str]]:
-    """(split, text) per document. The last document is held back one step so that it can fill a split that
-    no document drew: train is never empty, and val is non-empty whenever there are >= 2 documents, without
-    knowing the count upfront (streaming)."""
-    prev: str | None = None
-    n = n_val = 0
-    for batch in batches:
-        for text in batch:
-            if prev is not None:
-                split = "val" if is_val(seed, n - 1, val_fraction) else "train"
-                n_val += split == "val"
-                yield split, prev
-            prev = text
-            n += 1
-    if prev is not None:
-        if n_val == n - 1:  # no train document yet
-            last = "train"
-        elif n_val == 0:
-            last = "val"
-        else:
-            last = "val" if is_val(seed, n - 1, val_fraction) else "train"
-        yield last, prev
-
-
-def _source_key(cfg: DataConfig, i: int, files: list[Path], fmt: str) -> str:
+def _source_key(cfg: DataConfig, i: int, fmt: str) -> str:
     s = cfg.sources[i]
-    # what fixes the content of the shards; not `streaming` or `num_workers`, which must not change the result
+    # how the shards are made from the files (the files themselves: inputs_digest and the manifest's `source`);
+    # not `streaming` or `num_workers`, which must not change the result
     desc = {
-        "files": [str(f) for f in files],
         "format": fmt,
         "text_field": s.text_field,
         "seed": cfg.seed,
         "val_fraction": cfg.val_fraction,
         "shard_docs": cfg.shard_docs,
+        "shard_max_tokens": MAX_SHARD_TOKENS,
+        "max_record_mb": cfg.max_record_mb,
+        "piece_chars": PIECE_CHARS,
+        "reader": READER_VERSION,
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 
 
-def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Path, log: Callable) -> None:
+def _inputs_digest(stamps: list[list]) -> str:
+    return hashlib.blake2b(json.dumps(stamps).encode(), digest_size=16).hexdigest()
+
+
+def _compare_inputs(recorded: list | None, stamps: list[list]) -> tuple[str | None, list | None]:
+    """(what changed, None), or (None, refreshed records when files were only touched, else None)."""
+    if recorded is None:
+        return "its manifest records no source files", None
+    rec = {r[0]: r for r in recorded}
+    cur = {s[0]: s for s in stamps}
+    for paths, what in (([p for p in cur if p not in rec], "added"), ([p for p in rec if p not in cur], "removed")):
+        if paths:
+            more = f" (and {len(paths) - 1} more)" if len(paths) > 1 else ""
+            return f"file {one_line(paths[0])} was {what}{more}", None
+    refreshed, touched = [], False
+    for path, size, mtime in stamps:
+        old = rec[path]
+        if old[1] != size:
+            return f"file {one_line(path)} changed (size {old[1]:,} -> {size:,} bytes)", None
+        if old[2] != mtime:
+            if old[3] is None or file_hash(path) != old[3]:
+                return f"file {one_line(path)} changed (same size, new mtime, content differs or was not hashed)", None
+            touched = True  # touched, or rewritten with the same bytes
+        refreshed.append([path, size, mtime, old[3]])
+    return None, (refreshed if touched else None)
+
+
+class _Doc:
+    __slots__ = ("split", "parts")
+
+    def __init__(self, split: str, skip: bool):
+        self.split = split
+        self.parts: list[np.ndarray] | None = None if skip else []
+
+
+class _Sink:
+    """Finished documents, in stream order, into the split writers. The last document is held back one step
+    so that it can fill a split that no document drew: train is never empty, and val is non-empty whenever
+    there are >= 2 documents, without knowing the count upfront (streaming). Documents already in committed
+    shards (a resumed run) are counted, not written."""
+
+    def __init__(self, writers: dict[str, SplitWriter], skip: dict[str, int], eos: int, dtype: np.dtype):
+        self.writers, self.skip = writers, skip
+        self.eos = np.array([eos], dtype=dtype)
+        self.held: _Doc | None = None
+        self.n = self.n_val = 0
+        self.seen = dict.fromkeys(SPLITS, 0)
+
+    def add(self, doc: _Doc) -> None:
+        if self.held is not None:
+            self._write(self.held, self.held.split)
+        self.held = doc
+
+    def close(self) -> None:
+        doc, self.held = self.held, None
+        if doc is None:
+            return
+        if self.n_val == self.n:  # no train document yet
+            split = "train"
+        elif self.n_val == 0:
+            split = "val"
+        else:
+            split = doc.split
+        self._write(doc, split)
+
+    def _write(self, doc: _Doc, split: str) -> None:
+        self.n += 1
+        self.n_val += split == "val"
+        self.seen[split] += 1
+        if self.seen[split] <= self.skip[split]:
+            return  # already in a committed shard
+        if doc.parts is None:  # cannot happen: a skipped document is never the one moved to the other split
+            raise RuntimeError(f"document {self.n - 1} was skipped as committed but is not in {split}'s shards")
+        self.writers[split].add([*doc.parts, self.eos])
+
+
+def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Path, log: Callable) -> dict:
+    """Shards for source ``i`` (or none, when complete and current); returns its manifest's ``source`` record."""
     src = cfg.sources[i]
     files, fmt = resolve_files(src)
-    key = _source_key(cfg, i, files, fmt)
+    stamps = [file_stamp(f) for f in files]
+    digest = _inputs_digest(stamps)
+    key = _source_key(cfg, i, fmt)
     dtype = token_dtype(tok.vocab_size)
-    writers = {s: SplitWriter(out / name / s, dtype, tok.fingerprint, key, cfg.shard_docs) for s in SPLITS}
+    writers = {s: SplitWriter(out / name / s, dtype, tok.fingerprint, key, cfg.shard_docs, digest) for s in SPLITS}
     if all(w.complete for w in writers.values()):
-        return
+        recorded = writers["train"].manifest.get("source") or {}
+        change, refreshed = _compare_inputs(recorded.get("files"), stamps)
+        if change is None:
+            if refreshed is not None:
+                for w in writers.values():
+                    w.save_source({**recorded, "files": refreshed}, digest)
+            return recorded
+        if cfg.on_source_change == "error":
+            raise SourceChangedError(
+                f"source {name!r}: {change} since its shards in {out / name} were prepared; restore it, or set "
+                f"data.on_source_change=rebuild to re-tokenize this source (the tokenizer is kept; a resumed run "
+                f"then reads other data), or use another data.out_dir"
+            )
+        log(f"{name}: {change}; rebuilding its shards (data.on_source_change=rebuild)")
+        for w in writers.values():
+            w.reset(digest)
+    elif any(w.manifest.get("inputs_digest") != digest for w in writers.values()):
+        log(f"{name}: source files changed since the interrupted prepare; starting this source over")
+        for w in writers.values():
+            w.reset(digest)
     skip = {s: w.docs_done for s, w in writers.items()}
     if any(skip.values()):
         log(f"{name}: resuming after {skip['train']} train / {skip['val']} val documents already in shards")
     log(f"{name}: tokenizing {len(files)} files ({fmt}) from {src.path}")
-    seen = dict.fromkeys(SPLITS, 0)
-    pending: dict[str, list[str]] = {s: [] for s in SPLITS}
-    chars = dict.fromkeys(SPLITS, 0)
-    eos = tok.eos_id
+    stream = SourceStream(src, cfg, out / ".hf_cache", resolved=(files, fmt), stamps=stamps, name=name)
+    sink = _Sink(writers, skip, tok.eos_id, dtype)
     # Encoding runs on one worker thread (tokenizers and SentencePiece release the GIL and use every core
     # themselves), so reading the next batch and writing the previous one's shards overlap with it. Two
     # concurrent encode calls measured slower than one (Rayon already saturates the cores). Results are
-    # written in submission order, so the shards are identical to a serial run.
-    in_flight: deque[tuple[str, Future]] = deque()
+    # applied in submission order, so the shards are identical to a serial run.
+    texts: list[str] = []
+    ops: list[tuple[bool, _Doc]] = []  # (True: the next encoded piece belongs to doc, False: doc has ended)
+    nbytes = 0  # UTF-8 bytes of `texts`
+    in_flight: deque[tuple[Future | None, list]] = deque()
 
-    def write_oldest() -> None:
-        split, fut = in_flight.popleft()
-        for ids in fut.result():
-            doc = np.empty(len(ids) + 1, dtype=dtype)
-            doc[:-1] = ids
-            doc[-1] = eos
-            writers[split].add(doc)
+    def apply_oldest() -> None:
+        fut, batch_ops = in_flight.popleft()
+        results = iter(fut.result() if fut is not None else ())
+        for is_piece, doc in batch_ops:
+            if is_piece:
+                ids = next(results)
+                if doc.parts is not None:
+                    doc.parts.append(ids)
+            else:
+                sink.add(doc)
 
-    def submit(split: str) -> None:
-        if pending[split]:
-            in_flight.append((split, pool.submit(tok.encode_batch, pending[split])))
-            pending[split] = []
-            chars[split] = 0
+    def submit() -> None:
+        nonlocal texts, ops, nbytes
+        if ops:
+            in_flight.append((pool.submit(tok.encode_batch_arrays, texts, dtype) if texts else None, ops))
+            texts, ops, nbytes = [], [], 0
         while len(in_flight) > 1:
-            write_oldest()
+            apply_oldest()
 
+    n = 0
+    by_hash = dict.fromkeys(SPLITS, 0)
+    cur: _Doc | None = None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
-        docs = iter_documents(src, cfg.streaming, out / ".hf_cache", resolved=(files, fmt))
-        for split, text in _assign_splits(docs, cfg.seed, cfg.val_fraction):
-            seen[split] += 1
-            if seen[split] <= skip[split]:
-                continue  # already in a committed shard: reading is cheap, tokenizing is what we avoid
-            pending[split].append(text)
-            chars[split] += len(text)
-            if chars[split] >= _ENCODE_CHARS:
-                submit(split)
-        for s in SPLITS:
-            submit(s)
+        for ev in stream:
+            if ev is None:  # the document in progress turned out bad: forget it, its index is reused
+                if cur is not None:
+                    by_hash[cur.split] -= 1
+                    n -= 1
+                    cur.parts = None
+                    cur = None
+                continue
+            text, last = ev
+            if cur is None:
+                split = "val" if is_val(cfg.seed, n, cfg.val_fraction) else "train"
+                by_hash[split] += 1
+                n += 1
+                # the k-th document drawn for a split that already holds >= k is in a committed shard: reading
+                # it is cheap, tokenizing is what we avoid
+                cur = _Doc(split, skip=by_hash[split] <= skip[split])
+            if cur.parts is not None:
+                texts.append(text)
+                ops.append((True, cur))
+                nbytes += len(text) if text.isascii() else len(text.encode("utf-8"))
+            if last:
+                ops.append((False, cur))
+                cur = None
+            if nbytes >= _ENCODE_BYTES or len(ops) >= _MAX_OPS:
+                submit()
+        submit()
         while in_flight:
-            write_oldest()
+            apply_oldest()
+    sink.close()
+    report = stream.report
+    report.check(cfg)  # too many malformed records, or no document: stop before marking anything complete
+    source = report.to_json()
     for s in SPLITS:
-        writers[s].finish()
+        writers[s].finish(source)
+    n_val = writers["val"].manifest["n_docs"]
+    log(
+        f"{name}: {report.documents:,} documents ({report.documents - n_val:,} train, {n_val:,} val) from "
+        f"{len(files)} files" + (f"; {report.summary()}" if report.summary() else "")
+    )
+    return source
 
 
 def _stats(out: Path, names: list[str]) -> dict:
     stats: dict = {s: {"docs": 0, "tokens": 0} for s in SPLITS}
     stats["by_source"] = {}
+    stats["skipped"] = Counter()
     for name in names:
-        per = {}
+        per: dict = {}
         for s in SPLITS:
             m = read_manifest(out / name / s) or {"n_docs": 0, "n_tokens": 0}
             per[s] = {"docs": m["n_docs"], "tokens": m["n_tokens"]}
             stats[s]["docs"] += m["n_docs"]
             stats[s]["tokens"] += m["n_tokens"]
+            if s == "train":
+                per["skipped"] = dict((m.get("source") or {}).get("skipped", {}))
+                stats["skipped"].update(per["skipped"])
         stats["by_source"][name] = per
+    stats["skipped"] = dict(stats["skipped"])
     return stats
 
 
@@ -232,8 +411,16 @@ def prepare_data(cfg: DataConfig, log: Callable = print) -> PreparedData:
         _prepare_source(cfg, i, name, tok, out, log)
     stats = _stats(out, names)
     write_text_atomic(out / "prepare_config.json", json.dumps(asdict(cfg), indent=2))
+    for name, per in stats["by_source"].items():
+        if per["val"]["docs"] == 0:
+            log(
+                f"warning: {name} has no validation document ({per['train']['docs']} in all): the train/val split is "
+                f"per document (a text file is one), so add documents, e.g. several files or jsonl records"
+            )
+    skipped = ", ".join(f"{REASONS[r]}: {n}" for r, n in stats["skipped"].items())
     log(
         f"prepared {out}: train {stats['train']['docs']} docs / {stats['train']['tokens']:,} tokens, "
         f"val {stats['val']['docs']} docs / {stats['val']['tokens']:,} tokens"
+        + (f"; skipped {skipped} (places: each source's train/manifest.json)" if skipped else "")
     )
     return PreparedData(out, tok, out / "tokenizer", names, stats)

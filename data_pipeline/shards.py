@@ -2,6 +2,12 @@
 and one ``manifest.json`` per split directory.
 
 Every document stored in a shard ends with the tokenizer's EOS id (appended at write time by ``prepare``).
+A shard closes after ``shard_docs`` documents or once it holds ``MAX_SHARD_TOKENS`` tokens, so the tokens a
+writer buffers are bounded whatever the documents' length.
+
+What the split was made from: ``key`` (format, text field, split rule, reader version), ``inputs_digest`` (the
+source files' paths, sizes and mtimes when the build started) and, once complete, ``source``: every source
+file's ``[path, size, mtime_ns, blake2b]`` and the counts of what was kept and skipped (see ``prepare``).
 
 Crash safety: each file is written under a ``.tmp`` name, fsynced and renamed; the manifest (also replaced
 atomically) lists a shard only after both its files are in place. A shard file that the manifest does not
@@ -17,11 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import fsync_dir, write_bytes_atomic
+from .atomic import fsync_dir, write_bytes_atomic, write_chunks_atomic
 from .errors import DataError
 
 MANIFEST = "manifest.json"
-VERSION = 1
+VERSION = 2
+MAX_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 ids
 _CHUNK = 1 << 22
 
 
@@ -46,18 +53,24 @@ def shard_stem(index: int) -> str:
     return f"shard_{index:05d}"
 
 
-def write_shard(directory: Path, index: int, docs: list[np.ndarray], dtype: np.dtype) -> dict:
-    """Write one shard's two files; returns its manifest entry. Does not touch the manifest."""
+def _parts(doc) -> list[np.ndarray]:
+    return [doc] if isinstance(doc, np.ndarray) else list(doc)
+
+
+def write_shard(directory: Path, index: int, docs: list, dtype: np.dtype) -> dict:
+    """Write one shard's two files; returns its manifest entry. Does not touch the manifest.
+    A document is an array of ids or a list of arrays (the pieces of a long document), written in turn."""
+    lengths = [sum(len(p) for p in _parts(d)) for d in docs]
     offsets = np.zeros(len(docs) + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs], out=offsets[1:])
-    tokens = np.concatenate(docs).astype(dtype, copy=False) if docs else np.zeros(0, dtype)
+    np.cumsum(lengths, out=offsets[1:])
+    chunks = (memoryview(np.ascontiguousarray(p, dtype=dtype)).cast("B") for d in docs for p in _parts(d) if len(p))
     stem = shard_stem(index)
     return {
         "bin": stem + ".bin",
         "idx": stem + ".idx",
         "n_docs": len(docs),
         "n_tokens": int(offsets[-1]),
-        "bin_blake2b": write_bytes_atomic(directory / (stem + ".bin"), tokens.tobytes()),
+        "bin_blake2b": write_chunks_atomic(directory / (stem + ".bin"), chunks),
         "idx_blake2b": write_bytes_atomic(directory / (stem + ".idx"), offsets.tobytes()),
     }
 
@@ -75,37 +88,61 @@ def read_manifest(directory: Path) -> dict | None:
 class SplitWriter:
     """Appends documents to a split directory, one shard per ``shard_docs`` documents, resuming after a crash.
 
-    ``key`` identifies what the split is made from (files, split rule, tokenizer); reopening a directory made
-    from something else is an error rather than a silent mix of two corpora.
+    ``key`` identifies how the split is made (format, split rule, tokenizer); reopening a directory made another
+    way is an error rather than a silent mix of two corpora. ``inputs_digest`` identifies the source files a
+    build started from: ``prepare`` compares it (and, once complete, the recorded files) with the files now.
     """
 
-    def __init__(self, directory: Path, dtype: np.dtype, fingerprint: str, key: str, shard_docs: int):
+    def __init__(
+        self, directory: Path, dtype: np.dtype, fingerprint: str, key: str, shard_docs: int, inputs_digest: str = ""
+    ):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.dtype = np.dtype(dtype)
         self.shard_docs = shard_docs
+        self.fingerprint, self.key = fingerprint, key
         m = read_manifest(self.dir)
+        if m is not None and m.get("version") != VERSION:
+            raise ShardError(
+                f"{self.dir} was prepared by another version of `hybridtron prepare` (manifest version "
+                f"{m.get('version')}, this one writes {VERSION}); delete {self.dir.parent} and re-run `hybridtron prepare`"
+            )
         if m is not None and (m.get("key") != key or m.get("tokenizer_fingerprint") != fingerprint):
             raise ShardError(
                 f"{self.dir} was prepared from another source, split or tokenizer configuration; "
                 f"use another data.out_dir or delete {self.dir} and re-run `hybridtron prepare`"
             )
-        self.manifest = m or {
+        self.manifest = m or self._new_manifest(inputs_digest)
+        self._remove_unlisted()
+        self._buf: list = []
+        self._buf_tokens = 0
+
+    def _new_manifest(self, inputs_digest: str) -> dict:
+        return {
             "version": VERSION,
             "dtype": self.dtype.name,
-            "tokenizer_fingerprint": fingerprint,
-            "key": key,
-            "shard_docs": shard_docs,
+            "tokenizer_fingerprint": self.fingerprint,
+            "key": self.key,
+            "inputs_digest": inputs_digest,
+            "shard_docs": self.shard_docs,
             "complete": False,
             "n_docs": 0,
             "n_tokens": 0,
             "shards": [],
         }
+
+    def _remove_unlisted(self) -> None:
         listed = {e[k] for e in self.manifest["shards"] for k in ("bin", "idx")} | {MANIFEST}
         for f in self.dir.iterdir():
             if f.name not in listed:
                 f.unlink()  # a temp file or a shard the manifest never listed: an interrupted write
-        self._buf: list[np.ndarray] = []
+
+    def reset(self, inputs_digest: str) -> None:
+        """Start the split over (its sources changed): an empty manifest first, then the old shards go."""
+        self.manifest = self._new_manifest(inputs_digest)
+        self._save()
+        self._remove_unlisted()
+        self._buf, self._buf_tokens = [], 0
 
     @property
     def complete(self) -> bool:
@@ -116,26 +153,37 @@ class SplitWriter:
         """Documents already in committed shards; ``prepare`` skips that many on resume."""
         return int(self.manifest["n_docs"])
 
-    def add(self, ids: np.ndarray) -> None:
+    def add(self, ids) -> None:
+        """One document: an array of ids, or a list of arrays (its pieces, in order)."""
         self._buf.append(ids)
-        if len(self._buf) == self.shard_docs:
+        self._buf_tokens += sum(len(p) for p in _parts(ids))
+        if len(self._buf) == self.shard_docs or self._buf_tokens >= MAX_SHARD_TOKENS:
             self._flush()
 
     def _flush(self) -> None:
         if not self._buf:
             return
         entry = write_shard(self.dir, len(self.manifest["shards"]), self._buf, self.dtype)
-        self._buf = []
+        self._buf, self._buf_tokens = [], 0
         self.manifest["shards"].append(entry)
         self.manifest["n_docs"] += entry["n_docs"]
         self.manifest["n_tokens"] += entry["n_tokens"]
         self._save()
 
-    def finish(self) -> dict:
+    def finish(self, source: dict | None = None) -> dict:
+        """Write the last shard and mark the split complete; ``source`` (files and counts) goes in the manifest."""
         self._flush()
+        if source is not None:
+            self.manifest["source"] = source
         self.manifest["complete"] = True
         self._save()
         return self.manifest
+
+    def save_source(self, source: dict, inputs_digest: str) -> None:
+        """Record refreshed file stamps (a file touched without a change of content)."""
+        self.manifest["source"] = source
+        self.manifest["inputs_digest"] = inputs_digest
+        self._save()
 
     def _save(self) -> None:
         write_bytes_atomic(self.dir / MANIFEST, json.dumps(self.manifest, indent=1).encode())

@@ -62,7 +62,7 @@ class Tokenizer:
             self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else self.eos_id
             self.pad_id = self._sp.pad_id() if self._sp.pad_id() >= 0 else self.eos_id
         if self.eos_id is None:
-            raise ValueError(
+            raise DataError(
                 f"tokenizer has no end-of-document token (looked for {_EOS_NAMES}); documents are packed with EOS "
                 f"between them, so use a tokenizer that defines one"
             )
@@ -81,6 +81,23 @@ class Tokenizer:
         if self.kind == "hf":
             return [e.ids for e in self._hf.encode_batch(texts, add_special_tokens=False)]
         return self._sp.encode(texts, out_type=int, num_threads=self.num_threads)
+
+    def encode_batch_arrays(self, texts: list[str], dtype) -> list:
+        """``encode_batch`` as numpy arrays of ``dtype``, converted text by text: a Python list of ids costs
+        ~36 bytes a token, the array 2 or 4, and the batch's encodings are released as soon as possible."""
+        import numpy as np
+
+        if self.kind == "hf":
+            # encode_batch_fast (tokenizers >= 0.20) skips the character offsets: same ids, ~1.7x faster and a
+            # third less memory, measured on prose and base64
+            encode = getattr(self._hf, "encode_batch_fast", self._hf.encode_batch)
+            encs = encode(texts, add_special_tokens=False)
+            out = []
+            for i, e in enumerate(encs):
+                out.append(np.array(e.ids, dtype=dtype))
+                encs[i] = None
+            return out
+        return [np.array(ids, dtype=dtype) for ids in self._sp.encode(texts, out_type=int, num_threads=self.num_threads)]
 
     def decode(self, ids: list[int]) -> str:
         if self.kind == "hf":
@@ -132,14 +149,25 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
                 f"{p / meta['file']} does not match the fingerprint in {p / META_FILE}; it was modified or "
                 f"half-written: delete {p} and re-run `hybridtron prepare`"
             )
-        return Tokenizer(meta["kind"], blob)
+        return _load(meta["kind"], blob, p / meta["file"])
     if not p.is_file():
         raise DataNotFoundError(f"tokenizer path {p} does not exist")
     if p.suffix == ".json":
-        return Tokenizer("hf", p.read_bytes())
+        return _load("hf", p.read_bytes(), p)
     if p.suffix == ".model":
-        return Tokenizer("sp", p.read_bytes())
+        return _load("sp", p.read_bytes(), p)
     raise DataError(f"tokenizer file {p} must be a tokenizer.json or a SentencePiece .model")
+
+
+def _load(kind: str, blob: bytes, path: Path) -> Tokenizer:
+    try:
+        return Tokenizer(kind, blob)
+    except DataError as e:
+        raise DataError(f"{path}: {e}") from None
+    except Exception as e:  # tokenizers / sentencepiece parse errors: a damaged or foreign file
+        what = "HF tokenizers tokenizer.json" if kind == "hf" else "SentencePiece model"
+        msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path} is not a valid {what} ({msg}); give an intact tokenizer file") from None
 
 
 def _capped(texts: Iterable[str], max_chars: int) -> Iterator[str]:
