@@ -1,4 +1,4 @@
-"""Atomic, resumable checkpoints.
+"""Atomic, verified, resumable checkpoints.
 
 Layout of ``<run_dir>/checkpoints/``::
 
@@ -8,16 +8,17 @@ Layout of ``<run_dir>/checkpoints/``::
         rng.pt              torch RNG states, loaded with weights_only=True
         trainer_state.json  step, data position, tokens seen, python RNG
         config.yaml         the resolved job config
-        tokenizer/          the tokenizer the run was trained with
+        tokenizer/          the tokenizer the run was trained with (its real files only, never temp files)
         manifest.json       size and sha256 of every file above, written last
     latest                  text file naming the newest complete checkpoint
 
-A checkpoint is written under a temporary name and renamed into place only when every file is on
-disk, and ``latest`` is replaced after that; a crash at any moment leaves either the previous state or
-the new one, never a directory that looks complete and is not. Loading verifies every file against the
-manifest first, so a truncated, overwritten or missing file is named in a one-line error instead of
-resuming from different values. A full disk during a save removes the partial directory and says so;
-``latest`` keeps naming the previous checkpoint.
+A checkpoint is written under a temporary name and renamed into place only when every file (the manifest
+included) is on disk, and ``latest`` is replaced after that; a crash at any moment leaves either the
+previous state or the new one, never a directory that looks complete and is not. Loading verifies the
+files against the manifest first, so a truncated, overwritten or missing file is named in a one-line
+error instead of resuming from other values; a damaged newest checkpoint is refused (with the advice to
+delete it), never skipped for an older one in silence. A full disk during a save removes the partial
+directory and raises ``DiskFullError`` naming the file; ``latest`` keeps naming the previous checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import random
 import re
 import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +45,16 @@ from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
 STEP_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
 MANIFEST = "manifest.json"
-# What a tokenizer directory may hold; temporary files of an interrupted save (".tokenizer.json.tmp-PID")
-# never travel into a checkpoint.
-TOKENIZER_SKIP = shutil.ignore_patterns(".*", "*.tmp*", "*.tmp-*")
+# Never copied into a checkpoint's tokenizer/: dotfiles and the temporary files of an interrupted atomic
+# write (".tokenizer.json.tmp-PID"), which would otherwise travel into every checkpoint after it.
+TOKENIZER_SKIP = shutil.ignore_patterns(".*", "*.tmp", "*.tmp-*", "*.tmp.*", "*~")
+# torch.save reports a failed write (ENOSPC among others) from its zip writer without the errno, e.g.
+# "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 662"; such a failure is taken for a
+# full disk when the file system has less than LOW_SPACE_BYTES left.
+TORCH_WRITE_FAILURE = ("inline_container", "pytorchstreamwriter", "file write failed", "unexpected pos")
+LOW_SPACE_BYTES = 64 << 20
+
+_warned: set[tuple[str, ...]] = set()  # warnings already printed in this process (latest() runs twice per resume)
 
 
 class CheckpointError(RuntimeError):
@@ -56,54 +65,102 @@ class DiskFullError(CheckpointError):
     """No space left on the device while writing a checkpoint; nothing of it was kept."""
 
 
+def _warn_once(key: tuple[str, ...], msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        print(f"[hybridtron] warning: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- checksums ---------------------------------------------------------------------------------
 def file_digest(path: Path) -> str:
-    """sha256 of a file, read in 8 MiB blocks. Measured on the 2-core CI VM: 1.7 s per GB (blake2b: 3.3 s;
-    sha256 uses the CPU's SHA instructions), so verifying a 1B model's 12 GB checkpoint costs ~20 s."""
+    """sha256 of a file. Measured on the 2-core CI VM (warm page cache): 120-175 ms per 100 MB, blake2b
+    225-250 ms (sha256 runs on the CPU's SHA instructions); the files of a checkpoint are hashed in parallel."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(8 << 20):
-            h.update(block)
+    buf = bytearray(1 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
+def _digests(paths: list[Path]) -> list[str]:
+    if len(paths) <= 1:
+        return [file_digest(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(4, len(paths))) as pool:  # hashlib releases the GIL
+        return list(pool.map(file_digest, paths))
+
+
 def _files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() != MANIFEST)
 
 
 def write_manifest(root: Path) -> None:
-    files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": file_digest(p)} for p in _files(root)}
-    (root / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    """``manifest.json`` in checkpoint directory ``root``: the size and sha256 of every other file in it."""
+    files = _files(root)
+    digests = _digests(files)
+    manifest = {"format": 1, "files": {p.relative_to(root).as_posix(): {"bytes": p.stat().st_size, "sha256": d}
+                                       for p, d in zip(files, digests, strict=True)}}
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
-def verify_manifest(path: Path) -> None:
-    """Every file the manifest lists is there with its size and digest; CheckpointError naming the first that is not."""
-    advice = (f"delete {path} to resume from the checkpoint before it, or start a new --run-dir")
+def resume_advice(path: Path) -> str:
+    """What to do about a damaged checkpoint ``path``: delete it, naming the one the run then resumes from."""
+    prev = [p for p in CheckpointManager(path.parent.parent).complete() if p.name < path.name] if STEP_RE.match(
+        path.name) else []
+    if prev:
+        return f"delete {path} to resume from {prev[-1].name}, the checkpoint before it"
+    return f"delete {path} to start the run over (it is the run's only checkpoint), or use another checkpoint"
+
+
+def verify_manifest(path: Path, only: tuple[str, ...] | None = None) -> None:
+    """The files ``manifest.json`` lists (those under the top-level names ``only``, or all) are there with their
+    size and sha256; otherwise CheckpointError naming the first that is not. A checkpoint without a manifest
+    (written before manifests existed) is loaded with a warning."""
+    path = Path(path)
     mf = path / MANIFEST
     if not mf.is_file():
-        print(f"[hybridtron] warning: checkpoint {path} has no {MANIFEST} (written by an older version); "
-              f"its files cannot be verified", file=sys.stderr)
+        _warn_once(("no-manifest", str(path)), f"checkpoint {path} has no {MANIFEST} (written by an older version); "
+                   f"its files cannot be verified")
         return
     try:
         files = json.loads(mf.read_text())["files"]
-    except (ValueError, KeyError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({e}); {advice}") from None
-    for rel, want in files.items():
+        want = {str(rel): (int(v["bytes"]), str(v["sha256"])) for rel, v in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable ({type(e).__name__}); "
+                              f"{resume_advice(path)}") from None
+    rels = sorted(r for r in want if only is None or r.split("/", 1)[0] in only)
+    for rel in rels:
         f = path / rel
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {path}: {rel} is missing; {advice}")
-        if f.stat().st_size != want["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} is missing (the manifest lists it); {resume_advice(path)}")
+        if f.stat().st_size != want[rel][0]:
             raise CheckpointError(f"checkpoint {path}: {rel} has {f.stat().st_size} bytes, the manifest says "
-                                  f"{want['bytes']} (truncated or replaced); {advice}")
-        if file_digest(f) != want["sha256"]:
+                                  f"{want[rel][0]} (truncated or replaced); {resume_advice(path)}")
+    for rel, got in zip(rels, _digests([path / r for r in rels]), strict=True):
+        if got != want[rel][1]:
             raise CheckpointError(f"checkpoint {path}: {rel} does not match its checksum (corrupt or modified "
-                                  f"after saving); {advice}")
+                                  f"after saving); {resume_advice(path)}")
 
 
-def _is_disk_full(e: BaseException) -> bool:
+# ---- full disks --------------------------------------------------------------------------------
+def _free_bytes(path: Path) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 1 << 62  # unknown: do not claim the disk is full
+    return st.f_bavail * st.f_frsize
+
+
+def _is_disk_full(e: BaseException, where: Path | None = None) -> bool:
+    """Whether a write failed for want of space: ENOSPC/EDQUOT, a message saying so (safetensors, shutil.Error),
+    or torch's errno-less zip-writer failure while ``where``'s file system is (nearly) full."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
-    text = str(e).lower()  # torch.save reports ENOSPC as a RuntimeError from its zip writer
-    return "no space left" in text or "file write failed" in text
+    text = str(e).lower()
+    if "no space left" in text or "disk quota exceeded" in text or "os error 28" in text:
+        return True
+    return where is not None and any(s in text for s in TORCH_WRITE_FAILURE) and _free_bytes(where) < LOW_SPACE_BYTES
 
 
 def step_dir_name(step: int) -> str:
@@ -162,9 +219,9 @@ class CheckpointManager:
             return []
         return sorted(p for p in self.dir.iterdir() if p.is_dir() and STEP_RE.match(p.name))
 
-    def latest(self) -> Path | None:
-        """The checkpoint named by ``latest``; if the pointer is missing or stale, the newest complete one
-        (and a warning saying so)."""
+    def latest(self, warn: bool = True) -> Path | None:
+        """The checkpoint named by ``latest``; if the pointer names a directory that is not there, the newest
+        complete one, with a warning naming both (once per process)."""
         ptr = self.dir / LATEST
         named = None
         if ptr.is_file():
@@ -173,18 +230,20 @@ class CheckpointManager:
             if STEP_RE.match(named) and cand.is_dir():
                 return cand
         done = self.complete()
-        if named is not None:
-            print(f"[hybridtron] warning: {ptr} names {named!r}, which is not a checkpoint here; "
-                  f"{'using the newest complete one, ' + done[-1].name if done else 'no complete checkpoint is left'}",
-                  file=sys.stderr)
+        if named is not None and warn:
+            _warn_once(("latest", str(ptr), named), f"{ptr} names {named!r}, which is not a checkpoint directory "
+                       f"here; " + (f"using the newest complete checkpoint, {done[-1].name}" if done
+                                    else "no complete checkpoint is left: starting from step 0"))
         return done[-1] if done else None
 
     def clean_partial(self) -> None:
-        """Remove temporary directories left by a save that was killed midway."""
+        """Remove what a save killed midway left: its temporary directory and a temporary ``latest``."""
         if self.dir.is_dir():
             for p in self.dir.iterdir():
                 if p.name.startswith(".tmp-"):
                     shutil.rmtree(p, ignore_errors=True)
+                elif p.name.startswith(f".{LATEST}.tmp-") and p.is_file():
+                    p.unlink(missing_ok=True)
 
     # ---- save ------------------------------------------------------------------------------
     def save(
@@ -200,33 +259,57 @@ class CheckpointManager:
         tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)
+        writing = tmp
         try:
             tmp.mkdir()
-            save_model(model, str(tmp / "model.safetensors"))
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            writing = tmp / "model.safetensors"
+            save_model(model, str(writing))
+            writing = tmp / "optimizer.pt"
+            torch.save(optimizer.state_dict(), writing)
             rng_tensors, rng_plain = capture_rng()
-            torch.save(rng_tensors, tmp / "rng.pt")
+            writing = tmp / "rng.pt"
+            torch.save(rng_tensors, writing)
             meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen}
-            (tmp / "trainer_state.json").write_text(json.dumps({**meta, "rng": rng_plain}))
-            (tmp / "config.yaml").write_text(config_yaml)
-            shutil.copytree(tokenizer_dir, tmp / "tokenizer", ignore=TOKENIZER_SKIP)
+            writing = tmp / "trainer_state.json"
+            writing.write_text(json.dumps({**meta, "rng": rng_plain}))
+            writing = tmp / "config.yaml"
+            writing.write_text(config_yaml)
+            writing = tmp / "tokenizer"
+            shutil.copytree(tokenizer_dir, writing, ignore=TOKENIZER_SKIP)
+            writing = tmp / MANIFEST
             write_manifest(tmp)
+            writing = tmp
             _fsync_tree(tmp)
-        except (OSError, RuntimeError) as e:
+        except BaseException as e:
+            # Whatever stopped the save, its half-written directory goes (a killed process's goes at the next
+            # start, in clean_partial); latest still names the previous checkpoint. Free space is judged before
+            # the partial files are removed.
+            full = isinstance(e, Exception) and _is_disk_full(e, self.dir)
             shutil.rmtree(tmp, ignore_errors=True)
-            if not _is_disk_full(e):
-                raise
-            prev = self.latest()
-            raise DiskFullError(
-                f"no space left on device writing checkpoint {final} (free space under {self.dir}, then run the same "
-                f"command to resume); the partial checkpoint was removed and {LATEST} still names "
-                f"{prev.name if prev else 'no checkpoint'}"
-            ) from None
+            if full:
+                prev = self.latest(warn=False)
+                raise DiskFullError(
+                    f"no space left on device writing {writing.name} of checkpoint {final.name} in {self.dir}; the "
+                    f"partial checkpoint was removed and {LATEST} still names {prev.name if prev else 'no checkpoint'}: "
+                    f"free space there (or lower checkpoint.keep_last), then run the same command to resume"
+                ) from None
+            raise
         if final.exists():  # re-saving the same step (e.g. exit right after a periodic save)
             shutil.rmtree(final)
         os.rename(tmp, final)
         fsync_dir(self.dir)
-        write_text_atomic(self.dir / LATEST, final.name)
+        try:
+            write_text_atomic(self.dir / LATEST, final.name)
+        except OSError as e:
+            (self.dir / f".{LATEST}.tmp-{os.getpid()}").unlink(missing_ok=True)
+            if not _is_disk_full(e):
+                raise
+            prev = self.latest(warn=False)
+            raise DiskFullError(
+                f"no space left on device writing {self.dir / LATEST}; checkpoint {final.name} is complete but "
+                f"{LATEST} still names {prev.name if prev else 'no checkpoint'}: free space in {self.dir}, then run "
+                f"the same command to resume"
+            ) from None
         self._prune()
         return final
 
@@ -242,30 +325,36 @@ class CheckpointManager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | None = None,
         restore_rng_state: bool = True,
+        verify: bool = True,
     ) -> TrainerState:
+        """Restore ``model`` (and ``optimizer``, RNG states) from checkpoint ``path``, its files first verified
+        against the manifest (``verify=False``: the caller has just done it). Every way a checkpoint can be
+        missing, damaged or foreign is a CheckpointError naming the file."""
         path = Path(path)
-        advice = f"delete {path} to resume from the checkpoint before it, or start a new --run-dir"
         needed = ["model.safetensors", "trainer_state.json"]
         needed += ["optimizer.pt"] if optimizer is not None else []
         needed += ["rng.pt"] if restore_rng_state else []
         for name in needed:
             if not (path / name).is_file():
-                raise CheckpointError(f"checkpoint {path} has no {name}; it is incomplete or not a checkpoint ({advice})")
-        verify_manifest(path)
+                raise CheckpointError(f"checkpoint {path} has no {name}; it is incomplete or not a checkpoint "
+                                      f"({resume_advice(path)})")
+        if verify:
+            verify_manifest(path)
         try:
             meta = json.loads((path / "trainer_state.json").read_text())
             state = TrainerState(int(meta["step"]), int(meta["consumed_samples"]), int(meta["tokens_seen"]))
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}: {e}); "
-                                  f"{advice}") from None
+            raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}); "
+                                  f"{resume_advice(path)}") from None
         try:
             missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
         except Exception as e:  # noqa: BLE001  (safetensors raises its own error type for a torn file)
             if "size mismatch" not in str(e) and "shape" not in str(e).lower():
-                raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read ({e}); {advice}") from None
+                raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read "
+                                      f"({_first_line(e)}); {resume_advice(path)}") from None
             raise CheckpointError(
-                f"checkpoint {path} does not fit this model ({e}); resume with the model config it was saved with "
-                f"(see {path / 'config.yaml'}) or start a new --run-dir"
+                f"checkpoint {path} does not fit this model ({_first_line(e)}); resume with the model config it "
+                f"was saved with (see {path / 'config.yaml'}) or start a new --run-dir"
             ) from None
         if missing or unexpected:
             raise CheckpointError(
@@ -273,18 +362,31 @@ class CheckpointManager:
                 f"unexpected {sorted(unexpected)[:5]}; use the model config in {path / 'config.yaml'} or a new --run-dir"
             )
         if optimizer is not None:
-            optimizer.load_state_dict(_torch_load(path, "optimizer.pt", advice))
-        if restore_rng_state:
+            opt_state = _torch_load(path, "optimizer.pt")
             try:
-                restore_rng(_torch_load(path, "rng.pt", advice), meta["rng"])
-            except (KeyError, TypeError, ValueError) as e:
+                optimizer.load_state_dict(opt_state)
+            except (ValueError, KeyError, TypeError, RuntimeError) as e:
+                raise CheckpointError(f"checkpoint {path}: optimizer.pt does not fit this model's optimizer "
+                                      f"({_first_line(e)}); resume with the train settings in "
+                                      f"{path / 'config.yaml'} or start a new --run-dir") from None
+        if restore_rng_state:
+            rng_tensors = _torch_load(path, "rng.pt")
+            try:
+                restore_rng(rng_tensors, meta["rng"])
+            except (KeyError, TypeError, ValueError, RuntimeError) as e:
                 raise CheckpointError(f"checkpoint {path}: the RNG state in rng.pt / trainer_state.json is unusable "
-                                      f"({type(e).__name__}: {e}); {advice}") from None
+                                      f"({type(e).__name__}); {resume_advice(path)}") from None
         return state
 
 
-def _torch_load(path: Path, name: str, advice: str):
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0][:200] if text else type(e).__name__)
+
+
+def _torch_load(path: Path, name: str):
     try:
         return torch.load(path / name, weights_only=True, map_location="cpu")
     except Exception as e:  # noqa: BLE001  (a torn zip or pickle surfaces as several error types)
-        raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({type(e).__name__}: {e}); {advice}") from None
+        raise CheckpointError(f"checkpoint {path}: {name} cannot be read ({type(e).__name__}: {_first_line(e)}); "
+                              f"{resume_advice(path)}") from None

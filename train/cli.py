@@ -18,11 +18,12 @@ import torch
 import yaml
 
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
+from hybridtron.configs.base import from_dict
 from hybridtron.data_pipeline import DataError, build_dataset, build_loader, load_tokenizer, prepare_data
 from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
-from .checkpoint import STEP_RE, CheckpointError, CheckpointManager, DiskFullError
+from .checkpoint import STEP_RE, CheckpointError, CheckpointManager, DiskFullError, verify_manifest
 from .model_hooks import structure_for_step
 from .optim import build_optimizer
 from .parallelize import autocast_dtype, parallelize, select_device
@@ -30,6 +31,12 @@ from .sample import generate
 from .trainer import NonFiniteLossError, Trainer, evaluate
 
 DEFAULT_PRESET = "tiny"
+EXIT_CODES = (
+    "exit codes: 0 done; 2 bad input or state (a config, data, a checkpoint or run directory that is missing, "
+    "damaged or does not match; permission denied), one line on stderr naming the file and what to do; "
+    "3 training diverged (non-finite loss); 4 no space left on device (the line names the path). --debug or "
+    "HYBRIDTRON_DEBUG=1 re-raises instead, with the traceback; a bug always shows its traceback."
+)
 
 
 def _log(msg: str) -> None:
@@ -47,46 +54,92 @@ def resolve_job(args) -> tuple[JobConfig, Path]:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     saved = run_dir / "config.yaml"
     resuming = args.config is None and saved.is_file()
+    if resuming:
+        read_saved_config(run_dir)  # a damaged one is named as the run's, with the way to restore it
     return load_config(str(saved) if resuming else args.config or DEFAULT_PRESET, overrides), run_dir
 
 
-# Data settings that do not change which tokens are trained on, in which order.
-DATA_FREE = ("num_workers", "streaming", "out_dir")
+# Data settings that do not change which tokens are trained on, nor their order: where the prepared data
+# lives (its tokenizer is compared by fingerprint instead), how it is read, and what prepare does about
+# bad records (a prepare that succeeded under "error" produced what "skip" would have).
+RESUME_FREE_DATA = ("out_dir", "streaming", "num_workers", "on_bad_record", "max_malformed_fraction",
+                    "on_source_change")
+_ABSENT = object()
 
 
-def check_resume_compatible(cfg: JobConfig, run_dir: Path) -> None:
-    """A run directory continues only with the model and the data it was started with."""
+def read_saved_config(run_dir: Path) -> dict | None:
+    """The run directory's saved ``config.yaml`` as a mapping (None if there is none); ConfigError if damaged."""
     saved = run_dir / "config.yaml"
     if not saved.is_file():
-        return
+        return None
+    ckpt = CheckpointManager(run_dir).latest(warn=False)
+    fix = (f"copy {ckpt / 'config.yaml'} (the latest checkpoint's copy) over it" if ckpt is not None
+           else "delete it (no checkpoint was saved yet)")
     try:
         old = yaml.safe_load(saved.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{saved} is not a readable config ({type(e).__name__}); restore it or start a new --run-dir") from None
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        raise ConfigError(f"the run's saved config {saved} is unreadable ({type(e).__name__}); {fix}, or start a "
+                          f"new --run-dir") from None
     if not isinstance(old, dict):
-        raise ConfigError(f"{saved} does not hold a config mapping; restore it or start a new --run-dir")
+        raise ConfigError(f"the run's saved config {saved} holds no config mapping; {fix}, or start a new --run-dir")
+    return old
+
+
+def _first_difference(old, new, key: str):
+    """(key, old, new) of the first setting in ``new`` that ``old`` holds with another value, or None."""
+    if old is _ABSENT:  # a setting the saved config does not know (and its defaults could not fill in)
+        return None
+    if isinstance(new, dict) and isinstance(old, dict):
+        for k, v in new.items():
+            if (d := _first_difference(old.get(k, _ABSENT), v, f"{key}.{k}")) is not None:
+                return d
+        return None
+    if isinstance(new, list) and isinstance(old, list) and len(new) == len(old):
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            if (d := _first_difference(a, b, f"{key}[{i}]")) is not None:
+                return d
+        return None
+    return None if old == new else (key, old, new)
+
+
+def check_resume_compatible(cfg: JobConfig, run_dir: Path, sections: tuple[str, ...] = ("model", "data")) -> None:
+    """A run directory continues only with the model it was started with and the same data: every model
+    setting, and every data setting that changes which tokens are trained on (sources, tokenizer settings,
+    seq_len, split, seed, ...). The tokenizer itself is compared by fingerprint in check_resume_tokenizer."""
+    old = read_saved_config(run_dir)
+    if old is None:
+        return
+    try:  # settings added since the run was saved compare with their defaults
+        old = from_dict(JobConfig, old).to_dict()
+    except (ConfigError, TypeError, ValueError, AttributeError, KeyError):
+        pass  # a config of another version: compare the keys it has
     new = cfg.to_dict()
-    for section, skip in (("model", ()), ("data", DATA_FREE)):
-        before = old.get(section) or {}
+    for section in sections:
+        free = RESUME_FREE_DATA if section == "data" else ()
+        before = old.get(section)
+        before = before if isinstance(before, dict) else {}
         for k, v in new[section].items():
-            # A data key the saved config lacks was added by a later version: nothing to compare.
-            if k not in skip and (section == "model" or k in before) and before.get(k) != v:
+            d = None if k in free else _first_difference(before.get(k, _ABSENT), v, f"{section}.{k}")
+            if d is not None:
+                key, was, now = d
                 raise ConfigError(
-                    f"--run-dir {run_dir} holds a run with {section}.{k}={before.get(k)!r}, but this config has "
-                    f"{section}.{k}={v!r}; resume with the same {section} settings or choose another --run-dir"
+                    f"--run-dir {run_dir} holds a run with {key}={was!r}, but this config has {key}={now!r}; resume "
+                    f"with the run's {section} settings (drop the override or --config) or choose another --run-dir"
                 )
 
 
 def check_resume_tokenizer(ckpt: Path | None, tokenizer, tokenizer_dir: Path) -> None:
-    """The checkpoint's tokenizer is the one the data was prepared with (same bytes)."""
+    """The checkpoint was trained with the tokenizer the data now resolves to (the same file bytes), not another
+    one of the same size: continuing would train on differently tokenized data."""
     if ckpt is None or not (ckpt / "tokenizer").is_dir():
         return
+    verify_manifest(ckpt, only=("tokenizer",))
     old = load_tokenizer(ckpt / "tokenizer").fingerprint
     if old != tokenizer.fingerprint:
         raise ConfigError(
-            f"the run's checkpoint {ckpt} was trained with tokenizer {old[:12]} ({ckpt / 'tokenizer'}), but the data "
-            f"in {tokenizer_dir} uses tokenizer {tokenizer.fingerprint[:12]}; resume with the data.out_dir the run was "
-            f"prepared with, or start a new --run-dir"
+            f"checkpoint {ckpt} was trained with tokenizer {old[:12]} ({ckpt / 'tokenizer'}), but the data in "
+            f"{tokenizer_dir.parent} uses tokenizer {tokenizer.fingerprint[:12]} ({tokenizer_dir}); resume with the "
+            f"data.out_dir the run was prepared with, or start a new --run-dir"
         )
 
 
@@ -141,6 +194,7 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     """Train (or resume) ``cfg`` in ``run_dir``; returns (FitResult, model). ``init_from``: a Hugging Face
     directory whose weights start the run (ignored when resuming from a checkpoint)."""
     device = select_device(cfg.train)
+    check_resume_compatible(cfg, run_dir, sections=("data",))  # before prepare writes anything for other data
     prepared = prepare_data(cfg.data, log=log)  # 2. data (idempotent)
     cfg.model.vocab_size = cfg.model.resolve_vocab(prepared.tokenizer.vocab_size)
     check_resume_compatible(cfg, run_dir)
@@ -186,13 +240,19 @@ def _load_checkpoint_for_inference(args):
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(None)
     ckpt = Path(args.checkpoint) if args.checkpoint else CheckpointManager(run_dir).latest()
     if ckpt is None or not ckpt.is_dir():
-        raise CheckpointError(f"no checkpoint in {run_dir}/checkpoints; train first or pass --checkpoint DIR")
+        where = args.checkpoint or f"{run_dir}/checkpoints"
+        raise CheckpointError(f"no checkpoint in {where}; train first or pass --checkpoint DIR")
+    for name in ("config.yaml", "tokenizer"):
+        if not (ckpt / name).exists():
+            raise CheckpointError(f"checkpoint {ckpt} has no {name}; it is incomplete or not a checkpoint")
+    inference_files = ("model.safetensors", "trainer_state.json", "config.yaml", "tokenizer")
+    verify_manifest(ckpt, only=inference_files)  # before any of them is read
     cfg = load_config(str(ckpt / "config.yaml"), parse_overrides(args.overrides))
     tokenizer = load_tokenizer(ckpt / "tokenizer")
     device = select_device(cfg.train)
     cfg.train.activation_checkpointing = False
     model = build_model(cfg, cfg.model.vocab_size, device, checkpoint_step(ckpt))
-    CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False)
+    CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False, verify=False)
     return cfg, model, tokenizer, ckpt, device
 
 
@@ -241,38 +301,44 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,export,eval,sample}")
 
+    def add_subcommand(name, **kw):  # every subcommand: --debug, and the exit codes in its --help
+        sp = sub.add_parser(name, epilog=EXIT_CODES, **kw)
+        sp.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error instead of one line (or HYBRIDTRON_DEBUG=1)")
+        return sp
+
     def common(sp, with_config=True):
         if with_config:
             sp.add_argument("--config", default=None, help=f"preset name or YAML path (default: {DEFAULT_PRESET}, "
                             "or the run directory's saved config when resuming)")
         sp.add_argument("--run-dir", default=None, help="run directory (default: runs/<preset>)")
 
-    sp = sub.add_parser("prepare", help="build the tokenizer and token shards")
+    sp = add_subcommand("prepare", help="build the tokenizer and token shards")
     common(sp)
     sp.set_defaults(func=cmd_prepare)
-    sp = sub.add_parser("train", help="train (resumes from the run directory's latest checkpoint)")
+    sp = add_subcommand("train", help="train (resumes from the run directory's latest checkpoint)")
     common(sp)
     sp.add_argument("--init-from", default=None, metavar="hf:DIR",
                     help="start from a local Hugging Face model (Qwen3.5, Qwen3.5-MoE, Qwen3, Llama) and its tokenizer")
     sp.set_defaults(func=cmd_train)
-    sp = sub.add_parser("ablate", help="train variants of one preset on the same data; table + loss plot")
+    sp = add_subcommand("ablate", help="train variants of one preset on the same data; table + loss plot")
     common(sp)
     sp.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                     help="one variant: a name, then its overrides (repeat; 'base:' for none)")
     sp.add_argument("--variants", default=None, metavar="YAML", help="a file mapping variant names to overrides")
     sp.set_defaults(func=cmd_ablate)
-    sp = sub.add_parser("export", help="write a Hugging Face model directory from a checkpoint")
+    sp = add_subcommand("export", help="write a Hugging Face model directory from a checkpoint")
     sp.add_argument("path", help="run directory (its latest checkpoint) or a checkpoint directory")
     sp.add_argument("--out", required=True, help="new directory for the Hugging Face model")
     sp.add_argument("--max-shard-size", default="5GB", help="safetensors shard size limit (default 5GB)")
     sp.add_argument("--no-check", action="store_true", help="skip the logit parity check against transformers")
     sp.set_defaults(func=cmd_export)
-    sp = sub.add_parser("eval", help="validation loss and perplexity of a checkpoint")
+    sp = add_subcommand("eval", help="validation loss and perplexity of a checkpoint")
     common(sp, with_config=False)
     sp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
     sp.add_argument("--batches", type=int, default=0, help="validation micro-batches (default: train.eval_batches)")
     sp.set_defaults(func=cmd_eval)
-    sp = sub.add_parser("sample", help="generate text from a checkpoint")
+    sp = add_subcommand("sample", help="generate text from a checkpoint")
     common(sp, with_config=False)
     sp.add_argument("--checkpoint", default=None)
     sp.add_argument("--prompt", default="def ")
@@ -284,39 +350,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-EXIT_CODES = """exit codes: 0 done; 2 bad input or state (config, data, checkpoint, run directory), one line on stderr;
-3 training diverged (non-finite loss); 4 no space left on device. HYBRIDTRON_DEBUG=1 or --debug shows tracebacks."""
+def _one_line(e: BaseException) -> str:
+    """An error message on one line: a multi-line one (a YAML parser's, with its caret drawing) is joined."""
+    lines = [ln.strip() for ln in str(e).splitlines()]
+    return "; ".join(ln.rstrip(":") for ln in lines if ln.strip("^ ")) or type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a subcommand; errors a user can cause end in one line (see EXIT_CODES), bugs in a traceback."""
+    """Run a subcommand and return its exit code:
+
+    0 done; 2 bad input or state: a config, data, checkpoint or run directory that is missing, damaged or does
+    not match (ConfigError, DataError, CheckpointError), or a permission denied; 3 training diverged
+    (NonFiniteLossError); 4 no space left on device (DiskFullError, or ENOSPC/EDQUOT from any write).
+
+    Those end in one line on stderr naming the file and what to do; ``--debug`` (any subcommand) or
+    ``HYBRIDTRON_DEBUG=1`` re-raises them with their traceback instead. Any other exception is a bug and
+    propagates with its traceback.
+    """
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    debug = "--debug" in rest or os.environ.get("HYBRIDTRON_DEBUG", "") not in ("", "0")
+    debug = bool(getattr(args, "debug", False)) or "--debug" in rest or \
+        os.environ.get("HYBRIDTRON_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
     args.overrides = [a for a in rest if a != "--debug"]
     try:
         return args.func(args)
     except DiskFullError as e:
         if debug:
             raise
-        print(f"hybridtron {args.command}: error: {e}", file=sys.stderr)
+        print(f"hybridtron {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 4
     except (ConfigError, DataError, CheckpointError) as e:
         if debug:
             raise
-        print(f"hybridtron {args.command}: error: {e}", file=sys.stderr)
+        print(f"hybridtron {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except NonFiniteLossError as e:
         if debug:
             raise
-        print(f"hybridtron {args.command}: training diverged: {e}", file=sys.stderr)
+        print(f"hybridtron {args.command}: training diverged: {_one_line(e)}", file=sys.stderr)
         return 3
     except OSError as e:
-        if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if debug:
             raise
-        print(f"hybridtron {args.command}: error: no space left on device writing {e.filename or 'a file'}; free "
-              f"space and run the same command again", file=sys.stderr)
-        return 4
+        where = e.filename or "a file"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            print(f"hybridtron {args.command}: error: no space left on device writing {where}; free space there, "
+                  f"then run the same command again", file=sys.stderr)
+            return 4
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            print(f"hybridtron {args.command}: error: {(e.strerror or 'permission denied').lower()}: {where}; fix its permissions or choose "
+                  f"another path", file=sys.stderr)
+            return 2
+        raise
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -70,16 +71,25 @@ class MetricsLogger:
             if torn:
                 print(f"[hybridtron] warning: dropped {torn} unreadable line(s) of {self.path} (a write cut short)",
                       file=sys.stderr)
-            write_text_atomic(self.path, "".join(ln + "\n" for ln in kept))
+            try:
+                write_text_atomic(self.path, "".join(ln + "\n" for ln in kept))
+            except OSError as e:
+                self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}").unlink(missing_ok=True)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
         self._fh = open(self.path, "a")
         from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
 
-        self._tb = SummaryWriter(log_dir=str(self.tb_dir), purge_step=(resume_step + 1) if resume_step else None)
+        # purge_step hides the old events past the resumed step from TensorBoard (all of them after step 0).
+        self._tb = SummaryWriter(log_dir=str(self.tb_dir),
+                                 purge_step=resume_step + 1 if resume_step is not None else None)
 
     def log(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        self._fh.write(json.dumps(clean) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(clean) + "\n")
+            self._fh.flush()
+        except OSError as e:  # a buffered write's error names no file: name it (the CLI reports ENOSPC with it)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
         step = record["step"]
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
@@ -94,5 +104,13 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``; a torn last line (a kill in the middle of a write) is left out."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    recs = [json.loads(ln) for ln in lines[:-1]]
+    if lines:
+        try:
+            recs.append(json.loads(lines[-1]))
+        except ValueError:
+            pass
+    return recs
