@@ -23,7 +23,7 @@ from hybridtron.train.optim import build_optimizer
 
 
 def _setup(preset: str, seq: int = 0, batch: int = 0):
-    overrides = [("data.seq_len", str(seq))] if seq else []
+    overrides = [("data.seq_len", str(seq)), ("model.max_seq_len", str(seq))] if seq else []
     overrides += [("train.micro_batch_size", str(batch))] if batch else []
     cfg = load_config(preset, overrides)
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--presets", nargs="+", default=["tiny", "tiny_hybrid", "tiny_moe"])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--seq", type=int, default=0, help="override data.seq_len (0: the preset's)")
+    ap.add_argument("--seq", type=int, default=0, help="override data.seq_len and model.max_seq_len (0: the preset's)")
     ap.add_argument("--batch", type=int, default=0, help="override train.micro_batch_size (0: the preset's)")
     args = ap.parse_args(argv)
     runs = {p: _setup(p, args.seq, args.batch) for p in args.presets}

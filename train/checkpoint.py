@@ -73,8 +73,8 @@ def _warn_once(key: tuple[str, ...], msg: str) -> None:
 
 # ---- checksums ---------------------------------------------------------------------------------
 def file_digest(path: Path) -> str:
-    """sha256 of a file. Measured on the 2-core CI VM (warm page cache): 120-175 ms per 100 MB, blake2b
-    225-250 ms (sha256 runs on the CPU's SHA instructions); the files of a checkpoint are hashed in parallel."""
+    """sha256 of a file, read in 1 MiB blocks. Faster than blake2b on CPUs with SHA instructions (measured in
+    bench/RESULTS.md, "Checkpoint checksums"); the files of a checkpoint are hashed in parallel."""
     h = hashlib.sha256()
     buf = bytearray(1 << 20)
     view = memoryview(buf)
