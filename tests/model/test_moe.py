@@ -168,7 +168,7 @@ def test_metrics_accumulate_micro_batches_and_skip_eval():
     auxes = []
     for x in xs:
         m(x)
-        auxes.append(float(m.aux_loss) / 0.01)
+        auxes.append(float(m.aux_loss.detach()) / 0.01)
     m.eval()
     m(torch.randn(50, 32, dtype=torch.float64, generator=gen))  # not counted
     stats = m.metrics()
