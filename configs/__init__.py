@@ -6,6 +6,7 @@ from .job import (
     DataConfig,
     JobConfig,
     ModelConfig,
+    ParallelConfig,
     SourceConfig,
     TokenizerConfig,
     TrainConfig,
@@ -17,7 +18,7 @@ from .model import DeltaNetConfig, MoEConfig, ScaleVectorConfig, StructuredFFNCo
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "DeltaNetConfig", "JobConfig", "MoEConfig", "ModelConfig",
-    "ScaleVectorConfig", "SourceConfig", "StructuredFFNConfig",
+    "ParallelConfig", "ScaleVectorConfig", "SourceConfig", "StructuredFFNConfig",
     "TokenizerConfig", "TrainConfig", "apply_override", "config_from_dict", "load_config",
     "parse_overrides", "resolve_preset",
 ]

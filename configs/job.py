@@ -1,7 +1,7 @@
 """The job config: one typed dataclass per section, validated before any heavy work.
 
 Sections: ``model`` (architecture), ``data`` (sources, tokenizer, packing), ``train`` (optimizer,
-schedule, loop), ``checkpoint``. Presets live beside this file as YAML (``tiny.yaml`` is the CPU
+schedule, loop), ``checkpoint``, ``parallel`` (layout over processes). Presets live beside this file as YAML (``tiny.yaml`` is the CPU
 default); ``load_config`` merges a preset with dotted CLI overrides and validates the result.
 """
 
@@ -168,17 +168,56 @@ class CheckpointConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How a run is laid out over its processes (``torchrun --nproc-per-node N``; one process: all 1).
+
+    The world size must be the product dp x tp x pp x cp; dp = -1 takes what the others leave. ZeRO stage of
+    the data-parallel dimension: 0 replicates the model (DDP, gradients all-reduced), 2 shards optimizer state
+    and gradients and keeps the gathered parameters from forward to backward (FSDP2 without resharding after
+    forward), 3 shards parameters too (FSDP2, parameters gathered per layer and freed after use)."""
+
+    dp: int = -1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    zero_stage: int = 0
+    # FSDP2 mixed precision (GPU): parameters gathered and computed in bf16, gradients reduced in fp32. "auto":
+    # on when train.dtype resolves to bf16; the sharded master weights and optimizer state stay fp32.
+    mixed_precision: Literal["auto", "off"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on the CPU
+
+    def validate(self) -> None:
+        if self.dp == 0 or self.dp < -1:
+            raise ConfigError(f"parallel.dp={self.dp} must be a positive integer, or -1 (what tp x pp x cp leave)")
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} must be a positive integer (1 = off)")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
+        if self.zero_stage == 1:
+            raise ConfigError("parallel.zero_stage=1 (optimizer state sharded alone) is not available: FSDP2 shards "
+                              "gradients with it; use parallel.zero_stage=2 (same memory or less) or 0")
+        for name in ("tp", "pp", "ep", "cp"):
+            if getattr(self, name) > 1:
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} is not available in this version (data "
+                                  f"parallel only: parallel.dp and parallel.zero_stage); set parallel.{name}=1")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> JobConfig:
         self.model.validate()
         self.data.validate()
         self.train.validate()
         self.checkpoint.validate()
+        self.parallel.validate()
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds the rotary table model.max_seq_len="

@@ -192,6 +192,11 @@ class MoE(nn.Module):
         return out
 
     @torch.no_grad()
+    def reduce_load(self, reduce) -> None:
+        """Sum this step's expert counts over the data-parallel ranks (``reduce`` sums a tensor in place)."""
+        reduce(self._load)
+
+    @torch.no_grad()
     def after_optimizer_step(self) -> None:
         """Move the routing biases towards balance (an overloaded expert's bias down), then reset the
         statistics for the next step."""

@@ -45,6 +45,7 @@ from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
 STEP_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
 MANIFEST = "manifest.json"
+SHARDED = "dcp"  # torch.distributed.checkpoint directory of a multi-process run: model + optimizer shards
 # Never copied into a checkpoint's tokenizer/: dotfiles and the temporary files of an interrupted atomic
 # write (".tokenizer.json.tmp-PID"), which would otherwise travel into every checkpoint after it.
 TOKENIZER_SKIP = shutil.ignore_patterns(".*", "*.tmp", "*.tmp-*", "*.tmp.*", "*~")
@@ -253,47 +254,102 @@ class CheckpointManager:
         optimizer: torch.optim.Optimizer,
         config_yaml: str,
         tokenizer_dir: Path,
+        mesh=None,
     ) -> Path:
-        self.dir.mkdir(parents=True, exist_ok=True)
+        """Write checkpoint ``step_<state.step>`` atomically and point ``latest`` at it.
+
+        One process: ``model.safetensors`` + ``optimizer.pt``. Several (``mesh.distributed``, every rank calls
+        this): ``dcp/``, a torch.distributed.checkpoint directory to which every rank writes its own shards;
+        rank 0 writes the rest, the manifest, and renames the directory into place only after every rank's
+        shards are on disk. Ranks agree after each phase, so a failure on any rank removes the partial
+        directory on all of them and raises on all of them."""
+        sharded = mesh is not None and mesh.distributed
+        main = not sharded or mesh.is_main
         final = self.dir / step_dir_name(state.step)
-        tmp = self.dir / f".tmp-{final.name}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        writing = tmp
-        try:
+        tmp = self.dir / (f".tmp-{final.name}-sharded" if sharded else f".tmp-{final.name}-{os.getpid()}")
+        writing = [tmp]  # the file being written, for the error message
+
+        def start():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
             tmp.mkdir()
-            writing = tmp / "model.safetensors"
-            save_model(model, str(writing))
-            writing = tmp / "optimizer.pt"
-            torch.save(optimizer.state_dict(), writing)
+
+        def weights():
+            if sharded:
+                import torch.distributed.checkpoint as dcp
+                from torch.distributed.checkpoint.state_dict import get_state_dict
+
+                writing[0] = tmp / SHARDED
+                msd, osd = get_state_dict(model, optimizer)
+                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(writing[0]))
+                return
+            writing[0] = tmp / "model.safetensors"
+            save_model(model, str(writing[0]))
+            writing[0] = tmp / "optimizer.pt"
+            torch.save(optimizer.state_dict(), writing[0])
+
+        def rest():
             rng_tensors, rng_plain = capture_rng()
-            writing = tmp / "rng.pt"
-            torch.save(rng_tensors, writing)
+            writing[0] = tmp / "rng.pt"
+            torch.save(rng_tensors, writing[0])
             meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen}
-            writing = tmp / "trainer_state.json"
-            writing.write_text(json.dumps({**meta, "rng": rng_plain}))
-            writing = tmp / "config.yaml"
-            writing.write_text(config_yaml)
-            writing = tmp / "tokenizer"
-            shutil.copytree(tokenizer_dir, writing, ignore=TOKENIZER_SKIP)
-            writing = tmp / MANIFEST
+            writing[0] = tmp / "trainer_state.json"
+            writing[0].write_text(json.dumps({**meta, "rng": rng_plain}))
+            writing[0] = tmp / "config.yaml"
+            writing[0].write_text(config_yaml)
+            writing[0] = tmp / "tokenizer"
+            shutil.copytree(tokenizer_dir, writing[0], ignore=TOKENIZER_SKIP)
+            writing[0] = tmp / MANIFEST
             write_manifest(tmp)
-            writing = tmp
+            writing[0] = tmp
             _fsync_tree(tmp)
-        except BaseException as e:
-            # Whatever stopped the save, its half-written directory goes (a killed process's goes at the next
-            # start, in clean_partial); latest still names the previous checkpoint. Free space is judged before
-            # the partial files are removed.
-            full = isinstance(e, Exception) and _is_disk_full(e, self.dir)
+
+        for phase, everyone in ((start, False), (weights, True), (rest, False)):
+            err = None
+            if everyone or main:
+                try:
+                    phase()
+                except Exception as e:  # noqa: BLE001  (reported below, after every rank knows)
+                    err = e
+                except BaseException:
+                    shutil.rmtree(tmp, ignore_errors=True)  # interrupted: a killed save leaves nothing
+                    raise
+            if (mesh.any(err is not None) if sharded else err is not None):
+                self._abort_save(err, tmp, final, writing[0], main)
+        err = None
+        if main:
+            try:
+                self._publish(tmp, final)
+            except Exception as e:  # noqa: BLE001
+                err = e
+        if mesh.any(err is not None) if sharded else err is not None:
+            if err is not None:
+                raise err
+            raise CheckpointError(f"checkpoint {final.name} was saved but rank 0 could not make it {LATEST} "
+                                  f"(its error names the cause)")
+        return final
+
+    def _abort_save(self, err: Exception | None, tmp: Path, final: Path, writing: Path, main: bool):
+        """Remove the partial checkpoint and raise: a full disk as DiskFullError, another rank's failure as
+        CheckpointError, anything else as it is. ``latest`` still names the previous checkpoint."""
+        full = err is not None and _is_disk_full(err, self.dir)  # judged before the partial files go
+        if main:
             shutil.rmtree(tmp, ignore_errors=True)
-            if full:
-                prev = self.latest(warn=False)
-                raise DiskFullError(
-                    f"no space left on device writing {writing.name} of checkpoint {final.name} in {self.dir}; the "
-                    f"partial checkpoint was removed and {LATEST} still names {prev.name if prev else 'no checkpoint'}: "
-                    f"free space there (or lower checkpoint.keep_last), then run the same command to resume"
-                ) from None
-            raise
+        prev = self.latest(warn=False)
+        kept = f"{LATEST} still names {prev.name if prev else 'no checkpoint'}"
+        if full:
+            raise DiskFullError(
+                f"no space left on device writing {writing.name} of checkpoint {final.name} in {self.dir}; the "
+                f"partial checkpoint was removed and {kept}: free space there (or lower checkpoint.keep_last), "
+                f"then run the same command to resume"
+            ) from None
+        if err is None:
+            raise CheckpointError(f"checkpoint {final.name} was not saved: another rank failed while writing it (its "
+                                  f"error names the cause); the partial checkpoint was removed and {kept}")
+        raise err
+
+    def _publish(self, tmp: Path, final: Path) -> None:
         if final.exists():  # re-saving the same step (e.g. exit right after a periodic save)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -311,7 +367,6 @@ class CheckpointManager:
                 f"the same command to resume"
             ) from None
         self._prune()
-        return final
 
     def _prune(self) -> None:
         done = self.complete()
@@ -331,8 +386,12 @@ class CheckpointManager:
         against the manifest (``verify=False``: the caller has just done it). Every way a checkpoint can be
         missing, damaged or foreign is a CheckpointError naming the file."""
         path = Path(path)
-        needed = ["model.safetensors", "trainer_state.json"]
-        needed += ["optimizer.pt"] if optimizer is not None else []
+        sharded = (path / SHARDED).is_dir()
+        needed = ["trainer_state.json"]
+        if sharded:
+            needed += [f"{SHARDED}/.metadata"]
+        else:
+            needed += ["model.safetensors"] + (["optimizer.pt"] if optimizer is not None else [])
         needed += ["rng.pt"] if restore_rng_state else []
         for name in needed:
             if not (path / name).is_file():
@@ -346,29 +405,12 @@ class CheckpointManager:
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}); "
                                   f"{resume_advice(path)}") from None
-        try:
-            missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
-        except Exception as e:  # noqa: BLE001  (safetensors raises its own error type for a torn file)
-            if "size mismatch" not in str(e) and "shape" not in str(e).lower():
-                raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read "
-                                      f"({_first_line(e)}); {resume_advice(path)}") from None
-            raise CheckpointError(
-                f"checkpoint {path} does not fit this model ({_first_line(e)}); resume with the model config it "
-                f"was saved with (see {path / 'config.yaml'}) or start a new --run-dir"
-            ) from None
-        if missing or unexpected:
-            raise CheckpointError(
-                f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}; use the model config in {path / 'config.yaml'} or a new --run-dir"
-            )
-        if optimizer is not None:
-            opt_state = _torch_load(path, "optimizer.pt")
-            try:
-                optimizer.load_state_dict(opt_state)
-            except (ValueError, KeyError, TypeError, RuntimeError) as e:
-                raise CheckpointError(f"checkpoint {path}: optimizer.pt does not fit this model's optimizer "
-                                      f"({_first_line(e)}); resume with the train settings in "
-                                      f"{path / 'config.yaml'} or start a new --run-dir") from None
+        if sharded:
+            _load_sharded(path, model, optimizer)
+        elif _has_dtensors(model):
+            _load_full_into_sharded(path, model, optimizer)
+        else:
+            _load_plain(path, model, optimizer)
         if restore_rng_state:
             rng_tensors = _torch_load(path, "rng.pt")
             try:
@@ -377,6 +419,114 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path}: the RNG state in rng.pt / trainer_state.json is unusable "
                                       f"({type(e).__name__}); {resume_advice(path)}") from None
         return state
+
+
+def _fit_error(path: Path, e: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} does not fit this model ({_first_line(e)}); resume with the model "
+                           f"config it was saved with (see {path / 'config.yaml'}) or start a new --run-dir")
+
+
+def _load_plain(path: Path, model: torch.nn.Module, optimizer) -> None:
+    """A one-process checkpoint (model.safetensors + optimizer.pt) into a model whose tensors are whole."""
+    try:
+        missing, unexpected = load_model(model, str(path / "model.safetensors"), strict=False)
+    except Exception as e:  # noqa: BLE001  (safetensors raises its own error type for a torn file)
+        if "size mismatch" not in str(e) and "shape" not in str(e).lower():
+            raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read "
+                                  f"({_first_line(e)}); {resume_advice(path)}") from None
+        raise _fit_error(path, e) from None
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}; use the model config in {path / 'config.yaml'} or a new --run-dir"
+        )
+    if optimizer is not None:
+        opt_state = _torch_load(path, "optimizer.pt")
+        try:
+            optimizer.load_state_dict(opt_state)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
+            raise CheckpointError(f"checkpoint {path}: optimizer.pt does not fit this model's optimizer "
+                                  f"({_first_line(e)}); resume with the train settings in "
+                                  f"{path / 'config.yaml'} or start a new --run-dir") from None
+
+
+def _has_dtensors(model: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
+    """A multi-process checkpoint (``dcp/``) into ``model`` at whatever layout it has now (one process, or
+    sharded or replicated over any number): torch.distributed.checkpoint reshards on load."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    with warnings.catch_warnings():  # one process, no process group: DCP says it loads alone, which is the intent
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        try:
+            if optimizer is None:
+                sd = {"model": get_model_state_dict(model)}
+                dcp.load(sd, checkpoint_id=str(path / SHARDED))
+                set_model_state_dict(model, sd["model"])
+            else:
+                msd, osd = get_state_dict(model, optimizer)
+                sd = {"model": msd, "optim": osd}
+                dcp.load(sd, checkpoint_id=str(path / SHARDED))
+                set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        except (RuntimeError, ValueError, KeyError) as e:
+            raise _fit_error(path, e) from None
+        except Exception as e:  # noqa: BLE001  (DCP wraps a torn file in its own exception types)
+            raise CheckpointError(f"checkpoint {path}: {SHARDED}/ cannot be read ({type(e).__name__}: "
+                                  f"{_first_line(e)}); {resume_advice(path)}") from None
+
+
+def _load_full_into_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
+    """A one-process checkpoint into an FSDP-sharded model: every rank reads the whole files and keeps its shard."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    try:
+        full = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in
+                load_file(str(path / "model.safetensors")).items()}
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read ({_first_line(e)}); "
+                              f"{resume_advice(path)}") from None
+    want = get_model_state_dict(model)  # sharded: only its keys are used
+    if sorted(full) != sorted(want):
+        raise CheckpointError(
+            f"checkpoint {path} does not fit this model: missing {sorted(set(want) - set(full))[:5]}, unexpected "
+            f"{sorted(set(full) - set(want))[:5]}; use the model config in {path / 'config.yaml'} or a new --run-dir")
+    try:
+        set_model_state_dict(model, full, options=opts)
+    except (RuntimeError, ValueError) as e:
+        raise _fit_error(path, e) from None
+    if optimizer is None:
+        return
+    osd = _torch_load(path, "optimizer.pt")
+    names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    try:  # torch's optimizer state is keyed by position; the distributed API keys it by parameter name
+        by_name = {"state": {order[int(i)]: v for i, v in osd["state"].items()},
+                   "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
+        set_optimizer_state_dict(model, optimizer, by_name, options=opts)
+    except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"checkpoint {path}: optimizer.pt does not fit this model's optimizer "
+                              f"({_first_line(e)}); resume with the train settings in {path / 'config.yaml'} "
+                              f"or start a new --run-dir") from None
 
 
 def _first_line(e: BaseException) -> str:

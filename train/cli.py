@@ -23,10 +23,11 @@ from hybridtron.data_pipeline import DataError, build_dataset, build_loader, loa
 from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
-from .checkpoint import STEP_RE, CheckpointError, CheckpointManager, DiskFullError, verify_manifest
+from .checkpoint import SHARDED, STEP_RE, CheckpointError, CheckpointManager, DiskFullError, verify_manifest
+from .distributed import Mesh, launch_world
 from .model_hooks import structure_for_step
 from .optim import build_optimizer
-from .parallelize import autocast_dtype, parallelize, select_device
+from .parallelize import apply_data_parallel, autocast_dtype, parallelize, select_device
 from .sample import generate
 from .trainer import NonFiniteLossError, Trainer, evaluate
 
@@ -40,7 +41,12 @@ EXIT_CODES = (
 
 
 def _log(msg: str) -> None:
-    print(f"[hybridtron] {msg}", flush=True)
+    rank, _local, world = launch_world()
+    print(f"[hybridtron{f' rank {rank}/{world}' if world > 1 else ''}] {msg}", flush=True)
+
+
+def _quiet(_msg: str) -> None:
+    pass
 
 
 # ---- config + run directory ---------------------------------------------------------------------
@@ -190,20 +196,49 @@ def cmd_train(args) -> int:
     return 0
 
 
+def select_rank_device(cfg: JobConfig) -> torch.device:
+    """This process's device: with several processes on CUDA, the GPU of its local rank."""
+    device = select_device(cfg.train)
+    _rank, local, world = launch_world()
+    if device.type == "cuda" and world > 1 and device.index is None:
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    return device
+
+
 def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = None):
     """Train (or resume) ``cfg`` in ``run_dir``; returns (FitResult, model). ``init_from``: a Hugging Face
-    directory whose weights start the run (ignored when resuming from a checkpoint)."""
-    device = select_device(cfg.train)
+    directory whose weights start the run (ignored when resuming from a checkpoint). Under torchrun every
+    process runs this; the layout in ``cfg.parallel`` is checked before any of them builds a model."""
+    device = select_rank_device(cfg)
+    mesh = Mesh.setup(cfg, device)  # refuses an impossible layout before anything is allocated
+    try:
+        result = _train_run(cfg, run_dir, log if mesh.is_main else _quiet, init_from, device, mesh)
+    except BaseException:
+        mesh.close(failed=True)
+        raise
+    mesh.close()
+    return result
+
+
+def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, device: torch.device, mesh: Mesh):
     check_resume_compatible(cfg, run_dir, sections=("data",))  # before prepare writes anything for other data
-    prepared = prepare_data(cfg.data, log=log)  # 2. data (idempotent)
+    if mesh.is_main:  # 2. data (idempotent): rank 0 prepares, the others then find it done
+        prepared = prepare_data(cfg.data, log=log)
+    mesh.barrier()
+    if not mesh.is_main:
+        prepared = prepare_data(cfg.data, log=_quiet)
     cfg.model.vocab_size = cfg.model.resolve_vocab(prepared.tokenizer.vocab_size)
     check_resume_compatible(cfg, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     config_yaml = cfg.to_yaml()
-    write_text_atomic(run_dir / "config.yaml", config_yaml)
+    if mesh.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run_dir / "config.yaml", config_yaml)
+    mesh.barrier()
     train_ds, val_ds = build_dataset(cfg.data, "train"), build_dataset(cfg.data, "val")
     t = cfg.train
-    train_loader = build_loader(train_ds, t.micro_batch_size, t.grad_accum_steps, seed=cfg.data.seed)
+    train_loader = build_loader(train_ds, t.micro_batch_size, t.grad_accum_steps, dp_rank=mesh.dp_rank,
+                                dp_size=mesh.dp, seed=cfg.data.seed)
     latest = CheckpointManager(run_dir).latest()
     check_resume_tokenizer(latest, prepared.tokenizer, prepared.tokenizer_dir)
     resume_step = checkpoint_step(latest)
@@ -213,14 +248,17 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
 
         load_hf_weights(model, init_from)
         log(f"initialised from Hugging Face weights in {init_from}")
+    amp_dtype = autocast_dtype(t, device)
+    apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision)  # weights are identical on all ranks
     optimizer = build_optimizer(model, t)
     log(f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
         f"non-embedding, {model.num_active_params() / 1e6:.2f}M active), device {device}, {len(train_ds)} train / "
-        f"{len(val_ds)} val sequences of {cfg.data.seq_len}")
+        f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
+        + (f"; {mesh.world_size} processes, dp={mesh.dp}, zero_stage={mesh.zero_stage}" if mesh.distributed else ""))
     trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,
-                      amp_dtype=autocast_dtype(t, device), run_dir=run_dir, config_yaml=config_yaml,
+                      amp_dtype=amp_dtype, run_dir=run_dir, config_yaml=config_yaml,
                       tokenizer_dir=prepared.tokenizer_dir,
-                      flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len))
+                      flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len), mesh=mesh)
     result = trainer.fit(log=log)  # 4. fit
     log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
     if result.final_val_loss is not None:
@@ -245,7 +283,7 @@ def _load_checkpoint_for_inference(args):
     for name in ("config.yaml", "tokenizer"):
         if not (ckpt / name).exists():
             raise CheckpointError(f"checkpoint {ckpt} has no {name}; it is incomplete or not a checkpoint")
-    inference_files = ("model.safetensors", "trainer_state.json", "config.yaml", "tokenizer")
+    inference_files = ("model.safetensors", SHARDED, "trainer_state.json", "config.yaml", "tokenizer")
     verify_manifest(ckpt, only=inference_files)  # before any of them is read
     cfg = load_config(str(ckpt / "config.yaml"), parse_overrides(args.overrides))
     tokenizer = load_tokenizer(ckpt / "tokenizer")
@@ -372,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
     debug = bool(getattr(args, "debug", False)) or "--debug" in rest or \
         os.environ.get("HYBRIDTRON_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
     args.overrides = [a for a in rest if a != "--debug"]
+    try:
+        rank, _local, world = launch_world()
+    except ConfigError:
+        rank, world = 0, 1  # reported by the subcommand itself
+    if world > 1:
+        args.command = f"{args.command} (rank {rank}/{world})"
     try:
         return args.func(args)
     except DiskFullError as e:

@@ -56,11 +56,15 @@ def before_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, cfg: 
     set_self_guided_alpha(model, self_guided_alpha(step, cfg.train.max_steps, cfg.model.ffn.self_guided_fraction))
 
 
-def after_step(model: nn.Module) -> dict[str, float]:
-    """Called after the optimizer step: MoE metrics of this step, then the router-bias update."""
+def after_step(model: nn.Module, reduce=None) -> dict[str, float]:
+    """Called after the optimizer step: MoE metrics of this step, then the router-bias update. ``reduce`` sums a
+    tensor over the data-parallel ranks in place: expert loads are global before they move the biases, so
+    every rank keeps the same biases."""
     out: dict[str, float] = {}
     for name, m in model.named_modules():
         if hasattr(m, "after_optimizer_step"):
+            if reduce is not None:
+                m.reduce_load(reduce)
             layer = name.split(".")[1] if name.startswith("layers.") else name
             out.update({f"moe/layer{layer}/{k}": v for k, v in m.metrics().items()})
             m.after_optimizer_step()

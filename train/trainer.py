@@ -20,6 +20,7 @@ from tqdm import tqdm
 from hybridtron.configs import JobConfig
 
 from .checkpoint import CheckpointManager, TrainerState
+from .distributed import Mesh
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
 from .parallelize import autocast_context
@@ -52,6 +53,20 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def _quiet(*_a, **_k) -> None:
+    pass
+
+
+class _NoMetrics:
+    """The metrics logger of ranks other than 0."""
+
+    def log(self, _rec) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
 class FitResult:
     state: TrainerState
@@ -77,7 +92,7 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
 
 class Trainer:
     def __init__(self, cfg: JobConfig, model, optimizer, train_loader, val_loader_factory, *, device, amp_dtype,
-                 run_dir: Path, config_yaml: str, tokenizer_dir: Path, flops_per_token: float):
+                 run_dir: Path, config_yaml: str, tokenizer_dir: Path, flops_per_token: float, mesh: Mesh | None = None):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.train_loader, self.val_loader_factory = train_loader, val_loader_factory
         self.device, self.amp_dtype = device, amp_dtype
@@ -85,6 +100,7 @@ class Trainer:
         self.ckpt = CheckpointManager(run_dir, cfg.checkpoint.keep_last)
         self.state = TrainerState()
         self.flops_per_token = flops_per_token
+        self.mesh = mesh or Mesh()  # one process unless the recipe launched several
         self.peak_flops = device_peak_flops(device, cfg.train.peak_flops)
 
     def resume_if_possible(self) -> Path | None:
@@ -98,7 +114,8 @@ class Trainer:
 
     def save(self) -> Path:
         self.state.consumed_samples = self.train_loader.state_dict()["consumed_samples"]
-        return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir)
+        return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir,
+                              mesh=self.mesh)
 
     def train_step(self) -> dict:
         t, accum = self.cfg.train, self.cfg.train.grad_accum_steps
@@ -115,15 +132,19 @@ class Trainer:
             (loss / accum).backward()
             loss_sum += loss.detach().float()
             tokens += b["input_ids"].numel()
-        loss = (loss_sum / accum).item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf")).item()
+        loss = self.mesh.mean((loss_sum / accum).item())  # the mean over data-parallel ranks: the global batch's
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shards
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = grad_norm.item()
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        model_metrics = after_step(self.model)
+        model_metrics = after_step(self.model, reduce=self.mesh.sum_)
         self.state.step += 1
-        self.state.tokens_seen += tokens  # this rank's tokens; the DP issue multiplies by dp size
+        tokens *= self.mesh.dp  # every data-parallel rank took the same number of tokens
+        self.state.tokens_seen += tokens
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite,
                 "model_metrics": model_metrics}
 
@@ -132,10 +153,14 @@ class Trainer:
         resumed_from = self.resume_if_possible()
         if resumed_from is not None:
             log(f"resumed from {resumed_from} (step {self.state.step})")
-        metrics = MetricsLogger(self.run_dir, resume_step=self.state.step)  # 0 without a checkpoint
+        main = self.mesh.is_main
+        if not main:
+            log = _quiet  # only rank 0 reports progress; every rank still raises its own errors
+        # 0 without a checkpoint; only rank 0 writes metrics.jsonl and TensorBoard
+        metrics = MetricsLogger(self.run_dir, resume_step=self.state.step) if main else _NoMetrics()
         self.model.train()
         # A bar only on a terminal; in a log file (SLURM output) a plain line every 10 logged steps instead.
-        interactive = t.progress_bar and sys.stderr.isatty()
+        interactive = t.progress_bar and sys.stderr.isatty() and main
         bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not interactive, desc="train",
                    dynamic_ncols=True)
         last_ckpt, val_loss, stopped_by = resumed_from, None, "max_steps"
@@ -168,7 +193,7 @@ class Trainer:
                         val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
                                             self.amp_dtype)
                         rec["val_loss"], rec["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
-                        bar.write(f"step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
+                        (bar.write if main else _quiet)(f"step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
                                   f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")
                     if step % t.log_every == 0 or "val_loss" in rec:
                         metrics.log(rec)
@@ -179,9 +204,9 @@ class Trainer:
                             f"grad_norm {out['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
                     if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                         last_ckpt = self.save()
-                    if stop.received is not None:
+                    if self.mesh.any(stop.received is not None):  # every rank stops at the same step
                         stopped_by = "signal"
-                        log(f"received signal {stop.received}; saving a checkpoint at step {step} and stopping")
+                        log(f"received signal {stop.received or 'on another rank'}; saving a checkpoint at step {step} and stopping")
                         break
                     if t.exit_interval and step % t.exit_interval == 0 and step < t.max_steps:
                         stopped_by = "exit_interval"

@@ -1,0 +1,152 @@
+"""Data parallel on the CPU for real: `torchrun` starts two processes with the gloo backend.
+
+Each layout (DDP, FSDP2 as ZeRO-2 and ZeRO-3, and MoE under DDP) trains 4 steps of micro-batch 4 per rank and is
+compared with one process taking the same global batch as 2 accumulated micro-batches of 4: the same
+per-step loss, gradient norm and tokens seen, and the same weights after the last step (so the same
+gradients). Checkpoints written by one layout resume at another with the same next steps, and the sharded
+checkpoint exports to Hugging Face format from one process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybridtron.configs import load_config
+from hybridtron.model import GatedLM
+from hybridtron.train.checkpoint import SHARDED, CheckpointManager
+from hybridtron.train.cli import main
+from hybridtron.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEPS = ["--train.max_steps", "4", "--checkpoint.every", "2", "--train.eval_every", "0",
+         "--train.micro_batch_size", "4", "--train.warmup_steps", "1"]
+MOE = ["--model.moe.n_experts", "4", "--model.moe.top_k", "2", "--model.moe.expert_hidden", "32",
+       "--model.moe.bias_update_rate", "0.01", "--model.moe.aux_loss_coef", "0.01"]
+LAYOUTS = {"ddp": ["--parallel.zero_stage", "0"], "zero2": ["--parallel.zero_stage", "2"],
+           "zero3": ["--parallel.zero_stage", "3"]}
+
+
+def torchrun(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "hybridtron.train.cli", *argv]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def steps(run) -> list[tuple[int, float, float, int]]:
+    return [(r["step"], r["loss"], r["grad_norm"], r["tokens_seen"]) for r in read_metrics(run)]
+
+
+def assert_same_steps(got, want):
+    assert [s[0] for s in got] == [s[0] for s in want] and [s[3] for s in got] == [s[3] for s in want], (got, want)
+    for g, w in zip(got, want, strict=True):
+        assert g[1] == pytest.approx(w[1], rel=1e-5, abs=1e-6), (got, want)
+        assert g[2] == pytest.approx(w[2], rel=1e-4, abs=1e-6), (got, want)
+
+
+def weights(run, step: int, extra=()) -> dict[str, torch.Tensor]:
+    """The model of checkpoint ``step``, loaded whole on this one process (either checkpoint format)."""
+    ckpt = run / "checkpoints" / f"step_{step:08d}"
+    cfg = load_config(str(ckpt / "config.yaml"))
+    model = GatedLM(cfg.model, cfg.model.vocab_size)
+    CheckpointManager.load(ckpt, model, restore_rng_state=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def runs(small_data_dir, small_argv, tmp_path_factory):
+    """Single-process references (dense, MoE) and the two-process runs, trained once for the module."""
+    root = tmp_path_factory.mktemp("dp")
+    out = {}
+    for name, extra in (("single", []), ("single_moe", MOE)):
+        out[name] = root / name
+        assert main(small_argv(small_data_dir, out[name], [*STEPS, *extra, "--train.grad_accum_steps", "2"])) == 0
+    for name, extra in (*LAYOUTS.items(), ("ddp_moe", [*LAYOUTS["ddp"], *MOE])):
+        out[name] = root / name
+        res = torchrun(small_argv(small_data_dir, out[name], [*STEPS, *extra]))
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        out[name + ".log"] = res.stdout + res.stderr
+    return out
+
+
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "ddp_moe"])
+def test_two_processes_train_like_one(layout, runs):
+    ref = runs["single_moe" if layout.endswith("moe") else "single"]
+    assert_same_steps(steps(runs[layout]), steps(ref))
+    # The same weights after 4 optimizer steps: the gradients of every parameter matched on the way.
+    got, want = weights(runs[layout], 4), weights(ref, 4)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_sharded_checkpoint_layout_and_logs(runs):
+    ckpt = runs["zero3"] / "checkpoints" / "step_00000004"
+    assert (ckpt / SHARDED / ".metadata").is_file()
+    assert sorted(p.name for p in (ckpt / SHARDED).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (ckpt / "model.safetensors").exists()
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert f"{SHARDED}/__1_0.distcp" in files and "rng.pt" in files
+    log = runs["zero3.log"]
+    assert "[hybridtron rank 0/2]" in log and "2 processes, dp=2, zero_stage=3" in log
+    assert "rank 1/2" not in log  # only rank 0 reports
+
+
+def test_moe_router_biases_stay_identical_across_ranks(runs):
+    # The aux-loss-free bias moves with the global expert load; a per-rank load would split the replicas.
+    recs = read_metrics(runs["ddp_moe"])
+    ref = read_metrics(runs["single_moe"])
+    bias_keys = [k for k in ref[-1] if "/bias/e" in k]
+    assert bias_keys and any(ref[-1][k] != 0 for k in bias_keys)
+    for k in bias_keys:
+        assert recs[-1][k] == pytest.approx(ref[-1][k], abs=1e-9), k
+
+
+def rolled_back(run, dst):
+    """A copy of ``run`` as it was after step 2 (its step-4 checkpoint and metrics after step 2 gone)."""
+    shutil.copytree(run, dst)
+    shutil.rmtree(dst / "checkpoints" / "step_00000004")
+    (dst / "checkpoints" / "latest").write_text("step_00000002")
+    return dst
+
+
+@pytest.mark.parametrize("src, dst", [("zero3", "single"), ("single", "zero3"), ("ddp", "zero2")])
+def test_resume_at_another_layout_continues_the_same_run(src, dst, runs, small_data_dir, small_argv, tmp_path):
+    run = rolled_back(runs[src], tmp_path / "run")
+    argv = small_argv(small_data_dir, run, [*STEPS, *(["--train.grad_accum_steps", "2"] if dst == "single" else
+                                                      LAYOUTS[dst])])
+    if dst == "single":
+        assert main(argv) == 0
+    else:
+        res = torchrun(argv)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        assert "resumed from" in res.stdout and "step 2" in res.stdout
+    assert_same_steps(steps(run), steps(runs["single"]))
+
+
+def test_sharded_checkpoint_exports_from_one_process(runs, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert main(["export", str(runs["zero3"]), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "max |logits difference|" in printed or "parity" in printed, printed
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_layout_that_does_not_fit_the_world_is_refused_before_any_model(small_data_dir, small_argv, tmp_path,
+                                                                        capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    code = main(small_argv(small_data_dir, tmp_path / "r", ["--parallel.dp", "2"]))
+    err = capsys.readouterr().err
+    assert code == 2 and "needs 2 processes, but the launcher started 3" in err and "--nproc-per-node" in err, err
+    assert not (tmp_path / "r").exists()  # nothing was written: refused before data, model or run directory

@@ -1,0 +1,146 @@
+"""The process layout of a run: one object owns the process group and the device mesh.
+
+``torchrun`` (or SLURM through it) starts one process per device and sets RANK, WORLD_SIZE, LOCAL_RANK and
+the rendezvous address; without them the run is one process and no process group exists. The layout
+(``parallel`` section of the config) is checked against the world size before the process group is even
+created, so an impossible layout costs no model allocation anywhere. Every collective the train loop needs
+(loss and token counts, stop requests, MoE loads, checkpoint agreement) is a method here; nothing else in
+the project touches global process-group state.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridtron.configs import ConfigError, JobConfig
+
+
+def launch_world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from the launcher's environment; (0, 0, 1) for a plain process."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError as e:
+        raise ConfigError(f"RANK / WORLD_SIZE / LOCAL_RANK in the environment are not integers ({e}); launch "
+                          f"with torchrun, or unset them for one process") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} in the environment do not fit; launch with torchrun")
+    return rank, local, world
+
+
+def resolve_layout(cfg: JobConfig, world: int) -> int:
+    """The data-parallel size of ``cfg.parallel`` on ``world`` processes; ConfigError naming what to change."""
+    p = cfg.parallel
+    others = p.tp * p.pp * p.cp
+    dp = p.dp if p.dp != -1 else world // others
+    if dp < 1 or dp * others != world:
+        raise ConfigError(
+            f"the layout parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} needs "
+            f"{'a multiple of ' + str(others) if p.dp == -1 else dp * others} processes, but the launcher started "
+            f"{world} (WORLD_SIZE); change torchrun --nproc-per-node / --nnodes, or parallel.dp"
+        )
+    if dp > 1 and cfg.model.ffn.kind != "dense" and cfg.model.ffn.self_guided and p.zero_stage >= 2:
+        raise ConfigError(
+            "model.ffn.self_guided drops the dense guide weights during the run, which FSDP's flat shards "
+            "(parallel.zero_stage 2/3) cannot follow; use parallel.zero_stage=0 for self-guided runs"
+        )
+    return dp
+
+
+@dataclass
+class Mesh:
+    """Rank, world and the named device mesh of one run (``dp`` only, for now)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    dp: int = 1
+    zero_stage: int = 0
+    device_mesh: object | None = None  # torch DeviceMesh with dim names ("dp",) when world_size > 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank  # dp is the only dimension: the dp rank is the global rank
+
+    @classmethod
+    def setup(cls, cfg: JobConfig, device: torch.device) -> Mesh:
+        """Check the layout, then (more than one process) create the process group and the device mesh."""
+        rank, local, world = launch_world()
+        dp = resolve_layout(cfg, world)
+        if world == 1:
+            return cls(dp=1, zero_stage=cfg.parallel.zero_stage)
+        backend = cfg.parallel.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if backend == "nccl" and device.type != "cuda":
+            raise ConfigError("parallel.backend=nccl needs CUDA devices; use parallel.backend=gloo on the CPU")
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
+        return cls(rank, local, world, dp, cfg.parallel.zero_stage, mesh)
+
+    # ---- collectives (no-ops on one process) -----------------------------------------------------
+    def mean(self, value: float) -> float:
+        """The mean of a per-rank scalar over the data-parallel ranks."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self._group())
+        return float(t.item()) / self.dp
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any (a stop request, a non-finite value)."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a tensor over the data-parallel ranks in place (its device's backend must take it)."""
+        if self.distributed:
+            dist.all_reduce(tensor, group=self._group())
+        return tensor
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def close(self, failed: bool = False) -> None:
+        """Tear the process group down together: a rank that destroys its group while another still uses
+        it makes gloo abort that one. After a failure on this rank the others may be inside another
+        collective, so nothing is awaited: the process exits and the launcher stops the rest."""
+        if failed:
+            return
+        if self.distributed and dist.is_initialized():
+            try:
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+
+    def _group(self):
+        return self.device_mesh.get_group("dp") if self.device_mesh is not None else None
