@@ -9,6 +9,12 @@ What the split was made from: ``key`` (format, text field, split rule, reader ve
 source files' paths, sizes and mtimes when the build started) and, once complete, ``source``: every source
 file's ``[path, size, mtime_ns, blake2b]`` and the counts of what was kept and skipped (see ``prepare``).
 
+Opening a split checks every shard file's size against the manifest and its blake2b against the manifest's
+digest. The digest check is remembered in ``.verified.json`` beside the manifest, keyed by each file's size,
+mtime and inode: a file unchanged since its last verification is not read again, so a start over hundreds of
+GB of shards costs a ``stat`` per file, and a file replaced or rewritten since is hashed again. (An in-place
+edit that keeps size and mtime, which takes a deliberate ``touch -d``, is not caught by the cache.)
+
 Crash safety: each file is written under a ``.tmp`` name, fsynced and renamed; the manifest (also replaced
 atomically) lists a shard only after both its files are in place. A shard file that the manifest does not
 list is the remnant of an interrupted run and is deleted when a writer reopens the directory. The manifest's
@@ -23,10 +29,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import fsync_dir, write_bytes_atomic, write_chunks_atomic
+from .atomic import fsync_dir, write_bytes_atomic, write_chunks_atomic, write_text_atomic
 from .errors import DataError
 
 MANIFEST = "manifest.json"
+VERIFIED = ".verified.json"  # digest checks already done: {file: [size, mtime_ns, inode, blake2b]}
 VERSION = 2
 MAX_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 ids
 _CHUNK = 1 << 22
@@ -211,6 +218,8 @@ class SplitReader:
         self._tokens: list[np.ndarray] = []
         offsets = []
         base = 0
+        verified = self._verified() if verify_checksums else {}
+        fresh = {}
         for e in m["shards"]:
             for kind, expected in (("bin", e["n_tokens"] * self.dtype.itemsize), ("idx", (e["n_docs"] + 1) * 8)):
                 f = self.dir / e[kind]
@@ -219,8 +228,13 @@ class SplitReader:
                 size = f.stat().st_size
                 if size != expected:
                     raise ShardError(f"shard file {f} has {size} bytes, the manifest expects {expected}; {redo}")
-                if verify_checksums and file_digest(f) != e[kind + "_blake2b"]:
-                    raise ShardError(f"shard file {f} fails its checksum (corrupted on disk); {redo}")
+                if verify_checksums:
+                    st = f.stat()
+                    stamp = [st.st_size, st.st_mtime_ns, st.st_ino, e[kind + "_blake2b"]]
+                    if verified.get(e[kind]) != stamp:
+                        if file_digest(f) != e[kind + "_blake2b"]:
+                            raise ShardError(f"shard file {f} fails its checksum (corrupted on disk); {redo}")
+                    fresh[e[kind]] = stamp
             idx = np.fromfile(self.dir / e["idx"], dtype=np.int64)
             if idx[0] != 0 or idx[-1] != e["n_tokens"] or np.any(np.diff(idx) <= 0):
                 raise ShardError(f"shard index {self.dir / e['idx']} has inconsistent offsets; {redo}")
@@ -228,11 +242,23 @@ class SplitReader:
             self._tokens.append(np.memmap(self.dir / e["bin"], dtype=self.dtype, mode="r", shape=(n,)))
             offsets.append(idx[:-1] + base)
             base += n
+        if verify_checksums and fresh != verified:
+            try:  # a read-only data directory just verifies again next time
+                write_text_atomic(self.dir / VERIFIED, json.dumps(fresh))
+            except OSError:
+                pass
         self.n_tokens = base
         self.n_docs = int(m["n_docs"])
         # global token offset of every document start, plus the end; doc boundaries for doc_ids
         self.doc_starts = np.concatenate([*offsets, np.array([base], np.int64)])
         self._shard_starts = np.cumsum([0] + [len(t) for t in self._tokens])
+
+    def _verified(self) -> dict:
+        try:
+            v = json.loads((self.dir / VERIFIED).read_text())
+            return v if isinstance(v, dict) else {}
+        except (OSError, ValueError, UnicodeDecodeError):
+            return {}  # missing or torn: verify everything again
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the split's concatenated stream, across shard borders."""

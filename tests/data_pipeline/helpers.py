@@ -32,10 +32,11 @@ def split_docs(split_dir: Path) -> list[np.ndarray]:
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
-    """Relative path -> content of every file, except the datasets cache and the prepare config echo."""
+    """Relative path -> content of every file, except the datasets cache, the prepare config echo and the
+    readers' cache of verified checksums (inode and mtime stamps, not data)."""
     root = Path(root)
     return {
         str(p.relative_to(root)): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file() and ".hf_cache" not in p.parts and p.name != "prepare_config.json"
+        if p.is_file() and ".hf_cache" not in p.parts and p.name not in ("prepare_config.json", ".verified.json")
     }

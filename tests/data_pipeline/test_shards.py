@@ -81,3 +81,34 @@ def test_incomplete_split_refused(tmp_path):
 
 def test_dtype_choice():
     assert token_dtype(65536) == np.uint16 and token_dtype(65537) == np.uint32 and token_dtype(300) == np.uint16
+
+
+def test_checksum_verification_is_cached_by_size_mtime_and_inode(copy_prepared, monkeypatch):
+    from hybridtron.data_pipeline import shards
+
+    d, e = _first_shard(copy_prepared)
+    n_files = 2 * len(json.loads((d / "manifest.json").read_text())["shards"])
+    hashed = []
+    real = shards.file_digest
+    monkeypatch.setattr(shards, "file_digest", lambda f: hashed.append(Path(f).name) or real(f))
+
+    SplitReader(d)
+    assert len(hashed) == n_files and (d / shards.VERIFIED).is_file()  # (the copy's inodes are new)
+    hashed.clear()
+    SplitReader(d)
+    assert hashed == []  # nothing changed: a stat per file, no reading
+    # A rewritten shard (new mtime) is hashed again, and damage in it is caught.
+    f = d / e["bin"]
+    data = bytearray(f.read_bytes())
+    data[0] ^= 0x01
+    f.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="fails its checksum"):
+        SplitReader(d)
+    assert hashed == [e["bin"]]
+    # A torn cache file only costs a full verification.
+    data[0] ^= 0x01
+    f.write_bytes(bytes(data))
+    (d / shards.VERIFIED).write_text('{"shard_00000.bin": [1, ')
+    hashed.clear()
+    SplitReader(d)
+    assert len(hashed) == n_files
