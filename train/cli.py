@@ -35,7 +35,8 @@ DEFAULT_PRESET = "tiny"
 EXIT_CODES = (
     "exit codes: 0 done; 2 bad input or state (a config, data, a checkpoint or run directory that is missing, "
     "damaged or does not match; permission denied), one line on stderr naming the file and what to do; "
-    "3 training diverged (non-finite loss); 4 no space left on device (the line names the path). --debug or "
+    "3 training diverged (non-finite loss); 4 no space left on device (the line names the path); 5 another "
+    "process of a multi-process job stopped (its own line and the launcher's summary say why). --debug or "
     "HYBRIDTRON_DEBUG=1 re-raises instead, with the traceback; a bug always shows its traceback."
 )
 
@@ -394,12 +395,25 @@ def _one_line(e: BaseException) -> str:
     return "; ".join(ln.rstrip(":") for ln in lines if ln.strip("^ ")) or type(e).__name__
 
 
+PEER_LOST = ("connection reset by peer", "connection closed by peer", "broken pipe", "socket timeout",
+             "connection refused", "nccl communicator was aborted", "remote worker")
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """Whether a collective failed because another rank is gone (gloo and NCCL say so in their messages)."""
+    import torch.distributed as dist
+
+    text = str(e).lower()
+    return isinstance(e, getattr(dist, "DistNetworkError", ())) or any(s in text for s in PEER_LOST)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand and return its exit code:
 
     0 done; 2 bad input or state: a config, data, checkpoint or run directory that is missing, damaged or does
     not match (ConfigError, DataError, CheckpointError), or a permission denied; 3 training diverged
-    (NonFiniteLossError); 4 no space left on device (DiskFullError, or ENOSPC/EDQUOT from any write).
+    (NonFiniteLossError); 4 no space left on device (DiskFullError, or ENOSPC/EDQUOT from any write); 5 a
+    multi-process job lost another of its processes (a collective failed on a closed connection).
 
     Those end in one line on stderr naming the file and what to do; ``--debug`` (any subcommand) or
     ``HYBRIDTRON_DEBUG=1`` re-raises them with their traceback instead. Any other exception is a bug and
@@ -433,6 +447,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"hybridtron {args.command}: training diverged: {_one_line(e)}", file=sys.stderr)
         return 3
+    except RuntimeError as e:
+        if debug or world == 1 or not _peer_lost(e):
+            raise
+        print(f"hybridtron {args.command}: error: lost the connection to another process of the job "
+              f"({_one_line(e)[:160]}); that process stopped first (the launcher's summary names it and its exit "
+              f"code): fix its cause, then run the same command to resume from the last complete checkpoint",
+              file=sys.stderr)
+        return 5
     except OSError as e:
         if debug:
             raise

@@ -20,7 +20,7 @@ import torch
 
 from hybridtron.configs import load_config
 from hybridtron.model import GatedLM
-from hybridtron.train.checkpoint import SHARDED, CheckpointManager
+from hybridtron.train.checkpoint import SHARDED, CheckpointManager, verify_manifest
 from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
 
@@ -150,3 +150,66 @@ def test_layout_that_does_not_fit_the_world_is_refused_before_any_model(small_da
     err = capsys.readouterr().err
     assert code == 2 and "needs 2 processes, but the launcher started 3" in err and "--nproc-per-node" in err, err
     assert not (tmp_path / "r").exists()  # nothing was written: refused before data, model or run directory
+
+
+def _workers(launcher_pid: int) -> dict[int, int]:
+    """local rank -> pid of the worker processes torchrun started."""
+    from pathlib import Path
+
+    out = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == launcher_pid:
+            for item in env:
+                if item.startswith(b"LOCAL_RANK="):
+                    out[int(item.split(b"=", 1)[1])] = int(proc.name)
+    return out
+
+
+def test_killed_rank_stops_the_job_and_the_run_resumes_from_the_last_checkpoint(small_data_dir, small_argv, tmp_path):
+    import signal
+    import time
+
+    flat = ["--train.schedule", "constant", "--train.eval_every", "0", "--train.micro_batch_size", "4",
+            "--train.warmup_steps", "0", "--checkpoint.every", "2"]
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "hybridtron.train.cli", *small_argv(small_data_dir, run, [*flat, "--train.max_steps", "100000"])]
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (run / "checkpoints" / "step_00000004").is_dir():
+            assert time.time() < deadline and job.poll() is None, "the job never reached its second checkpoint"
+            time.sleep(0.2)
+        os.kill(_workers(job.pid)[1], signal.SIGKILL)
+        out, _ = job.communicate(timeout=120)  # the launcher stops the surviving rank and exits
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert "local_rank: 1" in out and "SIGKILL" in out, out[-3000:]
+    # The surviving rank, if it got as far as noticing, says so in one line instead of a traceback.
+    assert "[rank0]: Traceback" not in out, out[-3000:]
+    if "lost the connection to another process" in out:
+        assert "resume from the last complete checkpoint" in out
+    mgr = CheckpointManager(run)
+    latest = mgr.latest()
+    verify_manifest(latest)  # what latest names is complete, whatever the kill interrupted
+    step = int(latest.name.split("_")[1])
+    # The same command (to a few steps past the kill) resumes from the last complete checkpoint and trains
+    # exactly what one uninterrupted process trains.
+    res = torchrun(small_argv(small_data_dir, run, [*flat, "--train.max_steps", str(step + 2)]))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed from {latest}" in res.stdout
+    ref = tmp_path / "ref"
+    assert main(small_argv(small_data_dir, ref, [*flat, "--train.max_steps", str(step + 2),
+                                                 "--train.grad_accum_steps", "2"])) == 0
+    assert_same_steps(steps(run)[-2:], steps(ref)[-2:])
+    assert not [p for p in mgr.dir.iterdir() if p.name.startswith(".tmp-")]  # a save cut short was cleaned up
