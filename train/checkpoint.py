@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load_model, save_model
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
 
@@ -310,7 +311,7 @@ class CheckpointManager:
             if everyone or main:
                 try:
                     phase()
-                except Exception as e:  # noqa: BLE001  (reported below, after every rank knows)
+                except (Exception, CheckpointException) as e:  # noqa: BLE001  (reported below, after every rank knows)
                     err = e
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)  # interrupted: a killed save leaves nothing
@@ -347,6 +348,11 @@ class CheckpointManager:
         if err is None:
             raise CheckpointError(f"checkpoint {final.name} was not saved: another rank failed while writing it (its "
                                   f"error names the cause); the partial checkpoint was removed and {kept}")
+        if isinstance(err, CheckpointException):  # DCP's report of every rank's failure, tracebacks included
+            lines = [ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+            why = lines[-1][:200] if lines else "no message"
+            raise CheckpointError(f"checkpoint {final.name}: writing {SHARDED}/ failed ({why}); the partial checkpoint "
+                                  f"was removed and {kept}") from None
         raise err
 
     def _publish(self, tmp: Path, final: Path) -> None:
@@ -481,9 +487,11 @@ def _load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
                 sd = {"model": msd, "optim": osd}
                 dcp.load(sd, checkpoint_id=str(path / SHARDED))
                 set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-        except (RuntimeError, ValueError, KeyError) as e:
-            raise _fit_error(path, e) from None
-        except Exception as e:  # noqa: BLE001  (DCP wraps a torn file in its own exception types)
+        except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's own type is a BaseException)
+            lines = [ln.strip() for ln in str(e).splitlines()
+                     if any(s in ln for s in ("Missing key", "Unexpected key", "size mismatch", "shape"))]
+            if lines:  # the model is another one than the checkpoint's
+                raise _fit_error(path, RuntimeError(lines[-1])) from None
             raise CheckpointError(f"checkpoint {path}: {SHARDED}/ cannot be read ({type(e).__name__}: "
                                   f"{_first_line(e)}); {resume_advice(path)}") from None
 

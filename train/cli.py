@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from hybridtron.model import GatedLM, flops_per_token
 
 from .checkpoint import SHARDED, STEP_RE, CheckpointError, CheckpointManager, DiskFullError, verify_manifest
 from .distributed import Mesh, launch_world
-from .model_hooks import structure_for_step
+from .model_hooks import self_guided_end_step, structure_for_step
 from .optim import build_optimizer
 from .parallelize import apply_data_parallel, autocast_dtype, parallelize, select_device
 from .sample import generate
@@ -214,12 +215,18 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     device = select_rank_device(cfg)
     mesh = Mesh.setup(cfg, device)  # refuses an impossible layout before anything is allocated
     try:
-        result = _train_run(cfg, run_dir, log if mesh.is_main else _quiet, init_from, device, mesh)
+        result, model = _train_run(cfg, run_dir, log if mesh.is_main else _quiet, init_from, device, mesh)
     except BaseException:
         mesh.close(failed=True)
         raise
+    if mesh.distributed:
+        # The replicated or sharded model holds pending gloo/NCCL work; freed after the process group is gone
+        # (at interpreter exit), that work aborted the process now and then. Free it first.
+        del model
+        gc.collect()
+        model = None
     mesh.close()
-    return result
+    return result, model
 
 
 def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, device: torch.device, mesh: Mesh):
@@ -250,7 +257,9 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
         load_hf_weights(model, init_from)
         log(f"initialised from Hugging Face weights in {init_from}")
     amp_dtype = autocast_dtype(t, device)
-    apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision)  # weights are identical on all ranks
+    # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
+    apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
+                        params_may_leave=self_guided_end_step(cfg) is not None)
     optimizer = build_optimizer(model, t)
     log(f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
         f"non-embedding, {model.num_active_params() / 1e6:.2f}M active), device {device}, {len(train_ds)} train / "

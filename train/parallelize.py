@@ -61,15 +61,18 @@ def parallelize(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return model
 
 
-def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, mixed_precision: str = "auto"):
-    """Replicate (ZeRO 0) or shard (ZeRO 2/3) an initialised model over ``mesh``'s ``dp`` dimension, in place."""
+def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, mixed_precision: str = "auto",
+                        params_may_leave: bool = False):
+    """Replicate (ZeRO 0) or shard (ZeRO 2/3) an initialised model over ``mesh``'s ``dp`` dimension, in place.
+    ``params_may_leave``: parameters leave the model during the run (self-guided FFN guides), so replication
+    must not wait for their gradients (DDP's unused-parameter detection, one graph walk per step)."""
     if mesh is None or mesh.dp == 1:
         return model
     dp_mesh = mesh.device_mesh["dp"]
     if mesh.zero_stage == 0:
         from torch.distributed._composable.replicate import replicate
 
-        replicate(model, device_mesh=dp_mesh)
+        replicate(model, device_mesh=dp_mesh, find_unused_parameters=params_may_leave)
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -1,6 +1,7 @@
 """Data parallel on the CPU for real: `torchrun` starts two processes with the gloo backend.
 
-Each layout (DDP, FSDP2 as ZeRO-2 and ZeRO-3, and MoE under DDP) trains 4 steps of micro-batch 4 per rank and is
+Each layout (DDP, FSDP2 as ZeRO-2 and ZeRO-3, MoE under DDP, and under DDP a self-guided structured FFN whose
+guide weights leave the model mid-run) trains 4 steps of micro-batch 4 per rank and is
 compared with one process taking the same global batch as 2 accumulated micro-batches of 4: the same
 per-step loss, gradient norm and tokens seen, and the same weights after the last step (so the same
 gradients). Checkpoints written by one layout resume at another with the same next steps, and the sharded
@@ -23,6 +24,7 @@ from hybridtron.model import GatedLM
 from hybridtron.train.checkpoint import SHARDED, CheckpointManager, verify_manifest
 from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
+from hybridtron.train.model_hooks import structure_for_step
 
 pytestmark = pytest.mark.slow
 
@@ -30,6 +32,9 @@ STEPS = ["--train.max_steps", "4", "--checkpoint.every", "2", "--train.eval_ever
          "--train.micro_batch_size", "4", "--train.warmup_steps", "1"]
 MOE = ["--model.moe.n_experts", "4", "--model.moe.top_k", "2", "--model.moe.expert_hidden", "32",
        "--model.moe.bias_update_rate", "0.01", "--model.moe.aux_loss_coef", "0.01"]
+# Self-guided structured FFN whose dense guides leave the model after step 2 of 4.
+GUIDED = ["--model.ffn.kind", "blockdense", "--model.ffn.rank", "16", "--model.ffn.n_blocks", "2",
+          "--model.ffn.self_guided", "true", "--model.ffn.self_guided_fraction", "0.5"]
 LAYOUTS = {"ddp": ["--parallel.zero_stage", "0"], "zero2": ["--parallel.zero_stage", "2"],
            "zero3": ["--parallel.zero_stage", "3"]}
 
@@ -54,11 +59,12 @@ def assert_same_steps(got, want):
         assert g[2] == pytest.approx(w[2], rel=1e-4, abs=1e-6), (got, want)
 
 
-def weights(run, step: int, extra=()) -> dict[str, torch.Tensor]:
+def weights(run, step: int) -> dict[str, torch.Tensor]:
     """The model of checkpoint ``step``, loaded whole on this one process (either checkpoint format)."""
     ckpt = run / "checkpoints" / f"step_{step:08d}"
     cfg = load_config(str(ckpt / "config.yaml"))
     model = GatedLM(cfg.model, cfg.model.vocab_size)
+    structure_for_step(model, cfg, step)  # self-guided guides have left the model by then
     CheckpointManager.load(ckpt, model, restore_rng_state=False)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -68,10 +74,11 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
     """Single-process references (dense, MoE) and the two-process runs, trained once for the module."""
     root = tmp_path_factory.mktemp("dp")
     out = {}
-    for name, extra in (("single", []), ("single_moe", MOE)):
+    for name, extra in (("single", []), ("single_moe", MOE), ("single_guided", GUIDED)):
         out[name] = root / name
         assert main(small_argv(small_data_dir, out[name], [*STEPS, *extra, "--train.grad_accum_steps", "2"])) == 0
-    for name, extra in (*LAYOUTS.items(), ("ddp_moe", [*LAYOUTS["ddp"], *MOE])):
+    for name, extra in (*LAYOUTS.items(), ("ddp_moe", [*LAYOUTS["ddp"], *MOE]),
+                        ("ddp_guided", [*LAYOUTS["ddp"], *GUIDED])):
         out[name] = root / name
         res = torchrun(small_argv(small_data_dir, out[name], [*STEPS, *extra]))
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -79,9 +86,9 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "ddp_moe"])
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "ddp_moe", "ddp_guided"])
 def test_two_processes_train_like_one(layout, runs):
-    ref = runs["single_moe" if layout.endswith("moe") else "single"]
+    ref = runs["single" + layout[3:] if "_" in layout else "single"]
     assert_same_steps(steps(runs[layout]), steps(ref))
     # The same weights after 4 optimizer steps: the gradients of every parameter matched on the way.
     got, want = weights(runs[layout], 4), weights(ref, 4)
@@ -182,7 +189,8 @@ def test_killed_rank_stops_the_job_and_the_run_resumes_from_the_last_checkpoint(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "hybridtron.train.cli", *small_argv(small_data_dir, run, [*flat, "--train.max_steps", "100000"])]
-    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)  # its own process group: cleanup reaches the workers too
     try:
         deadline = time.time() + 120
         while not (run / "checkpoints" / "step_00000004").is_dir():
@@ -191,8 +199,11 @@ def test_killed_rank_stops_the_job_and_the_run_resumes_from_the_last_checkpoint(
         os.kill(_workers(job.pid)[1], signal.SIGKILL)
         out, _ = job.communicate(timeout=120)  # the launcher stops the surviving rank and exits
     finally:
-        if job.poll() is None:
-            job.kill()
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # the launcher and any worker left
+        except ProcessLookupError:
+            pass
+        job.wait()
     assert job.returncode != 0
     assert "local_rank: 1" in out and "SIGKILL" in out, out[-3000:]
     # The surviving rank, if it got as far as noticing, says so in one line instead of a traceback.
@@ -213,3 +224,12 @@ def test_killed_rank_stops_the_job_and_the_run_resumes_from_the_last_checkpoint(
                                                  "--train.grad_accum_steps", "2"])) == 0
     assert_same_steps(steps(run)[-2:], steps(ref)[-2:])
     assert not [p for p in mgr.dir.iterdir() if p.name.startswith(".tmp-")]  # a save cut short was cleaned up
+
+
+def test_sharded_checkpoint_into_another_model_is_named(runs):
+    from hybridtron.train.checkpoint import CheckpointError
+
+    ckpt = runs["zero3"] / "checkpoints" / "step_00000004"
+    cfg = load_config(str(ckpt / "config.yaml"), [("model.n_layers", "3")])
+    with pytest.raises(CheckpointError, match=r"does not fit this model \(.*layers\.2\..*\); resume with the model"):
+        CheckpointManager.load(ckpt, GatedLM(cfg.model, cfg.model.vocab_size), restore_rng_state=False)
