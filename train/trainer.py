@@ -124,7 +124,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum, tokens = torch.zeros((), device=self.device), 0
-        for _ in range(accum):
+        # Replicated (DDP) gradients are all-reduced once per step, after the last micro-batch. Sharded ones are
+        # reduce-scattered after every micro-batch: holding them unsharded until the last would cost the memory
+        # ZeRO-2/3 exists to save.
+        sync_last_only = self.mesh.distributed and self.mesh.zero_stage == 0 and accum > 1
+        for i in range(accum):
+            if sync_last_only:
+                self.model.set_requires_gradient_sync(i == accum - 1)
             b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
             doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
             with autocast_context(self.device, self.amp_dtype):

@@ -36,7 +36,11 @@ MOE = ["--model.moe.n_experts", "4", "--model.moe.top_k", "2", "--model.moe.expe
 GUIDED = ["--model.ffn.kind", "blockdense", "--model.ffn.rank", "16", "--model.ffn.n_blocks", "2",
           "--model.ffn.self_guided", "true", "--model.ffn.self_guided_fraction", "0.5"]
 LAYOUTS = {"ddp": ["--parallel.zero_stage", "0"], "zero2": ["--parallel.zero_stage", "2"],
-           "zero3": ["--parallel.zero_stage", "3"]}
+           "zero3": ["--parallel.zero_stage", "3"],
+           # 2 micro-batches of 2 per rank: gradients all-reduced after the second only
+           "ddp_accum": ["--parallel.zero_stage", "0", "--train.micro_batch_size", "2", "--train.grad_accum_steps", "2"],
+           "zero3_accum": ["--parallel.zero_stage", "3", "--train.micro_batch_size", "2", "--train.grad_accum_steps",
+                           "2"]}
 
 
 def torchrun(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
@@ -86,15 +90,16 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "ddp_moe", "ddp_guided"])
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "ddp_accum", "zero3_accum", "ddp_moe", "ddp_guided"])
 def test_two_processes_train_like_one(layout, runs):
-    ref = runs["single" + layout[3:] if "_" in layout else "single"]
+    ref = runs["single" + layout[3:] if layout in ("ddp_moe", "ddp_guided") else "single"]
     assert_same_steps(steps(runs[layout]), steps(ref))
     # The same weights after 4 optimizer steps: the gradients of every parameter matched on the way.
     got, want = weights(runs[layout], 4), weights(ref, 4)
     assert sorted(got) == sorted(want)
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        # Summation order differs (per-rank sums, then the reduction): Adam turns that into ~1e-6 weight noise.
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_sharded_checkpoint_layout_and_logs(runs):
@@ -189,20 +194,23 @@ def test_killed_rank_stops_the_job_and_the_run_resumes_from_the_last_checkpoint(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
            "hybridtron.train.cli", *small_argv(small_data_dir, run, [*flat, "--train.max_steps", "100000"])]
-    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)  # its own process group: cleanup reaches the workers too
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    workers: dict[int, int] = {}
     try:
         deadline = time.time() + 120
         while not (run / "checkpoints" / "step_00000004").is_dir():
             assert time.time() < deadline and job.poll() is None, "the job never reached its second checkpoint"
             time.sleep(0.2)
-        os.kill(_workers(job.pid)[1], signal.SIGKILL)
+        workers = _workers(job.pid)
+        os.kill(workers[1], signal.SIGKILL)
         out, _ = job.communicate(timeout=120)  # the launcher stops the surviving rank and exits
     finally:
-        try:
-            os.killpg(job.pid, signal.SIGKILL)  # the launcher and any worker left
-        except ProcessLookupError:
-            pass
+        # The launcher, and its workers (which run in sessions of their own), whatever happened above.
+        for pid in [job.pid, *_workers(job.pid).values(), *workers.values()]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         job.wait()
     assert job.returncode != 0
     assert "local_rank: 1" in out and "SIGKILL" in out, out[-3000:]
