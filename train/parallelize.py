@@ -72,7 +72,8 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
     if mesh.zero_stage == 0:
         from torch.distributed._composable.replicate import replicate
 
-        replicate(model, device_mesh=dp_mesh, find_unused_parameters=params_may_leave)
+        # Gradients live in DDP's communication buckets (views), not beside them: one copy of the gradients.
+        replicate(model, device_mesh=dp_mesh, find_unused_parameters=params_may_leave, gradient_as_bucket_view=True)
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
