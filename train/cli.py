@@ -1,4 +1,4 @@
-"""``hybridtron`` command line: prepare, train, ablate, export, eval, sample.
+"""``hybridtron`` command line: prepare, train, ablate, plan, export, eval, sample.
 
 Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``).
 ``train`` reads like the recipe it is: config -> data -> model -> parallelize -> init -> fit.
@@ -337,6 +337,31 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from .plan import GIB, format_table, measure, plan_table, simulate
+
+    cfg, _ = resolve_job(args)
+    if not args.measure:
+        world = args.nodes * args.gpus_per_node
+        rows = plan_table(cfg, world, args.gpu_memory_gib)
+        print(format_table(cfg, rows, world, args.gpu_memory_gib))
+        return 0
+    device = select_rank_device(cfg)
+    mesh = Mesh.setup(cfg, device)
+    try:
+        real = measure(cfg, mesh, device)
+    except BaseException:
+        mesh.close(failed=True)
+        raise
+    mesh.close()
+    if mesh.is_main:  # the prediction for this very layout, simulated in this process once the real group is gone
+        pred = simulate(cfg, mesh.dp, mesh.zero_stage)
+        print(json.dumps({"dp": mesh.dp, "zero_stage": mesh.zero_stage, "measured_gib": {k: v / GIB for k, v in
+                          real.items()}, "predicted_gib": {k: v / GIB for k, v in pred.items()},
+                          "predicted_over_measured": pred["total"] / real["total"]}))
+    return 0
+
+
 def cmd_ablate(args) -> int:
     from .ablate import run_ablation
 
@@ -347,7 +372,7 @@ def cmd_ablate(args) -> int:
 # ---- argument parsing ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,export,eval,sample}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,plan,export,eval,sample}")
 
     def add_subcommand(name, **kw):  # every subcommand: --debug, and the exit codes in its --help
         sp = sub.add_parser(name, epilog=EXIT_CODES, **kw)
@@ -375,6 +400,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one variant: a name, then its overrides (repeat; 'base:' for none)")
     sp.add_argument("--variants", default=None, metavar="YAML", help="a file mapping variant names to overrides")
     sp.set_defaults(func=cmd_ablate)
+    sp = add_subcommand("plan", help="per-GPU memory and communication of a config on a cluster shape")
+    common(sp)
+    sp.add_argument("--nodes", type=int, default=1)
+    sp.add_argument("--gpus-per-node", type=int, default=8)
+    sp.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    sp.add_argument("--measure", action="store_true",
+                    help="run one real step in this job's layout (under torchrun) and print it beside the prediction")
+    sp.set_defaults(func=cmd_plan)
     sp = add_subcommand("export", help="write a Hugging Face model directory from a checkpoint")
     sp.add_argument("path", help="run directory (its latest checkpoint) or a checkpoint directory")
     sp.add_argument("--out", required=True, help="new directory for the Hugging Face model")
