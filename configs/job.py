@@ -182,6 +182,12 @@ class ParallelConfig:
     ep: int = 1
     cp: int = 1
     zero_stage: int = 0
+    # Data-parallel engine: torch (DDP for ZeRO 0, FSDP2 for 2/3) or deepspeed (ZeRO 0-3, optimizer offload).
+    engine: Literal["torch", "deepspeed"] = "torch"
+    # deepspeed: a DeepSpeed JSON of your own, used as given; the keys it lacks come from this config, and a key
+    # it sets to another value than this config's (batch sizes, clipping, ZeRO stage) is refused by name.
+    deepspeed_config: str = ""
+    offload_optimizer: bool = False  # deepspeed: optimizer state and step on the CPU (ZeRO-Offload)
     # FSDP2 mixed precision (GPU): parameters gathered and computed in bf16, gradients reduced in fp32. "auto":
     # on when train.dtype resolves to bf16; the sharded master weights and optimizer state stay fp32.
     mixed_precision: Literal["auto", "off"] = "auto"
@@ -195,9 +201,16 @@ class ParallelConfig:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be a positive integer (1 = off)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
-        if self.zero_stage == 1:
-            raise ConfigError("parallel.zero_stage=1 (optimizer state sharded alone) is not available: FSDP2 shards "
-                              "gradients with it; use parallel.zero_stage=2 (same memory or less) or 0")
+        if self.engine not in ("torch", "deepspeed"):
+            raise ConfigError(f"parallel.engine={self.engine!r} must be 'torch' or 'deepspeed'")
+        if self.zero_stage == 1 and self.engine == "torch":
+            raise ConfigError("parallel.zero_stage=1 (optimizer state sharded alone) needs parallel.engine=deepspeed; "
+                              "with the torch engine use parallel.zero_stage=2 (FSDP2: same memory or less) or 0")
+        if self.engine != "deepspeed" and (self.deepspeed_config or self.offload_optimizer):
+            raise ConfigError("parallel.deepspeed_config and parallel.offload_optimizer need parallel.engine=deepspeed")
+        if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
+            raise ConfigError(f"parallel.deepspeed_config={self.deepspeed_config!r} is not a file; give the path of a "
+                              f"DeepSpeed JSON")
         for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) > 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} is not available in this version (data "
@@ -218,6 +231,9 @@ class JobConfig:
         self.train.validate()
         self.checkpoint.validate()
         self.parallel.validate()
+        if self.parallel.engine == "deepspeed" and self.train.nan_policy == "skip":
+            raise ConfigError("train.nan_policy=skip is not available with parallel.engine=deepspeed (its engine "
+                              "steps on its own count of micro-batches); use train.nan_policy=stop, or the torch engine")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds the rotary table model.max_seq_len="

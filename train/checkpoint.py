@@ -47,6 +47,7 @@ STEP_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
 MANIFEST = "manifest.json"
 SHARDED = "dcp"  # torch.distributed.checkpoint directory of a multi-process run: model + optimizer shards
+DEEPSPEED, DEEPSPEED_TAG = "deepspeed", "state"  # a DeepSpeed engine's checkpoint directory and its one tag
 # Never copied into a checkpoint's tokenizer/: dotfiles and the temporary files of an interrupted atomic
 # write (".tokenizer.json.tmp-PID"), which would otherwise travel into every checkpoint after it.
 TOKENIZER_SKIP = shutil.ignore_patterns(".*", "*.tmp", "*.tmp-*", "*.tmp.*", "*~")
@@ -256,6 +257,7 @@ class CheckpointManager:
         config_yaml: str,
         tokenizer_dir: Path,
         mesh=None,
+        engine=None,
     ) -> Path:
         """Write checkpoint ``step_<state.step>`` atomically and point ``latest`` at it.
 
@@ -264,8 +266,8 @@ class CheckpointManager:
         rank 0 writes the rest, the manifest, and renames the directory into place only after every rank's
         shards are on disk. Ranks agree after each phase, so a failure on any rank removes the partial
         directory on all of them and raises on all of them."""
-        sharded = mesh is not None and mesh.distributed
-        main = not sharded or mesh.is_main
+        sharded = (mesh is not None and mesh.distributed) or engine is not None
+        main = mesh is None or mesh.is_main
         final = self.dir / step_dir_name(state.step)
         tmp = self.dir / (f".tmp-{final.name}-sharded" if sharded else f".tmp-{final.name}-{os.getpid()}")
         writing = [tmp]  # the file being written, for the error message
@@ -277,6 +279,10 @@ class CheckpointManager:
             tmp.mkdir()
 
         def weights():
+            if engine is not None:  # DeepSpeed's own layout: every rank writes its ZeRO partitions
+                writing[0] = tmp / DEEPSPEED
+                engine.save_checkpoint(str(writing[0]), tag=DEEPSPEED_TAG, save_latest=False)
+                return
             if sharded:
                 import torch.distributed.checkpoint as dcp
                 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -316,7 +322,7 @@ class CheckpointManager:
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)  # interrupted: a killed save leaves nothing
                     raise
-            if (mesh.any(err is not None) if sharded else err is not None):
+            if (mesh.any(err is not None) if mesh is not None else err is not None):
                 self._abort_save(err, tmp, final, writing[0], main)
         err = None
         if main:
@@ -324,7 +330,7 @@ class CheckpointManager:
                 self._publish(tmp, final)
             except Exception as e:  # noqa: BLE001
                 err = e
-        if mesh.any(err is not None) if sharded else err is not None:
+        if mesh.any(err is not None) if mesh is not None else err is not None:
             if err is not None:
                 raise err
             raise CheckpointError(f"checkpoint {final.name} was saved but rank 0 could not make it {LATEST} "
@@ -381,6 +387,37 @@ class CheckpointManager:
 
     # ---- load ------------------------------------------------------------------------------
     @staticmethod
+    def load_deepspeed(path: Path, engine) -> TrainerState:
+        """Restore a DeepSpeed engine (model, optimizer partitions) and the trainer state and RNG from ``path``."""
+        path = Path(path)
+        if not (path / DEEPSPEED).is_dir():
+            raise CheckpointError(f"checkpoint {path} was written by the torch engine; resume it with "
+                                  f"parallel.engine=torch (its layouts resume one another), or start a new --run-dir")
+        for name in ("trainer_state.json", "rng.pt"):
+            if not (path / name).is_file():
+                raise CheckpointError(f"checkpoint {path} has no {name}; it is incomplete or not a checkpoint "
+                                      f"({resume_advice(path)})")
+        verify_manifest(path)
+        try:
+            meta = json.loads((path / "trainer_state.json").read_text())
+            state = TrainerState(int(meta["step"]), int(meta["consumed_samples"]), int(meta["tokens_seen"]))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}); "
+                                  f"{resume_advice(path)}") from None
+        try:
+            loaded, _ = engine.load_checkpoint(str(path / DEEPSPEED), tag=DEEPSPEED_TAG, load_optimizer_states=True,
+                                               load_lr_scheduler_states=False)
+        except Exception as e:  # noqa: BLE001  (DeepSpeed raises assertions and runtime errors alike)
+            raise CheckpointError(f"checkpoint {path}: DeepSpeed cannot resume it here ({type(e).__name__}: "
+                                  f"{_first_line(e)}); a DeepSpeed checkpoint resumes at the dp size and ZeRO stage "
+                                  f"it was saved with (see {path / 'config.yaml'})") from None
+        if loaded is None:
+            raise CheckpointError(f"checkpoint {path}: DeepSpeed found nothing to load in {path / DEEPSPEED}; "
+                                  f"{resume_advice(path)}")
+        restore_rng(_torch_load(path, "rng.pt"), meta["rng"])
+        return state
+
+    @staticmethod
     def load(
         path: Path,
         model: torch.nn.Module,
@@ -392,10 +429,15 @@ class CheckpointManager:
         against the manifest (``verify=False``: the caller has just done it). Every way a checkpoint can be
         missing, damaged or foreign is a CheckpointError naming the file."""
         path = Path(path)
+        if (path / DEEPSPEED).is_dir() and optimizer is not None:
+            raise CheckpointError(f"checkpoint {path} was written by the DeepSpeed engine; resume it with "
+                                  f"parallel.engine=deepspeed at the same dp and ZeRO stage, or start a new --run-dir")
         sharded = (path / SHARDED).is_dir()
         needed = ["trainer_state.json"]
         if sharded:
             needed += [f"{SHARDED}/.metadata"]
+        elif (path / DEEPSPEED).is_dir():
+            pass
         else:
             needed += ["model.safetensors"] + (["optimizer.pt"] if optimizer is not None else [])
         needed += ["rng.pt"] if restore_rng_state else []
@@ -413,6 +455,8 @@ class CheckpointManager:
                                   f"{resume_advice(path)}") from None
         if sharded:
             _load_sharded(path, model, optimizer)
+        elif (path / DEEPSPEED).is_dir():
+            _load_deepspeed_weights(path, model)
         elif _has_dtensors(model):
             _load_full_into_sharded(path, model, optimizer)
         else:
@@ -425,6 +469,20 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path}: the RNG state in rng.pt / trainer_state.json is unusable "
                                       f"({type(e).__name__}); {resume_advice(path)}") from None
         return state
+
+
+def _load_deepspeed_weights(path: Path, model: torch.nn.Module) -> None:
+    """The fp32 weights of a DeepSpeed checkpoint (any ZeRO stage, any number of ranks) into a whole model."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(path / DEEPSPEED), tag=DEEPSPEED_TAG)
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise _fit_error(path, e) from None
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"checkpoint {path}: {DEEPSPEED}/ cannot be read ({type(e).__name__}: "
+                              f"{_first_line(e)}); {resume_advice(path)}") from None
 
 
 def _fit_error(path: Path, e: BaseException) -> CheckpointError:

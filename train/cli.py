@@ -24,7 +24,7 @@ from hybridtron.data_pipeline import DataError, build_dataset, build_loader, loa
 from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
-from .checkpoint import SHARDED, STEP_RE, CheckpointError, CheckpointManager, DiskFullError, verify_manifest
+from .checkpoint import DEEPSPEED, SHARDED, STEP_RE, CheckpointError, CheckpointManager, DiskFullError, verify_manifest
 from .distributed import Mesh, launch_world
 from .model_hooks import self_guided_end_step, structure_for_step
 from .optim import build_optimizer
@@ -256,19 +256,30 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
 
         load_hf_weights(model, init_from)
         log(f"initialised from Hugging Face weights in {init_from}")
+    sizes = (f"{model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
+             f"non-embedding, {model.num_active_params() / 1e6:.2f}M active)")  # before ZeRO-3 partitions them
     amp_dtype = autocast_dtype(t, device)
-    # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
-    apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
-                        params_may_leave=self_guided_end_step(cfg) is not None)
-    optimizer = build_optimizer(model, t)
-    log(f"model: {model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
-        f"non-embedding, {model.num_active_params() / 1e6:.2f}M active), device {device}, {len(train_ds)} train / "
+    engine = None
+    if cfg.parallel.engine == "deepspeed":
+        from .deepspeed_engine import initialize
+
+        optimizer = build_optimizer(model, t)
+        engine = initialize(model, optimizer, cfg, mesh, device)  # ZeRO partitions, bf16 and offload are its own
+        optimizer = engine.optimizer
+    else:
+        # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
+        apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
+                            params_may_leave=self_guided_end_step(cfg) is not None)
+        optimizer = build_optimizer(model, t)
+    log(f"model: {sizes}, device {device}, {len(train_ds)} train / "
         f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
-        + (f"; {mesh.world_size} processes, dp={mesh.dp}, zero_stage={mesh.zero_stage}" if mesh.distributed else ""))
+        + (f"; {mesh.world_size} processes, dp={mesh.dp}, zero_stage={mesh.zero_stage}" if mesh.distributed else "")
+        + (" (DeepSpeed)" if engine is not None else ""))
     trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,
                       amp_dtype=amp_dtype, run_dir=run_dir, config_yaml=config_yaml,
                       tokenizer_dir=prepared.tokenizer_dir,
-                      flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len), mesh=mesh)
+                      flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len), mesh=mesh,
+                      engine=engine)
     result = trainer.fit(log=log)  # 4. fit
     log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
     if result.final_val_loss is not None:
@@ -293,7 +304,7 @@ def _load_checkpoint_for_inference(args):
     for name in ("config.yaml", "tokenizer"):
         if not (ckpt / name).exists():
             raise CheckpointError(f"checkpoint {ckpt} has no {name}; it is incomplete or not a checkpoint")
-    inference_files = ("model.safetensors", SHARDED, "trainer_state.json", "config.yaml", "tokenizer")
+    inference_files = ("model.safetensors", SHARDED, DEEPSPEED, "trainer_state.json", "config.yaml", "tokenizer")
     verify_manifest(ckpt, only=inference_files)  # before any of them is read
     cfg = load_config(str(ckpt / "config.yaml"), parse_overrides(args.overrides))
     tokenizer = load_tokenizer(ckpt / "tokenizer")

@@ -63,6 +63,7 @@ class Mesh:
     dp: int = 1
     zero_stage: int = 0
     device_mesh: object | None = None  # torch DeviceMesh with dim names ("dp",) when world_size > 1
+    owns_group: bool = False  # a one-process group made for DeepSpeed
 
     @property
     def distributed(self) -> bool:
@@ -82,7 +83,12 @@ class Mesh:
         rank, local, world = launch_world()
         dp = resolve_layout(cfg, world)
         if world == 1:
-            return cls(dp=1, zero_stage=cfg.parallel.zero_stage)
+            mesh = cls(dp=1, zero_stage=cfg.parallel.zero_stage)
+            if cfg.parallel.engine == "deepspeed" and not dist.is_initialized():
+                # DeepSpeed wants a process group even alone: a one-rank gloo group on an in-memory store
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+                mesh.owns_group = True
+            return mesh
         backend = cfg.parallel.backend
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -136,6 +142,8 @@ class Mesh:
         collective, so nothing is awaited: the process exits and the launcher stops the rest."""
         if failed:
             return
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
         if self.distributed and dist.is_initialized():
             try:
                 dist.barrier()

@@ -285,9 +285,10 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
 def resolve_checkpoint(path: Path) -> Path:
     """A run directory (its latest checkpoint) or a checkpoint directory, of one process or sharded (``dcp/``,
     loaded whole on this one CPU process whatever layout wrote it)."""
-    from .checkpoint import SHARDED, CheckpointManager
+    from .checkpoint import DEEPSPEED, SHARDED, CheckpointManager
 
-    if (path / "config.yaml").is_file() and ((path / "model.safetensors").is_file() or (path / SHARDED).is_dir()):
+    if (path / "config.yaml").is_file() and ((path / "model.safetensors").is_file() or (path / SHARDED).is_dir()
+                                             or (path / DEEPSPEED).is_dir()):
         return path
     latest = CheckpointManager(path).latest()
     if latest is None:

@@ -92,7 +92,8 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
 
 class Trainer:
     def __init__(self, cfg: JobConfig, model, optimizer, train_loader, val_loader_factory, *, device, amp_dtype,
-                 run_dir: Path, config_yaml: str, tokenizer_dir: Path, flops_per_token: float, mesh: Mesh | None = None):
+                 run_dir: Path, config_yaml: str, tokenizer_dir: Path, flops_per_token: float, mesh: Mesh | None = None,
+                 engine=None):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.train_loader, self.val_loader_factory = train_loader, val_loader_factory
         self.device, self.amp_dtype = device, amp_dtype
@@ -101,6 +102,7 @@ class Trainer:
         self.state = TrainerState()
         self.flops_per_token = flops_per_token
         self.mesh = mesh or Mesh()  # one process unless the recipe launched several
+        self.engine = engine  # a DeepSpeed engine (parallel.engine=deepspeed) wrapping model and optimizer, or None
         self.peak_flops = device_peak_flops(device, cfg.train.peak_flops)
 
     def resume_if_possible(self) -> Path | None:
@@ -108,17 +110,52 @@ class Trainer:
         latest = self.ckpt.latest()
         if latest is None:
             return None
-        self.state = CheckpointManager.load(latest, self.model, self.optimizer)
+        if self.engine is not None:
+            self.state = CheckpointManager.load_deepspeed(latest, self.engine)
+        else:
+            self.state = CheckpointManager.load(latest, self.model, self.optimizer)
         self.train_loader.load_state_dict({"consumed_samples": self.state.consumed_samples})
         return latest
 
     def save(self) -> Path:
         self.state.consumed_samples = self.train_loader.state_dict()["consumed_samples"]
         return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir,
-                              mesh=self.mesh)
+                              mesh=self.mesh, engine=self.engine)
+
+    def _deepspeed_micro_batches(self, accum: int) -> tuple[float, float, int]:
+        """DeepSpeed's step: forward/backward/step per micro-batch (it steps the optimizer, clipping first, at the
+        accumulation boundary). The loss is checked before that last call, so a non-finite one is never applied."""
+        loss_sum, tokens = torch.zeros((), device=self.device), 0
+        for i in range(accum):
+            b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
+            doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
+            loss = self.engine(b["input_ids"], doc_ids, labels=b["labels"])
+            self.engine.backward(loss)  # scaled by 1/accum inside
+            loss_sum += loss.detach().float()
+            tokens += b["input_ids"].numel()
+            if i < accum - 1:
+                self.engine.step()
+        loss = self.mesh.mean((loss_sum / accum).item())
+        if not math.isfinite(loss):
+            return loss, float("nan"), tokens
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return loss, float(norm) if norm is not None else float("nan"), tokens
 
     def train_step(self) -> dict:
         t, accum = self.cfg.train, self.cfg.train.grad_accum_steps
+        if self.engine is not None:
+            lr = lr_at(self.state.step, t)
+            for group in self.engine.optimizer.param_groups:
+                group["lr"] = lr
+            loss, grad_norm, tokens = self._deepspeed_micro_batches(accum)
+            finite = math.isfinite(loss)
+            model_metrics = after_step(self.model, reduce=self.mesh.sum_)
+            self.state.step += 1
+            tokens *= self.mesh.dp
+            self.state.tokens_seen += tokens
+            return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite,
+                    "model_metrics": model_metrics}
         before_step(self.model, self.optimizer, self.cfg, self.state.step)
         lr = lr_at(self.state.step, t)
         for group in self.optimizer.param_groups:

@@ -46,7 +46,7 @@ def test_list_override_of_sources():
         ([("checkpoint.keep_last", "0")], ["checkpoint.keep_last=0"]),
         ([("data.sources", "[{path: x, wieght: 2}]")], ["wieght", "weight"]),
         ([("parallel.zero_stage", "4")], ["parallel.zero_stage=4", "0, 1, 2 or 3"]),
-        ([("parallel.zero_stage", "1")], ["parallel.zero_stage=1", "parallel.zero_stage=2"]),
+        ([("parallel.zero_stage", "1")], ["parallel.zero_stage=1", "parallel.engine=deepspeed"]),
         ([("parallel.dp", "0")], ["parallel.dp=0", "-1"]),
         ([("parallel.tp", "2")], ["parallel.tp=2", "not available", "parallel.tp=1"]),
         ([("parallel.pp", "0")], ["parallel.pp=0", "positive"]),

@@ -1,7 +1,7 @@
 """Data parallel on the CPU for real: `torchrun` starts two processes with the gloo backend.
 
-Each layout (DDP, FSDP2 as ZeRO-2 and ZeRO-3, MoE under DDP, and under DDP a self-guided structured FFN whose
-guide weights leave the model mid-run) trains 4 steps of micro-batch 4 per rank and is
+Each layout (DDP, FSDP2 as ZeRO-2 and ZeRO-3, MoE under DDP, under DDP a self-guided structured FFN whose
+guide weights leave the model mid-run, DeepSpeed ZeRO-1, ZeRO-3 and ZeRO-2 with optimizer offload) trains 4 steps of micro-batch 4 per rank and is
 compared with one process taking the same global batch as 2 accumulated micro-batches of 4: the same
 per-step loss, gradient norm and tokens seen, and the same weights after the last step (so the same
 gradients). Checkpoints written by one layout resume at another with the same next steps, and the sharded
@@ -40,7 +40,12 @@ LAYOUTS = {"ddp": ["--parallel.zero_stage", "0"], "zero2": ["--parallel.zero_sta
            # 2 micro-batches of 2 per rank: gradients all-reduced after the second only
            "ddp_accum": ["--parallel.zero_stage", "0", "--train.micro_batch_size", "2", "--train.grad_accum_steps", "2"],
            "zero3_accum": ["--parallel.zero_stage", "3", "--train.micro_batch_size", "2", "--train.grad_accum_steps",
-                           "2"]}
+                           "2"],
+           "ds_zero1": ["--parallel.engine", "deepspeed", "--parallel.zero_stage", "1"],
+           "ds_zero3": ["--parallel.engine", "deepspeed", "--parallel.zero_stage", "3"],
+           # ZeRO-2 with the optimizer state and step on the CPU, 2 micro-batches per rank
+           "ds_offload": ["--parallel.engine", "deepspeed", "--parallel.zero_stage", "2", "--parallel.offload_optimizer",
+                          "true", "--train.micro_batch_size", "2", "--train.grad_accum_steps", "2"]}
 
 
 def torchrun(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
@@ -90,7 +95,8 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "ddp_accum", "zero3_accum", "ddp_moe", "ddp_guided"])
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "ddp_accum", "zero3_accum", "ddp_moe", "ddp_guided",
+                                    "ds_zero1", "ds_zero3", "ds_offload"])
 def test_two_processes_train_like_one(layout, runs):
     ref = runs["single" + layout[3:] if layout in ("ddp_moe", "ddp_guided") else "single"]
     assert_same_steps(steps(runs[layout]), steps(ref))
@@ -132,7 +138,8 @@ def rolled_back(run, dst):
     return dst
 
 
-@pytest.mark.parametrize("src, dst", [("zero3", "single"), ("single", "zero3"), ("ddp", "zero2")])
+@pytest.mark.parametrize("src, dst", [("zero3", "single"), ("single", "zero3"), ("ddp", "zero2"),
+                                      ("ds_zero3", "ds_zero3")])
 def test_resume_at_another_layout_continues_the_same_run(src, dst, runs, small_data_dir, small_argv, tmp_path):
     run = rolled_back(runs[src], tmp_path / "run")
     argv = small_argv(small_data_dir, run, [*STEPS, *(["--train.grad_accum_steps", "2"] if dst == "single" else
@@ -241,3 +248,15 @@ def test_sharded_checkpoint_into_another_model_is_named(runs):
     cfg = load_config(str(ckpt / "config.yaml"), [("model.n_layers", "3")])
     with pytest.raises(CheckpointError, match=r"does not fit this model \(.*layers\.2\..*\); resume with the model"):
         CheckpointManager.load(ckpt, GatedLM(cfg.model, cfg.model.vocab_size), restore_rng_state=False)
+
+
+def test_deepspeed_checkpoint_exports_and_is_refused_by_the_torch_engine(runs, small_data_dir, small_argv, tmp_path,
+                                                                        capsys):
+    # Weights of any ZeRO stage gather on one CPU process (export, eval, sample)...
+    assert main(["export", str(runs["ds_zero3"]), "--out", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    # ... but training state resumes only with DeepSpeed: said in one line.
+    run = rolled_back(runs["ds_zero3"], tmp_path / "run")
+    assert main(small_argv(small_data_dir, run, STEPS)) == 2
+    err = capsys.readouterr().err
+    assert "written by the DeepSpeed engine; resume it with parallel.engine=deepspeed" in err, err

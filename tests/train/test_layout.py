@@ -50,3 +50,38 @@ def test_one_process_mesh_is_inert(monkeypatch):
     t = torch.tensor([3.0])
     assert mesh.mean(2.5) == 2.5 and mesh.any(False) is False and mesh.sum_(t) is t and t.item() == 3.0
     assert mesh.broadcast("x") == "x"
+
+
+def test_deepspeed_json_is_built_from_the_job_and_a_users_file_is_honoured(tmp_path):
+    import json
+
+    import torch
+
+    from hybridtron.train.deepspeed_engine import deepspeed_config
+
+    cpu = torch.device("cpu")
+    over = [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "2"), ("train.micro_batch_size", "4"),
+            ("train.grad_accum_steps", "3"), ("parallel.offload_optimizer", "true")]
+    conf = deepspeed_config(load_config("tiny", over), dp=2, device=cpu)
+    assert conf["train_batch_size"] == 24 and conf["gradient_accumulation_steps"] == 3
+    assert conf["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}} and "bf16" not in conf
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {
+        "stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e7}, "communication_data_type": "fp32"}))
+    conf = deepspeed_config(load_config("tiny", [*over, ("parallel.deepspeed_config", str(user))]), 2, cpu)
+    assert conf["train_micro_batch_size_per_gpu"] == 4 and conf["communication_data_type"] == "fp32"
+    assert conf["zero_optimization"]["overlap_comm"] is True and conf["zero_optimization"]["reduce_bucket_size"] == 5e7
+    user.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(ConfigError, match=r"sets zero_optimization.stage=3 but this job needs 2"):
+        deepspeed_config(load_config("tiny", [*over, ("parallel.deepspeed_config", str(user))]), 2, cpu)
+
+
+@pytest.mark.parametrize("over, needle", [
+    ([("parallel.zero_stage", "1")], "needs parallel.engine=deepspeed"),
+    ([("parallel.offload_optimizer", "true")], "need parallel.engine=deepspeed"),
+    ([("parallel.engine", "deepspeed"), ("parallel.deepspeed_config", "/nonexistent/ds.json")], "is not a file"),
+    ([("parallel.engine", "deepspeed"), ("train.nan_policy", "skip")], "nan_policy=skip is not available"),
+])
+def test_deepspeed_settings_are_refused_where_they_cannot_work(over, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("tiny", over)
