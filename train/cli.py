@@ -352,6 +352,10 @@ def cmd_plan(args) -> int:
     from .plan import GIB, format_table, measure, plan_table, simulate
 
     cfg, _ = resolve_job(args)
+    if cfg.parallel.engine != "torch":
+        raise ConfigError("hybridtron plan models the torch engine (DDP / FSDP2); for DeepSpeed use its own "
+                          "estimators (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live), "
+                          "or plan with parallel.engine=torch")
     if not args.measure:
         world = args.nodes * args.gpus_per_node
         rows = plan_table(cfg, world, args.gpu_memory_gib)

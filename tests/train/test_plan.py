@@ -68,3 +68,8 @@ def test_measured_step_matches_the_plan_under_zero3_on_two_processes():
     got = _measured(res.stdout)
     assert got["dp"] == 2 and got["zero_stage"] == 3 and 0.9 <= got["predicted_over_measured"] <= 1.1, got
     assert got["measured_gib"]["gathered"] > 0
+
+
+def test_plan_refuses_the_deepspeed_engine(capsys):
+    assert main(["plan", "--parallel.engine", "deepspeed"]) == 2
+    assert "plan models the torch engine" in capsys.readouterr().err
