@@ -49,7 +49,7 @@ case "$cmd" in
         setup dev
         ruff check .
         # pytest exits 5 when it collected nothing; set -e turns that (and any failure) into a failed run.
-        python -m pytest -q "$@"
+        python -m pytest -q --durations=15 "$@"  # the 15 slowest tests, timed, in every run
         ;;
     *)
         echo "usage: ./run.sh train [--train.max_steps N ...] | ./run.sh test [pytest args]" >&2
