@@ -171,7 +171,9 @@ class CheckpointConfig:
 class ParallelConfig:
     """How a run is laid out over its processes (``torchrun --nproc-per-node N``; one process: all 1).
 
-    The world size must be the product dp x tp x pp x cp; dp = -1 takes what the others leave. ZeRO stage of
+    The world size must be the product dp x tp x pp x cp; dp = -1 takes what the others leave. tp splits every
+    attention and feed-forward layer over tp ranks (Megatron-style column/row sharding, with sequence
+    parallelism between them, vocabulary-parallel embedding and loss); the tp ranks of a node should share it. ZeRO stage of
     the data-parallel dimension: 0 replicates the model (DDP, gradients all-reduced), 2 shards optimizer state
     and gradients and keeps the gathered parameters from forward to backward (FSDP2 without resharding after
     forward), 3 shards parameters too (FSDP2, parameters gathered per layer and freed after use)."""
@@ -211,10 +213,12 @@ class ParallelConfig:
         if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
             raise ConfigError(f"parallel.deepspeed_config={self.deepspeed_config!r} is not a file; give the path of a "
                               f"DeepSpeed JSON")
-        for name in ("tp", "pp", "ep", "cp"):
+        for name in ("pp", "ep", "cp"):
             if getattr(self, name) > 1:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} is not available in this version (data "
-                                  f"parallel only: parallel.dp and parallel.zero_stage); set parallel.{name}=1")
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} is not available in this version (data and "
+                                  f"tensor parallel: parallel.dp, parallel.tp, parallel.zero_stage); set parallel.{name}=1")
+        if self.tp > 1 and self.engine == "deepspeed":
+            raise ConfigError("parallel.tp > 1 works with parallel.engine=torch only; set parallel.tp=1 for DeepSpeed")
 
 
 @dataclass

@@ -70,15 +70,17 @@ class GatedAttention(nn.Module):
         cache: decoding state of this layer ({} at the first call): keys and values of earlier
         positions, extended in place, so each new token costs one query against the cache."""
         B, T, _ = x.shape
-        H, KV, D = self.n_heads, self.n_kv_heads, self.head_dim
-
+        D = self.head_dim
+        # Head counts come from the projections' widths: under tensor parallelism each rank holds a contiguous
+        # block of whole heads (and of their kv groups), so the same code runs on its share.
         q = self.q_proj(x)
         if self.gate == "elementwise":
-            q, gate = q.view(B, T, H, 2 * D).split(D, dim=-1)  # each (B, T, H, D)
+            q, gate = q.view(B, T, -1, 2 * D).split(D, dim=-1)  # each (B, T, H, D)
         else:
-            q = q.view(B, T, H, D)
-        k = self.k_proj(x).view(B, T, KV, D)
-        v = self.v_proj(x).view(B, T, KV, D)
+            q = q.view(B, T, -1, D)
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D)
+        H, KV = q.shape[2], k.shape[2]
 
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)

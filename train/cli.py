@@ -28,7 +28,7 @@ from .checkpoint import DEEPSPEED, SHARDED, STEP_RE, CheckpointError, Checkpoint
 from .distributed import Mesh, launch_world
 from .model_hooks import self_guided_end_step, structure_for_step
 from .optim import build_optimizer
-from .parallelize import apply_data_parallel, autocast_dtype, parallelize, select_device
+from .parallelize import apply_data_parallel, apply_tensor_parallel, autocast_dtype, parallelize, select_device
 from .sample import generate
 from .trainer import NonFiniteLossError, Trainer, evaluate
 
@@ -267,13 +267,15 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
         engine = initialize(model, optimizer, cfg, mesh, device)  # ZeRO partitions, bf16 and offload are its own
         optimizer = engine.optimizer
     else:
+        apply_tensor_parallel(model, mesh)  # TP/SP first, then data parallel over the other dimension
         # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
         apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
                             params_may_leave=self_guided_end_step(cfg) is not None)
         optimizer = build_optimizer(model, t)
     log(f"model: {sizes}, device {device}, {len(train_ds)} train / "
         f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
-        + (f"; {mesh.world_size} processes, dp={mesh.dp}, zero_stage={mesh.zero_stage}" if mesh.distributed else "")
+        + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, zero_stage={mesh.zero_stage}"
+           if mesh.distributed else "")
         + (" (DeepSpeed)" if engine is not None else ""))
     trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,
                       amp_dtype=amp_dtype, run_dir=run_dir, config_yaml=config_yaml,
@@ -352,6 +354,9 @@ def cmd_plan(args) -> int:
     from .plan import GIB, format_table, measure, plan_table, simulate
 
     cfg, _ = resolve_job(args)
+    if cfg.parallel.tp > 1:
+        raise ConfigError("hybridtron plan models data parallelism (parallel.zero_stage over dp) only in this "
+                          "version; plan with parallel.tp=1")
     if cfg.parallel.engine != "torch":
         raise ConfigError("hybridtron plan models the torch engine (DDP / FSDP2); for DeepSpeed use its own "
                           "estimators (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live), "

@@ -45,6 +45,11 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
             f"{'a multiple of ' + str(others) if p.dp == -1 else dp * others} processes, but the launcher started "
             f"{world} (WORLD_SIZE); change torchrun --nproc-per-node / --nnodes, or parallel.dp"
         )
+    if p.tp > 1:
+        check_tensor_parallel(cfg)
+        if dp > 1 and p.zero_stage == 0:
+            raise ConfigError(f"parallel.tp={p.tp} with dp={dp} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
+                              f"composes with tensor parallelism); replicated DDP does not")
     if dp > 1 and cfg.model.ffn.kind != "dense" and cfg.model.ffn.self_guided and p.zero_stage >= 2:
         raise ConfigError(
             "model.ffn.self_guided drops the dense guide weights during the run, which FSDP's flat shards "
@@ -53,16 +58,43 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
     return dp
 
 
+def check_tensor_parallel(cfg: JobConfig) -> None:
+    """What tensor parallelism of degree ``parallel.tp`` needs of the model; ConfigError naming the field."""
+    m, tp = cfg.model, cfg.parallel.tp
+    unsupported = []
+    if "L" in m.layer_types():
+        unsupported.append("Gated DeltaNet layers (model.layer_pattern with L)")
+    if m.moe.n_experts:
+        unsupported.append("mixture-of-experts layers (model.moe.n_experts)")
+    if m.ffn.kind != "dense":
+        unsupported.append(f"structured feed-forwards (model.ffn.kind={m.ffn.kind})")
+    if m.scale.any:
+        unsupported.append("scale vectors (model.scale)")
+    if unsupported:
+        raise ConfigError(f"parallel.tp={tp} shards gated attention and dense SwiGLU layers only in this version, "
+                          f"not {', '.join(unsupported)}; set parallel.tp=1 (data parallel covers every model)")
+    for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                        ("model.ffn_hidden", m.resolved_ffn_hidden()), ("data.seq_len", cfg.data.seq_len)):
+        if value % tp:
+            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}: every tensor-parallel rank "
+                              f"takes an equal share; choose a tp that divides it")
+    vocab = m.resolve_vocab(cfg.data.tokenizer.vocab_size)
+    if vocab % tp:
+        raise ConfigError(f"the vocabulary ({vocab} embeddings) is not divisible by parallel.tp={tp}; set "
+                          f"model.vocab_size to a multiple of {tp} (at least the tokenizer's size)")
+
+
 @dataclass
 class Mesh:
-    """Rank, world and the named device mesh of one run (``dp`` only, for now)."""
+    """Rank, world and the named device mesh of one run (``dp``, and ``tp`` inside it)."""
 
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
     dp: int = 1
+    tp: int = 1
     zero_stage: int = 0
-    device_mesh: object | None = None  # torch DeviceMesh with dim names ("dp",) when world_size > 1
+    device_mesh: object | None = None  # torch DeviceMesh, dims ("dp",) or ("dp", "tp"), when world_size > 1
     owns_group: bool = False  # a one-process group made for DeepSpeed
 
     @property
@@ -75,7 +107,8 @@ class Mesh:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank  # dp is the only dimension: the dp rank is the global rank
+        """This rank's coordinate along dp: the tp ranks of one dp group read the same batches."""
+        return self.rank // self.tp
 
     @classmethod
     def setup(cls, cfg: JobConfig, device: torch.device) -> Mesh:
@@ -98,8 +131,12 @@ class Mesh:
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
-        return cls(rank, local, world, dp, cfg.parallel.zero_stage, mesh)
+        tp = cfg.parallel.tp
+        if tp > 1:  # tp innermost: the ranks of a tp group are neighbours (one node, fast links)
+            mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+        else:
+            mesh = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
+        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh)
 
     # ---- collectives (no-ops on one process) -----------------------------------------------------
     def mean(self, value: float) -> float:

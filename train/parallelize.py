@@ -61,6 +61,71 @@ def parallelize(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     return model
 
 
+def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
+    """Megatron-style tensor parallelism with sequence parallelism over ``mesh``'s ``tp`` dimension, in place.
+
+    Between layers the residual stream is split along the sequence (each tp rank holds T/tp positions), and
+    so are the RMSNorms that read it. A layer's input is all-gathered along the sequence; q/k/v and gate/up
+    are split by output columns (whole heads, whole kv groups: the fused [query | gate] rows of a head stay
+    together), o_proj and down_proj by input rows, and their outputs are reduce-scattered back along the
+    sequence. QK-norm gains are replicated and applied to each rank's heads. The embedding is split by
+    vocabulary rows and the output layer by vocabulary columns, so the logits stay split over the vocabulary
+    and the cross-entropy runs on the shards (``loss_context``): the full logits never exist on one rank.
+    Parameters become DTensors; torch's DTensor sends every collective.
+    """
+    if mesh is None or mesh.tp == 1:
+        return model
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    tp_mesh = mesh.device_mesh["tp"]
+    root = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel()}
+    if model.lm_head is not None:  # tied: the logits come from the embedding's own vocabulary shards
+        root["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, root)
+    for block in model.layers:
+        block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing wraps blocks
+        attn = block.self_attn
+        plan = {
+            "input_layernorm": SequenceParallel(),
+            # the layer's inputs: the normed hidden states, gathered along the sequence; cos, sin, mask as they are
+            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        if getattr(attn, "gate_proj", None) is not None:  # headwise gate: one output per head
+            plan["self_attn.gate_proj"] = ColwiseParallel()
+        if attn.q_norm is not None:  # over head_dim of (B, T, heads, D): the heads are the split dimension
+            plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+    return model
+
+
+def loss_context(mesh):
+    """Cross-entropy on vocabulary-sharded logits under tensor parallelism (forward and backward inside it)."""
+    if mesh is None or mesh.tp == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, mixed_precision: str = "auto",
                         params_may_leave: bool = False):
     """Replicate (ZeRO 0) or shard (ZeRO 2/3) an initialised model over ``mesh``'s ``dp`` dimension, in place.

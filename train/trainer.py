@@ -23,7 +23,7 @@ from .checkpoint import CheckpointManager, TrainerState
 from .distributed import Mesh
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
-from .parallelize import autocast_context
+from .parallelize import autocast_context, loss_context
 from .schedule import lr_at
 
 
@@ -53,6 +53,11 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor-parallel loss (a replicated DTensor) as a plain tensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 def _quiet(*_a, **_k) -> None:
     pass
 
@@ -76,7 +81,7 @@ class FitResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype) -> float:
+def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype, mesh=None) -> float:
     """Mean loss over the first ``n_batches`` validation micro-batches (the same ones every time)."""
     was_training = model.training
     model.eval()
@@ -84,8 +89,8 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
     total = 0.0
     for _ in range(n_batches):
         b = {k: v.to(device) for k, v in next(loader).items()}
-        with autocast_context(device, amp_dtype):
-            total += model(b["input_ids"], b.get("doc_ids"), labels=b["labels"]).float().item()
+        with loss_context(mesh), autocast_context(device, amp_dtype):
+            total += _whole(model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])).float().item()
     model.train(was_training)
     return total / n_batches
 
@@ -164,16 +169,17 @@ class Trainer:
         # Replicated (DDP) gradients are all-reduced once per step, after the last micro-batch. Sharded ones are
         # reduce-scattered after every micro-batch: holding them unsharded until the last would cost the memory
         # ZeRO-2/3 exists to save.
-        sync_last_only = self.mesh.distributed and self.mesh.zero_stage == 0 and accum > 1
+        sync_last_only = self.mesh.dp > 1 and self.mesh.zero_stage == 0 and accum > 1  # replicated (DDP) only
         for i in range(accum):
             if sync_last_only:
                 self.model.set_requires_gradient_sync(i == accum - 1)
             b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
             doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
-            with autocast_context(self.device, self.amp_dtype):
-                loss = self.model(b["input_ids"], doc_ids, labels=b["labels"])
-            (loss / accum).backward()
-            loss_sum += loss.detach().float()
+            with loss_context(self.mesh):
+                with autocast_context(self.device, self.amp_dtype):
+                    loss = self.model(b["input_ids"], doc_ids, labels=b["labels"])
+                (loss / accum).backward()
+            loss_sum += _whole(loss.detach()).float()
             tokens += b["input_ids"].numel()
         loss = self.mesh.mean((loss_sum / accum).item())  # the mean over data-parallel ranks: the global batch's
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
@@ -234,7 +240,7 @@ class Trainer:
                         log(f"step {step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
                     if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
                         val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
-                                            self.amp_dtype)
+                                            self.amp_dtype, self.mesh)
                         rec["val_loss"], rec["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
                         (bar.write if main else _quiet)(f"step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
                                   f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")

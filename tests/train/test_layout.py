@@ -85,3 +85,23 @@ def test_deepspeed_json_is_built_from_the_job_and_a_users_file_is_honoured(tmp_p
 def test_deepspeed_settings_are_refused_where_they_cannot_work(over, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config("tiny", over)
+
+
+@pytest.mark.parametrize("over, world, needle", [
+    ([("model.layer_pattern", "LA")], 2, "not Gated DeltaNet layers"),
+    ([("model.moe.n_experts", "4")], 2, "not mixture-of-experts"),
+    ([("model.scale.two_sided", "true")], 2, "scale vectors"),
+    ([("model.n_kv_heads", "1")], 2, "model.n_kv_heads=1 is not divisible by parallel.tp=2"),
+    ([("data.seq_len", "127")], 2, "data.seq_len=127 is not divisible"),
+    ([("parallel.zero_stage", "0")], 4, "needs parallel.zero_stage 2 or 3"),
+])
+def test_tensor_parallel_refuses_what_it_cannot_shard(over, world, needle):
+    with pytest.raises(ConfigError, match=needle):
+        resolve_layout(load_config("tiny", [("parallel.tp", "2"), *over]), world)
+
+
+def test_tensor_parallel_layout_resolves():
+    cfg = load_config("tiny", [("parallel.tp", "2"), ("parallel.zero_stage", "3")])
+    assert resolve_layout(cfg, 2) == 1 and resolve_layout(cfg, 8) == 4
+    with pytest.raises(ConfigError, match="a multiple of 2"):
+        resolve_layout(cfg, 3)
