@@ -272,3 +272,16 @@ def test_deepspeed_checkpoint_exports_and_is_refused_by_the_torch_engine(runs, s
     assert main(small_argv(small_data_dir, run, STEPS)) == 2
     err = capsys.readouterr().err
     assert "written by the DeepSpeed engine; resume it with parallel.engine=deepspeed" in err, err
+
+
+@pytest.mark.parametrize("layout", ["tp2_dp2_zero3", "ds_zero3"])
+def test_eval_and_sample_read_multi_process_checkpoints_on_one_process(layout, runs, capsys):
+    def val_loss(run) -> float:
+        assert main(["eval", "--run-dir", str(run), "--batches", "2"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["val_loss"]
+
+    # the same weights as the one-process run's, so the same validation loss
+    assert val_loss(runs[layout]) == pytest.approx(val_loss(runs["single"]), rel=1e-4)
+    run = runs[layout]
+    assert main(["sample", "--run-dir", str(run), "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip()
