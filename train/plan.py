@@ -47,8 +47,7 @@ def _compute_dtype(cfg: JobConfig) -> torch.dtype | None:
 
 def step_peak(cfg: JobConfig, dp: int, zero_stage: int, fake: bool, device_mesh=None,
               device: torch.device | None = None) -> dict[str, float]:
-    """Peak bytes of one rank over a training step, by plan category, after a first warm-up step (optimizer
-    state exists from then on). ``fake``: on fake tensors; else real, on ``device`` (default CPU), in the
+    """Peak bytes of one rank over two training steps (the second has optimizer state), by plan category. ``fake``: on fake tensors; else real, on ``device`` (default CPU), in the
     process group already set up. On CUDA the allocator's own peak is added as ``cuda_max_allocated``."""
     device = device or torch.device("cpu")
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -90,15 +89,19 @@ def step_peak(cfg: JobConfig, dp: int, zero_stage: int, fake: bool, device_mesh=
             tracker.track_external(model, optimizer)
         autocast = torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
         with tracker:
-            for step in range(2):
-                for _ in range(accum):
+            # Step 1 creates the optimizer state; step 2 is the steady state. Its second micro-batch already holds
+            # the accumulated gradients beside a micro-batch's activations, so later ones change nothing.
+            calls = 0
+            for micro_batches in (1, min(accum, 2)):
+                for _ in range(micro_batches):
+                    if calls:  # the trackers follow one call per module: start each micro-batch afresh (the
+                        tracker.reset_mod_stats()  # peak over all of them is kept)
+                    calls += 1
                     with autocast:
                         loss = model(x, labels=x)
-                    (loss / accum).backward()
+                    (loss / micro_batches).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                if step == 0:
-                    tracker.reset_mod_stats()
         snap = tracker.get_tracker_snapshot("peak")
     per_dev = snap[device] if device in snap else next(iter(snap.values()))
     out = {"weights": 0.0, "gathered": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}

@@ -73,3 +73,13 @@ def test_measured_step_matches_the_plan_under_zero3_on_two_processes():
 def test_plan_refuses_the_deepspeed_engine(capsys):
     assert main(["plan", "--parallel.engine", "deepspeed"]) == 2
     assert "plan models the torch engine" in capsys.readouterr().err
+
+
+def test_plan_with_gradient_accumulation_and_checkpointing():
+    # Several micro-batches per step (each module runs more than once per step) with recomputation.
+    over = [*SMALL, ("train.grad_accum_steps", "3"), ("train.activation_checkpointing", "true")]
+    one = {r["zero_stage"]: r for r in plan_table(load_config("tiny", SMALL), 2, 80, stages=(0, 3))}
+    acc = {r["zero_stage"]: r for r in plan_table(load_config("tiny", over), 2, 80, stages=(0, 3))}
+    for z in (0, 3):
+        assert acc[z]["optimizer"] == pytest.approx(one[z]["optimizer"])
+        assert acc[z]["comm_gb_per_step"] == pytest.approx(one[z]["comm_gb_per_step"] * (3 if z else 1))
