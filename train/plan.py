@@ -23,6 +23,7 @@ c bytes per gathered parameter (2 in bf16, else 4) and gradients reduced in fp32
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import torch
 
@@ -74,14 +75,10 @@ def step_peak(cfg: JobConfig, dp: int, zero_stage: int, fake: bool, device_mesh=
         model = parallelize(GatedLM(cfg.model, vocab), cfg.train)
         model.init_weights()
 
-        class _Mesh:  # the few fields apply_data_parallel reads
-            pass
-
-        m = _Mesh()
-        m.dp, m.zero_stage, m.device_mesh = dp, zero_stage, device_mesh
         sharded = dp > 1 and zero_stage >= 2
-        if sharded:
-            apply_data_parallel(model, m, amp, cfg.parallel.mixed_precision)
+        if sharded:  # the fields of a Mesh that apply_data_parallel reads, on the simulated or real group
+            layout = SimpleNamespace(dp=dp, zero_stage=zero_stage, device_mesh=device_mesh)
+            apply_data_parallel(model, layout, amp, cfg.parallel.mixed_precision)
         optimizer = build_optimizer(model, cfg.train)
         x = torch.randint(0, vocab, (B, T))
         tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
