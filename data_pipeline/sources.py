@@ -235,6 +235,11 @@ def _file_done(stamp: list, digest: str | None) -> dict:
     return {"text": "", "end": False, "event": json.dumps({"file": [*stamp, digest]})}
 
 
+def _skip_file(stamp: list, reason: str, where: str, detail: str, n: int = 1) -> tuple[dict, dict]:
+    """A file given up on: its bad-record count, then its stamp without a digest (nothing of it was kept)."""
+    return _bad(reason, where, detail, n), _file_done(stamp, None)
+
+
 def binary_reason(head: bytes) -> str | None:
     """Why the first bytes of a file say it is not text, or None."""
     for magic, what in _MAGIC.items():
@@ -271,16 +276,14 @@ def _read_text(stamp: list, piece_chars: int, max_bytes: int) -> Iterator[dict]:
         yield _file_done(stamp, file_hash(path))
         return
     if size > max_bytes:
-        yield _bad("too_large", path, f"{size:,} bytes, above data.max_record_mb={max_bytes >> 20}")
-        yield _file_done(stamp, None)
+        yield from _skip_file(stamp, "too_large", path, f"{size:,} bytes, above data.max_record_mb={max_bytes >> 20}")
         return
     h = hashlib.blake2b(digest_size=16)
     with open(path, "rb") as fh:
         chunk = fh.read(READ_CHUNK)
         why = binary_reason(chunk)
         if why:
-            yield _bad("binary_file", path, why)
-            yield _file_done(stamp, None)
+            yield from _skip_file(stamp, "binary_file", path, why)
             return
         utf8 = codecs.getincrementaldecoder("utf-8")("strict")
         dec = io.IncrementalNewlineDecoder(utf8, translate=True)
@@ -293,8 +296,8 @@ def _read_text(stamp: list, piece_chars: int, max_bytes: int) -> Iterator[dict]:
             except UnicodeDecodeError as e:
                 pos = offset - pending + e.start
                 line_at = line + chunk[: max(0, e.start - pending)].count(b"\n")
-                yield _bad("invalid_utf8", path, f"invalid UTF-8 at line {line_at} (byte {pos:,}): {e.reason}")
-                yield _file_done(stamp, None)
+                yield from _skip_file(stamp, "invalid_utf8", path,
+                                      f"invalid UTF-8 at line {line_at} (byte {pos:,}): {e.reason}")
                 return
             while len(buf) > piece_chars:
                 cut = find_cut(buf[: piece_chars + 1], piece_chars)
@@ -357,8 +360,7 @@ def _read_jsonl(stamp: list, field_name: str, piece_chars: int, max_bytes: int) 
         head = fh.read(SNIFF_BYTES)
         why = binary_reason(head)
         if why:
-            yield _bad("binary_file", path, why)
-            yield _file_done(stamp, None)
+            yield from _skip_file(stamp, "binary_file", path, why)
             return
         fh.seek(0)
         if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[") and path.lower().endswith(".json"):
@@ -402,8 +404,8 @@ def _read_json_array(fh, stamp: list, field_name: str, piece_chars: int, max_byt
     path = stamp[0]
     if stamp[1] > max_bytes:
         # an array is parsed whole: bound it like any record
-        yield _bad("too_large", path, f"a JSON array of {stamp[1]:,} bytes, above data.max_record_mb; write it as jsonl")
-        yield _file_done(stamp, None)
+        yield from _skip_file(stamp, "too_large", path,
+                              f"a JSON array of {stamp[1]:,} bytes, above data.max_record_mb; write it as jsonl")
         return
     raw = fh.read()
     _check_unchanged(fh, stamp)
@@ -439,13 +441,12 @@ def _read_parquet(stamp: list, field_name: str, piece_chars: int, max_bytes: int
         pf = pq.ParquetFile(path, buffer_size=READ_CHUNK)
         schema = pf.schema_arrow
     except (pa.ArrowException, OSError) as e:
-        yield _bad("unreadable_file", path, f"not a readable Parquet file ({str(e)[:200]})")
-        yield _file_done(stamp, None)
+        yield from _skip_file(stamp, "unreadable_file", path, f"not a readable Parquet file ({str(e)[:200]})")
         return
     n_rows = pf.metadata.num_rows
     if field_name not in schema.names:
-        yield _bad("missing_text", path, f"no column {field_name!r} (columns: {', '.join(schema.names[:8])})", n_rows)
-        yield _file_done(stamp, None)
+        yield from _skip_file(stamp, "missing_text", path,
+                              f"no column {field_name!r} (columns: {', '.join(schema.names[:8])})", n_rows)
         return
     t = schema.field(field_name).type
     if pa.types.is_dictionary(t):
@@ -486,8 +487,7 @@ def _read_parquet(stamp: list, field_name: str, piece_chars: int, max_bytes: int
                     yield _piece(p, j == len(pieces) - 1)
             row += len(sizes)
     except (pa.ArrowException, OSError) as e:
-        yield _bad("unreadable_file", f"{path} row {row}", f"cannot read further ({str(e)[:200]})")
-        yield _file_done(stamp, None)
+        yield from _skip_file(stamp, "unreadable_file", f"{path} row {row}", f"cannot read further ({str(e)[:200]})")
         return
     with open(path, "rb") as fh:
         _check_unchanged(fh, stamp)
@@ -509,8 +509,7 @@ def _read_files(
             else:
                 yield from _read_parquet(stamp, text_field, piece_chars, max_bytes)
         except OSError as e:  # permission denied, a file removed since the listing, a read error
-            yield _bad("unreadable_file", path, f"cannot read it: {e.strerror or e}")
-            yield _file_done(stamp, None)
+            yield from _skip_file(stamp, "unreadable_file", path, f"cannot read it: {e.strerror or e}")
 
 
 # ---- the report ---------------------------------------------------------------------------------------------------

@@ -393,17 +393,9 @@ class CheckpointManager:
         if not (path / DEEPSPEED).is_dir():
             raise CheckpointError(f"checkpoint {path} was written by the torch engine; resume it with "
                                   f"parallel.engine=torch (its layouts resume one another), or start a new --run-dir")
-        for name in ("trainer_state.json", "rng.pt"):
-            if not (path / name).is_file():
-                raise CheckpointError(f"checkpoint {path} has no {name}; it is incomplete or not a checkpoint "
-                                      f"({resume_advice(path)})")
+        _require(path, ["trainer_state.json", "rng.pt"])
         verify_manifest(path)
-        try:
-            meta = json.loads((path / "trainer_state.json").read_text())
-            state = TrainerState(int(meta["step"]), int(meta["consumed_samples"]), int(meta["tokens_seen"]))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}); "
-                                  f"{resume_advice(path)}") from None
+        state, meta = _read_trainer_state(path)
         try:
             loaded, _ = engine.load_checkpoint(str(path / DEEPSPEED), tag=DEEPSPEED_TAG, load_optimizer_states=True,
                                                load_lr_scheduler_states=False)
@@ -432,30 +424,19 @@ class CheckpointManager:
         if (path / DEEPSPEED).is_dir() and optimizer is not None:
             raise CheckpointError(f"checkpoint {path} was written by the DeepSpeed engine; resume it with "
                                   f"parallel.engine=deepspeed at the same dp and ZeRO stage, or start a new --run-dir")
-        sharded = (path / SHARDED).is_dir()
-        needed = ["trainer_state.json"]
+        sharded, deepspeed = (path / SHARDED).is_dir(), (path / DEEPSPEED).is_dir()
+        needed = ["trainer_state.json"] + (["rng.pt"] if restore_rng_state else [])
         if sharded:
-            needed += [f"{SHARDED}/.metadata"]
-        elif (path / DEEPSPEED).is_dir():
-            pass
-        else:
+            needed.append(f"{SHARDED}/.metadata")
+        elif not deepspeed:
             needed += ["model.safetensors"] + (["optimizer.pt"] if optimizer is not None else [])
-        needed += ["rng.pt"] if restore_rng_state else []
-        for name in needed:
-            if not (path / name).is_file():
-                raise CheckpointError(f"checkpoint {path} has no {name}; it is incomplete or not a checkpoint "
-                                      f"({resume_advice(path)})")
+        _require(path, needed)
         if verify:
             verify_manifest(path)
-        try:
-            meta = json.loads((path / "trainer_state.json").read_text())
-            state = TrainerState(int(meta["step"]), int(meta["consumed_samples"]), int(meta["tokens_seen"]))
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}); "
-                                  f"{resume_advice(path)}") from None
+        state, meta = _read_trainer_state(path)
         if sharded:
             _load_sharded(path, model, optimizer)
-        elif (path / DEEPSPEED).is_dir():
+        elif deepspeed:
             _load_deepspeed_weights(path, model)
         elif _has_dtensors(model):
             _load_full_into_sharded(path, model, optimizer)
@@ -469,6 +450,23 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path}: the RNG state in rng.pt / trainer_state.json is unusable "
                                       f"({type(e).__name__}); {resume_advice(path)}") from None
         return state
+
+
+def _require(path: Path, names: list[str]) -> None:
+    for name in names:
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} has no {name}; it is incomplete or not a checkpoint "
+                                  f"({resume_advice(path)})")
+
+
+def _read_trainer_state(path: Path) -> tuple[TrainerState, dict]:
+    """The TrainerState of checkpoint ``path`` and the whole trainer_state.json (its python RNG state too)."""
+    try:
+        meta = json.loads((path / "trainer_state.json").read_text())
+        return TrainerState(int(meta["step"]), int(meta["consumed_samples"]), int(meta["tokens_seen"])), meta
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}); "
+                              f"{resume_advice(path)}") from None
 
 
 def _load_deepspeed_weights(path: Path, model: torch.nn.Module) -> None:

@@ -213,19 +213,14 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     directory whose weights start the run (ignored when resuming from a checkpoint). Under torchrun every
     process runs this; the layout in ``cfg.parallel`` is checked before any of them builds a model."""
     device = select_rank_device(cfg)
-    mesh = Mesh.setup(cfg, device)  # refuses an impossible layout before anything is allocated
-    try:
+    with Mesh.setup(cfg, device) as mesh:  # refuses an impossible layout before anything is allocated
         result, model = _train_run(cfg, run_dir, log if mesh.is_main else _quiet, init_from, device, mesh)
-    except BaseException:
-        mesh.close(failed=True)
-        raise
-    if mesh.distributed:
-        # The replicated or sharded model holds pending gloo/NCCL work; freed after the process group is gone
-        # (at interpreter exit), that work aborted the process now and then. Free it first.
-        del model
-        gc.collect()
-        model = None
-    mesh.close()
+        if mesh.distributed:
+            # The replicated or sharded model holds pending gloo/NCCL work; freed after the process group is gone
+            # (at interpreter exit), that work aborted the process now and then. Free it first.
+            del model
+            gc.collect()
+            model = None
     return result, model
 
 
@@ -367,13 +362,8 @@ def cmd_plan(args) -> int:
         print(format_table(cfg, rows, world, args.gpu_memory_gib))
         return 0
     device = select_rank_device(cfg)
-    mesh = Mesh.setup(cfg, device)
-    try:
+    with Mesh.setup(cfg, device) as mesh:
         real = measure(cfg, mesh, device)
-    except BaseException:
-        mesh.close(failed=True)
-        raise
-    mesh.close()
     if mesh.is_main:  # the prediction for this very layout, simulated in this process once the real group is gone
         pred = simulate(cfg, mesh.dp, mesh.zero_stage)
         print(json.dumps({"dp": mesh.dp, "zero_stage": mesh.zero_stage, "measured_gib": {k: v / GIB for k, v in

@@ -173,6 +173,12 @@ class Mesh:
         if self.distributed:
             dist.barrier()
 
+    def __enter__(self) -> Mesh:
+        return self
+
+    def __exit__(self, exc_type, *_exc) -> None:
+        self.close(failed=exc_type is not None)
+
     def close(self, failed: bool = False) -> None:
         """Tear the process group down together: a rank that destroys its group while another still uses
         it makes gloo abort that one. After a failure on this rank the others may be inside another

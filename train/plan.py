@@ -30,6 +30,7 @@ import torch
 from hybridtron.configs import ConfigError, JobConfig
 
 from .distributed import resolve_layout
+from .parallelize import autocast_dtype
 
 GIB = 1 << 30
 CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
@@ -42,8 +43,8 @@ CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
 
 
 def _compute_dtype(cfg: JobConfig) -> torch.dtype | None:
-    """The run's autocast dtype on a GPU: bf16 unless train.dtype says fp32."""
-    return None if cfg.train.dtype == "fp32" else torch.bfloat16
+    """The run's autocast dtype on the GPUs it plans for."""
+    return autocast_dtype(cfg.train, torch.device("cuda"))
 
 
 def step_peak(cfg: JobConfig, dp: int, zero_stage: int, fake: bool, device_mesh=None,
@@ -160,15 +161,14 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
     rows = []
     for z in stages:
         mem = simulate(cfg, dp, z)
-        rows.append({"zero_stage": z, "dp": dp, **{k: v / GIB for k, v in mem.items()},
+        rows.append({"zero_stage": z, "dp": dp, "params": P, **{k: v / GIB for k, v in mem.items()},
                      "fits": mem["total"] / GIB <= gpu_memory_gib,
                      "comm_gb_per_step": comm_bytes(P, dp, z, cfg.train.grad_accum_steps, c) / 1e9})
     return rows
 
 
 def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: float) -> str:
-    P = n_params(cfg)
-    head = (f"{P / 1e6:.1f}M parameters; {world} GPUs, dp={rows[0]['dp']}; micro-batch "
+    head = (f"{rows[0]['params'] / 1e6:.1f}M parameters; {world} GPUs, dp={rows[0]['dp']}; micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.train.grad_accum_steps} per step; "
             f"{'bf16' if _compute_dtype(cfg) is not None else 'fp32'} compute; activation checkpointing "
             f"{'on' if cfg.train.activation_checkpointing else 'off'}; per-GPU peak in GiB of {gpu_memory_gib:g}")

@@ -54,7 +54,7 @@ class StopSignal:
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A tensor-parallel loss (a replicated DTensor) as a plain tensor."""
+    """A DTensor (a tensor-parallel loss, an FSDP or TP gradient norm) as a plain tensor; others as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -147,24 +147,9 @@ class Trainer:
         norm = self.engine.get_global_grad_norm()
         return loss, float(norm) if norm is not None else float("nan"), tokens
 
-    def train_step(self) -> dict:
-        t, accum = self.cfg.train, self.cfg.train.grad_accum_steps
-        if self.engine is not None:
-            lr = lr_at(self.state.step, t)
-            for group in self.engine.optimizer.param_groups:
-                group["lr"] = lr
-            loss, grad_norm, tokens = self._deepspeed_micro_batches(accum)
-            finite = math.isfinite(loss)
-            model_metrics = after_step(self.model, reduce=self.mesh.sum_)
-            self.state.step += 1
-            tokens *= self.mesh.dp
-            self.state.tokens_seen += tokens
-            return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite,
-                    "model_metrics": model_metrics}
-        before_step(self.model, self.optimizer, self.cfg, self.state.step)
-        lr = lr_at(self.state.step, t)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def _torch_micro_batches(self, accum: int) -> tuple[float, float, int, bool]:
+        """Forward/backward of every micro-batch, then clipping and (if all is finite) the optimizer step."""
+        t = self.cfg.train
         loss_sum, tokens = torch.zeros((), device=self.device), 0
         # Replicated (DDP) gradients are all-reduced once per step, after the last micro-batch. Sharded ones are
         # reduce-scattered after every micro-batch: holding them unsharded until the last would cost the memory
@@ -183,13 +168,25 @@ class Trainer:
             tokens += b["input_ids"].numel()
         loss = self.mesh.mean((loss_sum / accum).item())  # the mean over data-parallel ranks: the global batch's
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
-        if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor, the norm over every rank's shards
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = grad_norm.item()
+        grad_norm = _whole(grad_norm).item()  # FSDP / TP: a DTensor, the norm over every rank's shards
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, tokens, finite
+
+    def train_step(self) -> dict:
+        t, accum = self.cfg.train, self.cfg.train.grad_accum_steps
+        if self.engine is None:
+            before_step(self.model, self.optimizer, self.cfg, self.state.step)
+        lr = lr_at(self.state.step, t)
+        for group in self.optimizer.param_groups:  # with DeepSpeed: its optimizer's groups, our schedule
+            group["lr"] = lr
+        if self.engine is not None:
+            loss, grad_norm, tokens = self._deepspeed_micro_batches(accum)
+            finite = math.isfinite(loss)
+        else:
+            loss, grad_norm, tokens, finite = self._torch_micro_batches(accum)
         model_metrics = after_step(self.model, reduce=self.mesh.sum_)
         self.state.step += 1
         tokens *= self.mesh.dp  # every data-parallel rank took the same number of tokens

@@ -326,6 +326,23 @@ def test_one_document_corpus_gets_advice_that_can_help(tmp_path, tokenizer_json)
 
 
 # ---- sources edited after prepare ---------------------------------------------------------------------------------
+def _prepare_killed_at_shard(n: int, cfg: DataConfig, monkeypatch) -> None:
+    """Run prepare and interrupt it while it writes its n-th shard, as a kill would."""
+    real = shards.write_shard
+    calls = []
+
+    def crashing(*a):
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt("simulated crash")
+        return real(*a)
+
+    monkeypatch.setattr(shards, "write_shard", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_data(cfg, log=quiet)
+    monkeypatch.setattr(shards, "write_shard", real)
+
+
 def _bump_mtime(f: Path) -> None:
     st = f.stat()
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 5_000_000_000))
@@ -408,19 +425,7 @@ def test_interrupted_prepare_of_an_edited_source_starts_over(tmp_path, tokenizer
     d = tmp_path / "corpus"
     _write_texts(d, GOOD[:12])
     cfg = _cfg(tmp_path, tokenizer_json, d, shard_docs=2)
-    real = shards.write_shard
-    calls = []
-
-    def crashing(*a):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt("simulated crash")
-        return real(*a)
-
-    monkeypatch.setattr(shards, "write_shard", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_data(cfg, log=quiet)
-    monkeypatch.setattr(shards, "write_shard", real)
+    _prepare_killed_at_shard(3, cfg, monkeypatch)
     (d / "g000.txt").write_text("edited while the prepare was down")
     logs = []
     prep = prepare_data(cfg, log=logs.append)
@@ -440,19 +445,7 @@ def test_interrupted_hostile_prepare_resumes_to_the_same_result(tmp_path, tokeni
     (d / "g011b.txt").write_text("")
     ref = prepare_data(_cfg(tmp_path, tokenizer_json, d, shard_docs=3, out="ref", max_malformed_fraction=0.1), log=quiet)
     cfg = _cfg(tmp_path, tokenizer_json, d, shard_docs=3, max_malformed_fraction=0.1)
-    real = shards.write_shard
-    calls = []
-
-    def crashing(*a):
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt("simulated crash")
-        return real(*a)
-
-    monkeypatch.setattr(shards, "write_shard", crashing)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_data(cfg, log=quiet)
-    monkeypatch.setattr(shards, "write_shard", real)
+    _prepare_killed_at_shard(4, cfg, monkeypatch)
     logs = []
     prep = prepare_data(cfg, log=logs.append)
     assert any("resuming" in m for m in logs)
