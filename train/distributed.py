@@ -50,7 +50,12 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
         if dp > 1 and p.zero_stage == 0:
             raise ConfigError(f"parallel.tp={p.tp} with dp={dp} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
                               f"composes with tensor parallelism); replicated DDP does not")
-    if dp > 1 and cfg.model.ffn.kind != "dense" and cfg.model.ffn.self_guided and p.zero_stage >= 2:
+    self_guided = cfg.model.ffn.kind != "dense" and cfg.model.ffn.self_guided
+    if self_guided and p.engine == "deepspeed":
+        raise ConfigError("model.ffn.self_guided changes the model during the run (its alpha schedule, then the "
+                          "dense guides leave), which the DeepSpeed engine's fixed parameter partitions cannot follow; "
+                          "use parallel.engine=torch with parallel.zero_stage=0 for self-guided runs")
+    if dp > 1 and self_guided and p.zero_stage >= 2:
         raise ConfigError(
             "model.ffn.self_guided drops the dense guide weights during the run, which FSDP's flat shards "
             "(parallel.zero_stage 2/3) cannot follow; use parallel.zero_stage=0 for self-guided runs"

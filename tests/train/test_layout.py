@@ -20,11 +20,13 @@ def test_fixed_dp_must_match_the_world():
         resolve_layout(cfg, 2)
 
 
-def test_self_guided_ffn_is_refused_under_fsdp_but_not_ddp():
+def test_self_guided_ffn_is_refused_under_fsdp_and_deepspeed_but_not_ddp():
     over = [("model.ffn.kind", "lowrank"), ("model.ffn.rank", "16"), ("model.ffn.self_guided", "true")]
     assert resolve_layout(load_config("tiny", over), 2) == 2
     with pytest.raises(ConfigError, match="model.ffn.self_guided .* parallel.zero_stage=0"):
         resolve_layout(load_config("tiny", [*over, ("parallel.zero_stage", "3")]), 2)
+    with pytest.raises(ConfigError, match="model.ffn.self_guided .* DeepSpeed engine"):
+        resolve_layout(load_config("tiny", [*over, ("parallel.engine", "deepspeed")]), 1)
 
 
 def test_launcher_environment(monkeypatch):
