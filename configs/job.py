@@ -238,6 +238,7 @@ class JobConfig:
         if self.parallel.engine == "deepspeed" and self.train.nan_policy == "skip":
             raise ConfigError("train.nan_policy=skip is not available with parallel.engine=deepspeed (its engine "
                               "steps on its own count of micro-batches); use train.nan_policy=stop, or the torch engine")
+        self.model.kernels.check_device(self.train.device)
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds the rotary table model.max_seq_len="

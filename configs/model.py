@@ -167,6 +167,42 @@ class ScaleVectorConfig:
         return self.branch_specific or self.two_sided or self.magnitude_direction
 
 
+KernelBackend = Literal["auto", "reference", "triton", "flash-attn"]
+
+
+@dataclass
+class KernelConfig:
+    """Which implementation runs each fused op (kernels/backend.py). auto: the fastest correct one on the
+    device (CUDA: Triton, or flash-attn for attention where installed; CPU: the pure-torch reference).
+    An explicit backend that cannot run on the run's device is refused, never replaced. Changing these
+    changes neither the parameters nor the checkpoint layout, only how they are computed."""
+
+    norm: KernelBackend = "auto"  # RMSNorm (+ residual add), gated RMSNorm of the delta-rule mixer
+    rotary: KernelBackend = "auto"  # rotary embedding of q and k (with the QK-norm fused)
+    swiglu: KernelBackend = "auto"  # silu(gate) * up
+    attention: KernelBackend = "auto"  # gated flash attention
+    cross_entropy: KernelBackend = "auto"  # LM head matmul + loss in chunks (the logits never exist whole)
+
+    def validate(self) -> None:
+        from ..kernels.backend import BackendError, check_choice
+
+        for op in ("norm", "rotary", "swiglu", "attention", "cross_entropy"):
+            try:
+                check_choice(op, getattr(self, op))
+            except BackendError as e:
+                raise ConfigError(str(e)) from None
+
+    def check_device(self, device: str) -> None:
+        """Refuse a backend that cannot run on ``device`` (train.device: auto, cpu, cuda, cuda:N)."""
+        from ..kernels.backend import BackendError, resolve
+
+        for op in ("norm", "rotary", "swiglu", "attention", "cross_entropy"):
+            try:
+                resolve(op, getattr(self, op), device)
+            except BackendError as e:
+                raise ConfigError(f"{e} (train.device={device})") from None
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 0  # 0: the tokenizer's size rounded up to vocab_multiple
@@ -194,6 +230,7 @@ class ModelConfig:
     moe: MoEConfig = field(default_factory=MoEConfig)
     ffn: StructuredFFNConfig = field(default_factory=StructuredFFNConfig)
     scale: ScaleVectorConfig = field(default_factory=ScaleVectorConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
 
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.d_model // self.n_heads
@@ -280,6 +317,7 @@ class ModelConfig:
         self.deltanet.validate(self)
         self.moe.validate(self)
         self.ffn.validate(self)
+        self.kernels.validate()
         if self.moe.n_experts and self.ffn.kind != "dense":
             # Both replace the same sub-layer; a dense layer under a MoE placement would be structured.
             moe_layers = [i for i in range(self.n_layers) if self.moe.is_moe_layer(i)]

@@ -1,0 +1,69 @@
+"""The backend switch: resolution per device, refusals with reasons, config-time checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridtron.configs import ConfigError, load_config
+from hybridtron.kernels import backend
+from hybridtron.kernels.backend import BackendError, resolve
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    backend.clear_cache()
+    yield
+    backend.clear_cache()
+
+
+def test_auto_is_reference_on_cpu(no_interpreter, monkeypatch):
+    for op in backend.OPS:
+        assert resolve(op, "auto", "cpu") == "reference"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter is a test tool: auto stays on the reference
+    assert resolve("norm", "auto", "cpu") == "reference"
+
+
+def test_triton_on_cpu_needs_the_interpreter(no_interpreter, monkeypatch):
+    with pytest.raises(BackendError, match="TRITON_INTERPRET=1"):
+        resolve("norm", "triton", "cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if backend.triton_installed():
+        assert resolve("norm", "triton", "cpu") == "triton"
+    monkeypatch.setattr(backend, "triton_installed", lambda: False)
+    with pytest.raises(BackendError, match="triton is not installed"):
+        resolve("rotary", "triton", "cpu")
+
+
+def test_flash_attn_refused_on_cpu_and_for_other_ops(no_interpreter):
+    with pytest.raises(BackendError, match="flash-attn runs on CUDA GPUs only"):
+        resolve("attention", "flash-attn", "cpu")
+    with pytest.raises(BackendError, match="does not implement swiglu"):
+        resolve("swiglu", "flash-attn", "cpu")
+    with pytest.raises(BackendError, match="unknown fused op"):
+        resolve("softmax", "auto", "cpu")
+    with pytest.raises(BackendError, match="not a backend"):
+        resolve("norm", "cuda", "cpu")
+
+
+def test_auto_on_cuda_takes_the_first_runnable(no_interpreter, monkeypatch):
+    monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend, "triton_installed", lambda: True)
+    monkeypatch.setattr(backend, "flash_attn_installed", lambda: False)
+    assert resolve("norm", "auto", "cuda") == "triton"
+    assert resolve("attention", "auto", "cuda") == "triton"
+    monkeypatch.setattr(backend, "flash_attn_installed", lambda: True)
+    assert resolve("attention", "auto", "cuda") == "flash-attn"
+    monkeypatch.setattr(backend, "triton_installed", lambda: False)
+    assert resolve("cross_entropy", "auto", "cuda") == "reference"
+
+
+def test_config_refuses_what_cannot_run(no_interpreter):
+    with pytest.raises(ConfigError, match=r"model.kernels.norm=triton cannot run on cpu.*TRITON_INTERPRET=1"):
+        load_config("tiny", [("model.kernels.norm", "triton"), ("train.device", "cpu")])
+    with pytest.raises(ConfigError, match="flash-attn does not implement cross_entropy"):
+        load_config("tiny", [("model.kernels.cross_entropy", "flash-attn")])
+    with pytest.raises(ConfigError, match="flash-attn runs on CUDA GPUs only"):
+        load_config("tiny", [("model.kernels.attention", "flash-attn"), ("train.device", "cpu")])
+    cfg = load_config("tiny", [("model.kernels.norm", "reference")])
+    assert cfg.model.kernels.norm == "reference"
