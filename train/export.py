@@ -1,25 +1,32 @@
-"""``hybridtron export``: a checkpoint as a Hugging Face model directory that transformers loads as is.
+"""``hybridtron export``: a checkpoint as a Hugging Face model directory that transformers loads.
 
-Targets, by what the model is (no custom code needed for any of them):
+Targets, by what the model is:
 
 - ``qwen3_5_text`` (Qwen3_5ForCausalLM): gated attention, with or without Gated DeltaNet layers, dense
   or structured feed-forwards;
 - ``qwen3_5_moe_text`` (Qwen3_5MoeForCausalLM): the same with a MoE on every layer, each with a shared
   expert, softmax router and renormalised top-k;
-- ``qwen3`` (Qwen3ForCausalLM): ungated attention-only models with QK-norm; ``llama`` without QK-norm.
+- ``qwen3`` (Qwen3ForCausalLM): ungated attention-only models with QK-norm; ``llama`` without QK-norm;
+- ``hybridtron`` (HybridtronForCausalLM, custom code): a ``qwen3_5_text`` model whose Gated DeltaNet
+  layers have what Qwen3.5 lacks, negative eigenvalues (beta in (0, 2)) or DeltaProduct. The directory
+  then also holds ``configuration_hybridtron.py`` and ``modeling_hybridtron.py`` (train/export_custom/,
+  Qwen3.5's classes with the mixer replaced; torch and transformers only) with ``auto_map`` entries in
+  config.json, and loads with ``trust_remote_code=True``. Weight names are those of ``qwen3_5_text``.
 
 Exact folds on the way (each a linear-algebra identity, listed in the report): scale vectors into the
 plain weights (`fold_scale_vectors`), structured FFN factors (and a live self-guided dense guide) into
 one matrix (`dense_state_dict`), a headwise gate expanded to Qwen3.5's elementwise gate rows inside
 q_proj, and norm gains written in the target's convention (Qwen3.5 stores ``w`` of ``1 + w``; Qwen3 and
-Llama the gain itself). Features transformers has no counterpart for are refused by name with the way
-out: negative eigenvalues (beta in (0, 2)), DeltaProduct, MoE layouts the target cannot express.
+Llama the gain itself). What no target expresses is refused by name with the way out: MoE layouts
+Qwen3.5-MoE cannot express, negative eigenvalues or DeltaProduct together with MoE, ungated attention
+in a hybrid.
 
 The weights go through the transformers class itself (``load_state_dict(strict=True)`` on a model built
 from the written config, then ``save_pretrained``, which shards above ``max_shard_size`` and writes the
 index), so a layout mismatch is an error here, not a silent difference later. The export then loads the
-result with ``AutoModelForCausalLM`` and measures the largest logit difference against our model on
-random tokens; everything is written to a temporary directory and renamed into place at the end.
+result with ``AutoModelForCausalLM`` (the custom code from the written directory) and measures the
+largest logit difference against our model on random tokens; everything is written to a temporary
+directory and renamed into place at the end.
 """
 
 from __future__ import annotations
@@ -51,9 +58,15 @@ class ExportReport:
     folded: list[str] = field(default_factory=list)
     max_logit_diff: float | None = None
     out_dir: Path | None = None
+    custom_code: list[str] = field(default_factory=list)  # the features that need our modeling code
 
     def lines(self) -> list[str]:
         out = [f"target: {self.target} ({self.architecture}), {self.params / 1e6:.2f}M parameters"]
+        if self.custom_code:
+            out.append(f"custom code: transformers has no class for {' and '.join(self.custom_code)}, so the "
+                       f"directory carries configuration_hybridtron.py and modeling_hybridtron.py (torch and "
+                       f"transformers only); load it with AutoModelForCausalLM.from_pretrained(DIR, "
+                       f"trust_remote_code=True)")
         out.append("folded: " + ("; ".join(self.folded) if self.folded else "nothing (plain layout)"))
         if self.max_logit_diff is not None:
             out.append(f"parity: max |logit difference| vs hybridtron = {self.max_logit_diff:.2e} (float32, "
@@ -62,16 +75,24 @@ class ExportReport:
 
 
 # ---- what can go where -------------------------------------------------------------------------------
+def custom_features(cfg: ModelConfig) -> list[str]:
+    """The Gated DeltaNet options Qwen3.5 has no counterpart for (exported with custom code)."""
+    d = cfg.deltanet
+    if "L" not in cfg.layer_types():
+        return []  # the options act on delta-rule layers only: an attention-only model ignores them
+    return (["model.deltanet.neg_eigval=true (beta in (0, 2))"] if d.neg_eigval else []) + (
+        [f"model.deltanet.n_householder={d.n_householder} (DeltaProduct)"] if d.n_householder > 1 else [])
+
+
 def choose_target(cfg: ModelConfig) -> str:
     """The transformers model_type for this config, or ExportError naming what has no equivalent."""
-    d, m = cfg.deltanet, cfg.moe
+    m = cfg.moe
     types = cfg.layer_types()
-    if "L" in types and d.neg_eigval:
-        raise ExportError("model.deltanet.neg_eigval=true (beta in (0, 2)) has no transformers equivalent: "
-                          "Qwen3.5's Gated DeltaNet computes beta = sigmoid(b); export a model trained without it")
-    if "L" in types and d.n_householder > 1:
-        raise ExportError(f"model.deltanet.n_householder={d.n_householder} (DeltaProduct) has no transformers "
-                          f"equivalent; export a model trained with n_householder=1")
+    custom = custom_features(cfg)
+    if custom and m.n_experts:
+        raise ExportError(f"{' and '.join(custom)} with MoE layers cannot be exported yet: the custom-code export "
+                          f"(trust_remote_code) covers Qwen3.5-style dense or structured feed-forwards only; export a "
+                          f"model without model.moe, or one trained without these Gated DeltaNet options")
     if m.n_experts:
         moe_layers = [i for i in range(cfg.n_layers) if m.is_moe_layer(i)]
         problems = []
@@ -92,11 +113,17 @@ def choose_target(cfg: ModelConfig) -> str:
                           "attention; train with model.attn_gate=elementwise or headwise")
     if not cfg.qk_norm:
         raise ExportError("model.qk_norm=false with gated attention: transformers' Qwen3.5 always has QK-norm")
+    if custom:
+        return "hybridtron"
     return "qwen3_5_moe_text" if m.n_experts else "qwen3_5_text"
 
 
 ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "hybridtron": "HybridtronForCausalLM"}
+CUSTOM_TARGETS = ("hybridtron",)  # written with our modeling code: loading needs trust_remote_code=True
+QWEN35_LAYOUT = ("qwen3_5_text", "qwen3_5_moe_text", "hybridtron")  # Qwen3.5 names and norm convention
+
+
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int, target: str, tok) -> object:
@@ -126,6 +153,14 @@ def hf_config(cfg: ModelConfig, vocab_size: int, target: str, tok) -> object:
     )
     if target == "qwen3_5_text":
         return transformers.Qwen3_5TextConfig(**common, **qwen)
+    if target == "hybridtron":  # train/export_custom/: the very files written next to the weights
+        from .export_custom.configuration_hybridtron import HybridtronConfig
+
+        hf = HybridtronConfig(**common, **qwen, linear_allow_neg_eigval=cfg.deltanet.neg_eigval,
+                        linear_num_householder=cfg.deltanet.n_householder)
+        hf.auto_map = {"AutoConfig": "configuration_hybridtron.HybridtronConfig",
+                       "AutoModelForCausalLM": "modeling_hybridtron.HybridtronForCausalLM"}
+        return hf
     m = cfg.moe
     return transformers.Qwen3_5MoeTextConfig(
         **common, **qwen, moe_intermediate_size=m.expert_hidden or cfg.resolved_ffn_hidden(),
@@ -172,7 +207,7 @@ ZERO_CENTRED_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight
 
 def to_hf_names(state: dict[str, torch.Tensor], cfg: ModelConfig, target: str) -> dict[str, torch.Tensor]:
     """Prefix with ``model.`` (lm_head stays top level) and convert norm gains to the target's convention."""
-    qwen35 = target.startswith("qwen3_5")
+    qwen35 = target in QWEN35_LAYOUT
     ours_zero = cfg.norm_type == "rmsnorm_zero_centered"
     out = {}
     for k, v in state.items():
@@ -219,10 +254,12 @@ def export_tokenizer(tok_dir: Path, out: Path) -> None:
 
 
 @torch.no_grad()
-def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0) -> float:
+def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote_code: bool = False) -> float:
+    """Largest |logit difference| between ``model`` and the directory as transformers loads it (the custom
+    code, if any, is the copy in ``hf_dir``)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     x = torch.randint(0, vocab, (2, min(64, model.cfg.max_seq_len)), generator=torch.Generator().manual_seed(seed))
     return float((hf(x).logits - model(x)).abs().max())
 
@@ -252,8 +289,14 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     hf_state = to_hf_names(state, plain_cfg, target)
     if plain_cfg.tie_embeddings:
         hf_state["lm_head.weight"] = hf_state["model.embed_tokens.weight"]
+    custom = target in CUSTOM_TARGETS
     with torch.device("meta"):
-        hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
+        if custom:
+            from .export_custom.modeling_hybridtron import HybridtronForCausalLM
+
+            hf_model = HybridtronForCausalLM(hf_cfg)
+        else:
+            hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     hf_model.load_state_dict(hf_state, strict=True, assign=True)
     if plain_cfg.tie_embeddings:
         hf_model.tie_weights()
@@ -262,15 +305,22 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf_model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        if custom:
+            from .export_custom import FILES, HERE
+
+            for name in FILES:
+                shutil.copyfile(HERE / name, tmp / name)
         export_tokenizer(tokenizer_dir, tmp)
-        report = ExportReport(target, ARCHITECTURES[target], model.num_params(), folded)
+        report = ExportReport(target, ARCHITECTURES[target], model.num_params(), folded,
+                              custom_code=custom_features(model.cfg) if custom else [])
         if check:
-            report.max_logit_diff = parity(model, tmp, model.vocab_size)
+            report.max_logit_diff = parity(model, tmp, model.vocab_size, trust_remote_code=custom)
             if not report.max_logit_diff <= PARITY_TOLERANCE:
                 raise ExportError(f"exported model differs from the checkpoint: max |logit difference| "
                                   f"{report.max_logit_diff:.2e} > {PARITY_TOLERANCE:.0e}; nothing was written to {out}")
         (tmp / "hybridtron_export.json").write_text(json.dumps(
-            {"source": source, "target": target, "folded": folded, "max_logit_diff": report.max_logit_diff}, indent=1))
+            {"source": source, "target": target, "custom_code": report.custom_code, "folded": folded,
+             "max_logit_diff": report.max_logit_diff}, indent=1))
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

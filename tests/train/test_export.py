@@ -124,8 +124,6 @@ def test_large_models_are_sharded_with_an_index(tok_dir, tmp_path):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(layer_pattern="LA", deltanet=DeltaNetConfig(neg_eigval=True)), "neg_eigval=true"),
-        (dict(layer_pattern="LA", deltanet=DeltaNetConfig(n_householder=2)), "n_householder=2 \\(DeltaProduct\\)"),
         (dict(moe=MoEConfig(n_experts=4, top_k=2, shared_expert_hidden=16, every=2)), "MoE on layers \\[1\\] only"),
         (dict(moe=MoEConfig(n_experts=4, top_k=2)), "no shared expert"),
         (dict(moe=MoEConfig(n_experts=4, top_k=2, shared_expert_hidden=16, bias_update_rate=0.01)), "router biases"),

@@ -1,0 +1,244 @@
+"""The custom-code export (``trust_remote_code=True``): Gated DeltaNet with negative eigenvalues and
+DeltaProduct, which transformers' Qwen3.5 lacks. Judged like the native exports, by transformers loading
+the directory (the modeling code is the copy written there): logits against ours in float32, greedy
+generation through transformers' own ``generate`` and cache against our decoder, transformers' cached
+decoding against its own full forward, tokenizer encodings; the directory loads without hybridtron."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridtron.configs import DeltaNetConfig, ModelConfig, MoEConfig, load_config
+from hybridtron.data_pipeline.tokenizer import load_tokenizer, train_bpe
+from hybridtron.model import GatedLM
+from hybridtron.train.export import ExportError, export_model
+from hybridtron.train.sample import generate
+
+transformers = pytest.importorskip("transformers", reason="transformers is a dependency; install the project")
+
+V = 320
+TEXT = "Grüße aus Köln! 你好，世界。 def f(x):\n    return x ** 2  # ✓"
+PROMPT = [5, 17, 42, 8]
+SMALL_DN = dict(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    texts = ["hello world, déjà vu. 你好世界 Привет мир " * 20, "def f(x):\n    return x + 1\n" * 30]
+    tok = train_bpe(iter(texts * 50), 300, 10**6)
+    d = tmp_path_factory.mktemp("tok")
+    tok.save(d)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _modules_cache(tmp_path, monkeypatch):
+    """transformers copies remote code into HF_MODULES_CACHE: keep it inside the test's directory."""
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+
+
+def build(cfg: ModelConfig) -> GatedLM:
+    # init_std 0.3: logits far from uniform, so greedy generation is a long non-repeating sequence and
+    # a wrong token anywhere shows (at 0.02 every model here repeats one token, with tied embeddings the last one).
+    cfg = replace(cfg, init_std=0.3, vocab_size=0)
+    torch.manual_seed(0)
+    model = GatedLM(cfg, V)
+    model.init_weights()
+    with torch.no_grad():  # gains, A_log, dt_bias off their initial values: each must be mapped
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def tiny_deltaproduct() -> ModelConfig:
+    """The model section of configs/tiny_deltaproduct.yaml: LLLA, neg_eigval, n_h = 2, chunk 32."""
+    return load_config("tiny_deltaproduct").model
+
+
+CASES = {
+    "neg_eigval_hybrid": lambda: ModelConfig(
+        d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="LLA",
+        norm_type="rmsnorm_zero_centered", rotary_fraction=0.25,
+        deltanet=DeltaNetConfig(**SMALL_DN, neg_eigval=True, chunk_size=16)),
+    "tiny_deltaproduct": tiny_deltaproduct,
+    "deltaproduct3_untied_headwise": lambda: ModelConfig(
+        d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="LA",
+        tie_embeddings=False, attn_gate="headwise", deltanet=DeltaNetConfig(**SMALL_DN, n_householder=3)),
+}
+
+
+def export_case(case: str, tok_dir: Path, out: Path, log=lambda _: None):
+    model = build(CASES[case]())
+    return model, export_model(model, tok_dir, out, log=log)
+
+
+def import_roots(path: Path) -> set[str]:
+    """Top-level modules a file imports (relative imports as '.name')."""
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            roots.add("." + (node.module or "") if node.level else node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_custom_export_matches_in_logits_generation_and_cached_decoding(case, tok_dir, tmp_path):
+    out = tmp_path / "hf"
+    logs = []
+    model, report = export_case(case, tok_dir, out, log=logs.append)
+    assert report.target == "hybridtron" and report.architecture == "HybridtronForCausalLM"
+    dn = model.cfg.deltanet
+    said = next(line for line in logs if line.startswith("custom code:"))
+    assert "trust_remote_code=True" in said
+    assert ("neg_eigval=true" in said) == dn.neg_eigval
+    assert (f"n_householder={dn.n_householder} (DeltaProduct)" in said) == (dn.n_householder > 1)
+    assert report.max_logit_diff <= 1e-4 and any(line.startswith("parity: max |logit") for line in logs)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "hybridtron" and cfg["architectures"] == ["HybridtronForCausalLM"]
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_hybridtron.HybridtronForCausalLM"
+    assert (cfg["linear_allow_neg_eigval"], cfg["linear_num_householder"]) == (dn.neg_eigval, dn.n_householder)
+    for f in ("modeling_hybridtron.py", "configuration_hybridtron.py"):
+        assert import_roots(out / f) <= {"torch", "transformers", ".configuration_hybridtron"}, f
+
+    # The native loader refuses without trust_remote_code; with it, the directory's own code runs.
+    with pytest.raises(ValueError, match="trust_remote_code"):
+        transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=True).eval()
+    assert type(hf).__name__ == "HybridtronForCausalLM" and type(hf).__module__.startswith("transformers_modules")
+    assert transformers.AutoConfig.from_pretrained(out, trust_remote_code=True).linear_num_householder == dn.n_householder
+
+    x = torch.randint(0, V, (3, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = hf(x).logits
+        assert (full - model(x)).abs().max().item() <= 1e-4
+
+        # transformers' cache: a prompt, three single-token steps, then a multi-token continuation.
+        step = hf(x[:, :30], use_cache=True)
+        cache, pieces = step.past_key_values, [step.logits]
+        for t in range(30, 33):
+            step = hf(x[:, t : t + 1], past_key_values=cache, use_cache=True)
+            pieces.append(step.logits)
+        pieces.append(hf(x[:, 33:], past_key_values=cache, use_cache=True).logits)
+        assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= 1e-4
+
+    ours = generate(model, PROMPT, 20, max_seq_len=model.cfg.max_seq_len, temperature=0.0)
+    theirs = hf.generate(torch.tensor([PROMPT]), max_new_tokens=20, min_new_tokens=20, do_sample=False)[0].tolist()
+    assert theirs == ours
+    assert len(set(ours[len(PROMPT):])) >= 10  # a real sequence, not one repeated token
+    # A left-padded batch (the mixer zeroes padded inputs) generates what each prompt does alone.
+    short = [7, 9]
+    batch = torch.tensor([PROMPT, [0, 0] + short])
+    mask = torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])
+    both = hf.generate(batch, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, do_sample=False)[:, 4:]
+    alone = hf.generate(torch.tensor([short]), max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 2:]
+    assert both[0].tolist() == ours[4:12] and both[1].tolist() == alone.tolist()
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok(TEXT, add_special_tokens=False)["input_ids"] == load_tokenizer(tok_dir).encode(TEXT)
+
+
+def test_the_comparison_catches_a_wrong_mixer(tok_dir, tmp_path):
+    """The same directory read with beta = sigmoid(b) (Qwen3.5's rule), or with DeltaProduct's key steps
+    swapped, is far outside the tolerance: the checks above can fail."""
+    model, _ = export_case("tiny_deltaproduct", tok_dir, tmp_path / "hf")
+    x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(x)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "hf", dtype=torch.float32, trust_remote_code=True, linear_allow_neg_eigval=False)
+        assert (hf(x).logits - ref).abs().max().item() > 1e-2
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                               trust_remote_code=True)
+        mixer = hf.model.layers[0].linear_attn
+        kd = mixer.key_dim
+        for w in (mixer.in_proj_qkv.weight, mixer.conv1d.weight):  # [q | k_1 | k_2 | v..] -> [q | k_2 | k_1 | v..]
+            w.copy_(torch.cat([w[:kd], w[2 * kd : 3 * kd], w[kd : 2 * kd], w[3 * kd :]]))
+        assert (hf(x).logits - ref).abs().max().item() > 1e-2
+
+
+@pytest.mark.slow
+def test_the_exported_directory_loads_without_hybridtron(tok_dir, tmp_path):
+    """A fresh interpreter where `import hybridtron` fails (and the checkout is off sys.path) loads the
+    directory with trust_remote_code, and reproduces our logits and greedy generation."""
+    model, _ = export_case("tiny_deltaproduct", tok_dir, tmp_path / "hf")
+    x = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.save({"x": x, "logits": model(x)}, tmp_path / "ours.pt")
+    ours = generate(model, PROMPT, 20, max_seq_len=model.cfg.max_seq_len, temperature=0.0)
+    script = textwrap.dedent(f"""
+        import importlib.abc, json, sys
+        class NoHybridtron(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "hybridtron":
+                    raise ImportError("hybridtron is not installed here")
+        sys.meta_path.insert(0, NoHybridtron())
+        repo = {str(Path(__file__).resolve().parents[2])!r}
+        sys.path = [p for p in sys.path if p not in ("", ".", repo)]
+        import torch, transformers
+        hf = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r}, dtype=torch.float32,
+                                                               trust_remote_code=True).eval()
+        saved = torch.load({str(tmp_path / "ours.pt")!r})
+        with torch.no_grad():
+            diff = (hf(saved["x"]).logits - saved["logits"]).abs().max().item()
+        ids = hf.generate(torch.tensor([{PROMPT}]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+        print(json.dumps({{"diff": diff, "ids": ids[0].tolist(), "hybridtron": "hybridtron" in sys.modules}}))
+    """)
+    env = {**os.environ, "PYTHONPATH": ""}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not result["hybridtron"]
+    assert result["diff"] <= 1e-4
+    assert result["ids"] == ours
+
+
+def test_custom_features_with_moe_are_refused_by_name(tok_dir, tmp_path):
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64,
+                      layer_pattern="LA", deltanet=DeltaNetConfig(**SMALL_DN, n_householder=2),
+                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32, shared_expert_hidden=16))
+    with pytest.raises(ExportError, match=r"n_householder=2 \(DeltaProduct\) with MoE layers cannot be exported"):
+        export_model(build(cfg), tok_dir, tmp_path / "hf", log=lambda _: None)
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.tmp-*"))
+
+
+def test_an_attention_only_model_ignores_the_delta_rule_options(tok_dir, tmp_path):
+    """neg_eigval / n_householder act on Gated DeltaNet layers only: without one the export stays native."""
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64,
+                      deltanet=DeltaNetConfig(neg_eigval=True, n_householder=2))
+    report = export_model(build(cfg), tok_dir, tmp_path / "hf", log=lambda _: None)
+    assert report.target == "qwen3_5_text" and not (tmp_path / "hf" / "modeling_hybridtron.py").exists()
+
+
+@pytest.mark.slow
+def test_cli_export_of_a_deltaproduct_run(small_data_dir, cli_args, tmp_path, capsys):
+    from hybridtron.train.cli import main
+
+    run = tmp_path / "run"
+    extra = ["--model.layer_pattern", "LA", "--model.doc_mask", "true", "--model.deltanet.chunk_size", "16",
+             "--model.deltanet.neg_eigval", "true", "--model.deltanet.n_householder", "2",
+             "--train.max_steps", "2", "--checkpoint.every", "2", "--train.eval_every", "0", "--train.warmup_steps", "1"]
+    assert main(cli_args(small_data_dir, run, extra)) == 0
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "target: hybridtron (HybridtronForCausalLM)" in printed
+    assert "trust_remote_code=True" in printed and "parity: max |logit difference|" in printed
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ids = tok("def main():", return_tensors="pt")["input_ids"]
+    assert hf.generate(ids, max_new_tokens=5, do_sample=False).shape[1] == ids.shape[1] + 5

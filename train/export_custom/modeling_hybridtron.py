@@ -1,0 +1,198 @@
+"""Modeling code of a hybridtron export that needs custom code (written by ``hybridtron export``).
+
+The model is transformers' Qwen3.5 text model (``Qwen3_5ForCausalLM``: gated attention, SwiGLU,
+zero-centred RMSNorms, partial rotary, the hybrid conv/recurrent/KV cache) with one module replaced:
+the Gated DeltaNet mixer, which here also has
+
+- negative eigenvalues (``config.linear_allow_neg_eigval``): beta = 2 sigmoid(b), in (0, 2);
+- DeltaProduct (``config.linear_num_householder`` = n_h > 1): per token one decay, then n_h delta-rule
+  steps with their own key, value and beta; the token's output is read after its last step.
+
+Weight names are Qwen3.5's. DeltaProduct widens three tensors: ``in_proj_qkv`` (and the depthwise
+``conv1d`` over its output) produce [q | k_1 .. k_nh | v_1 .. v_nh], each k_j key_dim wide and each v_j
+value_dim wide, and ``in_proj_b`` produces n_h * num_value_heads betas, step-major. With n_h = 1 and
+beta = sigmoid(b) the mixer computes what Qwen3.5's does.
+
+Per value head, state S (Dk, Dv), L2-normalised q and k, log decay g <= 0:
+    S <- exp(g) S,   then for each step j:   S <- S + beta_j k_j (v_j - S^T k_j)^T,   o = S^T q / sqrt(Dk)
+
+The delta rule runs in plain torch (float32): a chunked form for prompts and a step-by-step form for
+one-token decoding. The states live in transformers' own cache (per layer, the last conv_kernel_size
+convolution inputs and the recurrent state), so ``generate`` works as it does for Qwen3.5.
+
+This file imports only torch and transformers: it is loaded with ``trust_remote_code=True`` from the
+model directory, where the hybridtron package need not be installed.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
+
+from .configuration_hybridtron import HybridtronConfig
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def as_steps(q, k, v, g, beta):
+    """Per-token inputs -> one sequence of T * n_h delta steps, heads first.
+
+    q (B, T, H, Dk); k (B, T, n_h, H, Dk); v (B, T, n_h, H, Dv); g (B, T, H); beta (B, T, n_h, H).
+    A token's query sits at its last step (zero elsewhere: nothing is read there), its decay at its first
+    (zero elsewhere). Returns q, k (B, H, L, Dk), v (B, H, L, Dv), g, beta (B, H, L) with L = T * n_h."""
+    B, T, n_h, H, Dk = k.shape
+    q_steps = q.new_zeros(B, T, n_h, H, Dk)
+    q_steps[:, :, -1] = q
+    g_steps = g.new_zeros(B, T, n_h, H)
+    g_steps[:, :, 0] = g
+
+    def flat(x):  # (B, T, n_h, H, ...) -> (B, H, T * n_h, ...)
+        return x.reshape(B, T * n_h, *x.shape[3:]).transpose(1, 2)
+
+    return flat(q_steps), flat(k), flat(v), flat(g_steps), flat(beta)
+
+
+def delta_rule_stepwise(q, k, v, g, beta, state):
+    """The recurrence one step at a time (decoding). Shapes as `as_steps` returns them; state (B, H, Dk, Dv).
+    Returns the outputs (B, H, L, Dv) and the final state."""
+    outs = []
+    for t in range(k.shape[2]):
+        state = state * g[:, :, t, None, None].exp()
+        k_t = k[:, :, t]
+        written = beta[:, :, t, None] * (v[:, :, t] - torch.einsum("bhk,bhkv->bhv", k_t, state))
+        state = state + k_t[..., None] * written[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+    return torch.stack(outs, dim=2), state
+
+
+def delta_rule_chunked(q, k, v, g, beta, state, chunk: int = 64):
+    """The same recurrence over chunks of ``chunk`` steps: inside a chunk the writes solve one unit
+    lower-triangular system (the WY / UT form), and only the state passes from chunk to chunk.
+
+    With S0 the state entering a chunk, G the in-chunk cumulative log decay and D_ij = exp(G_i - G_j)
+    for j <= i, the writes w_i = beta_i (v_i - k_i^T S_i) satisfy
+        w + strict_lower(beta_i D_ij k_i^T k_j) w = beta v - (beta exp(G) k) S0,
+    the outputs are o_i = exp(G_i) q_i^T S0 + sum_{j <= i} D_ij (q_i^T k_j) w_j, and the state leaving
+    the chunk is exp(G_last) S0 + sum_j exp(G_last - G_j) k_j w_j^T."""
+    B, H, L, Dk = k.shape
+    pad = (-L) % chunk
+    if pad:  # padded steps read nothing, write nothing and decay nothing
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    N = (L + pad) // chunk
+    q, k, v, g, beta = (x.reshape(B, H, N, chunk, *x.shape[3:]) for x in (q, k, v, g, beta))
+    G = g.cumsum(-1)  # (B, H, N, C)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # D: (B, H, N, C, C)
+    k_beta = k * beta[..., None]
+    eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
+    system = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1) + eye
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * G.exp()[..., None], upper=False, unitriangular=True)
+    scores = (q @ k.transpose(-1, -2)) * decay
+    q_in = q * G.exp()[..., None]
+    k_out = k * (G[..., -1:] - G).exp()[..., None]
+    outs = []
+    for n in range(N):
+        written = u[:, :, n] - w[:, :, n] @ state  # (B, H, C, Dv)
+        outs.append(q_in[:, :, n] @ state + scores[:, :, n] @ written)
+        state = state * G[:, :, n, -1, None, None].exp() + k_out[:, :, n].transpose(-1, -2) @ written
+    return torch.stack(outs, dim=2).reshape(B, H, N * chunk, -1)[:, :, :L], state
+
+
+class HybridtronGatedDeltaNet(nn.Module):
+    """Qwen3.5's Gated DeltaNet mixer with negative eigenvalues and DeltaProduct (see the module docstring)."""
+
+    chunk_size = 64  # delta steps per chunk of the prompt form
+
+    def __init__(self, config: HybridtronConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.num_householder = config.linear_num_householder
+        self.allow_neg_eigval = config.linear_allow_neg_eigval
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        n_h, d = self.num_householder, config.hidden_size
+        self.conv_dim = self.key_dim * (1 + n_h) + self.value_dim * n_h
+        self.in_proj_qkv = nn.Linear(d, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(d, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(d, n_h * self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(d, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.conv_kernel_size, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads).uniform_(1.0, 16.0).log())
+        self.norm = qwen35.Qwen3_5RMSNormGated(self.head_v_dim, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, d, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor:
+        x = hidden_states
+        if attention_mask is not None:  # (B, T) padding mask: a padded position writes nothing into the state
+            x = x * attention_mask[:, :, None].to(x.dtype)
+        B, T, _ = x.shape
+        K, n_h = self.conv_kernel_size, self.num_householder
+        Hk, Hv, Dk, Dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+
+        mixed = self.in_proj_qkv(x).transpose(1, 2)  # (B, conv_dim, T)
+        state = None
+        if cache_params is not None:
+            state = cache_params.get_recurrent_state(self.layer_idx)  # None before the first call
+            # Stores the last K inputs and returns the ones the convolution needs: those kept, then these.
+            mixed = cache_params.update_conv_state(mixed, self.layer_idx, conv_kernel_size=K)
+        conv = self.conv1d(F.pad(mixed, (K - 1, 0)))[..., -T:]  # causal: output t reads inputs t-K+1 .. t
+        conv = F.silu(conv).transpose(1, 2)  # (B, T, conv_dim)
+        q, k, v = conv.split([self.key_dim, n_h * self.key_dim, n_h * self.value_dim], dim=-1)
+
+        f32 = torch.promote_types(x.dtype, torch.float32)
+        q = l2_normalize(q.reshape(B, T, Hk, Dk).to(f32)) * Dk**-0.5
+        k = l2_normalize(k.reshape(B, T, n_h, Hk, Dk).to(f32))
+        v = v.reshape(B, T, n_h, Hv, Dv).to(f32)
+        if Hv != Hk:  # grouped values: key head h serves value heads h*r .. h*r + r - 1
+            q, k = q.repeat_interleave(Hv // Hk, dim=-2), k.repeat_interleave(Hv // Hk, dim=-2)
+        beta = self.in_proj_b(x).to(f32).sigmoid().reshape(B, T, n_h, Hv)
+        if self.allow_neg_eigval:
+            beta = 2.0 * beta
+        g = -self.A_log.to(f32).exp() * F.softplus(self.in_proj_a(x).to(f32) + self.dt_bias.to(f32))  # (B, T, Hv)
+
+        state = x.new_zeros(B, Hv, Dk, Dv, dtype=f32) if state is None else state.to(f32)
+        steps = as_steps(q, k, v, g, beta)
+        if T == 1:
+            o, state = delta_rule_stepwise(*steps, state)
+        else:
+            o, state = delta_rule_chunked(*steps, state, self.chunk_size)
+        if cache_params is not None:
+            cache_params.update_recurrent_state(state, self.layer_idx)
+        o = o[:, :, n_h - 1 :: n_h].transpose(1, 2)  # (B, T, Hv, Dv): each token's last step
+
+        z = self.in_proj_z(x).reshape(B, T, Hv, Dv)
+        o = self.norm(o.to(x.dtype), z)  # RMSNorm per value head, gated by silu(z)
+        return self.out_proj(o.reshape(B, T, self.value_dim))
+
+
+class HybridtronForCausalLM(qwen35.Qwen3_5ForCausalLM):
+    """Qwen3_5ForCausalLM whose linear-attention layers are `HybridtronGatedDeltaNet`."""
+
+    config_class = HybridtronConfig
+
+    def __init__(self, config: HybridtronConfig):
+        super().__init__(config)
+        for i, layer in enumerate(self.model.layers):
+            if config.layer_types[i] == "linear_attention":
+                layer.linear_attn = HybridtronGatedDeltaNet(config, i)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, HybridtronGatedDeltaNet):  # the projections and the conv are generic modules
+            init.ones_(module.dt_bias)
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log_())
+
+
+__all__ = ["HybridtronForCausalLM", "HybridtronGatedDeltaNet"]
