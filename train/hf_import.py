@@ -1,11 +1,13 @@
 """``hybridtron train --init-from hf:DIR``: continued pretraining from a local Hugging Face checkpoint.
 
 The inverse of ``train/export.py`` for the architectures it writes: ``qwen3_5_text`` / ``qwen3_5``
-(Qwen3.5 dense and hybrid), ``qwen3_5_moe_text`` / ``qwen3_5_moe``, ``qwen3`` and ``llama``. The HF
-config becomes the model section (norms in the target's own convention, so every tensor is copied bit
-for bit and an export of the imported model reproduces the files' tensors exactly); the directory's
-``tokenizer.json`` becomes the run's tokenizer (``data.tokenizer.kind=pretrained``). Training settings
-that HF configs do not carry (document masking, chunk sizes, MoE loss weights) stay as configured.
+(Qwen3.5 dense and hybrid), ``qwen3_5_moe_text`` / ``qwen3_5_moe``, ``qwen3``, ``llama`` and
+``hybridtron`` (our custom-code export: Qwen3.5 plus negative eigenvalues / DeltaProduct, read from its
+config.json; its Python files are never run here). The HF config becomes the model section (norms in
+the target's own convention, so every tensor is copied bit for bit and an export of the imported model
+reproduces the files' tensors exactly); the directory's ``tokenizer.json`` becomes the run's tokenizer
+(``data.tokenizer.kind=pretrained``). Training settings that HF configs do not carry (document
+masking, chunk sizes, MoE loss weights) stay as configured.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 
 from hybridtron.configs import ConfigError, DeltaNetConfig, JobConfig, ModelConfig, MoEConfig
 
-SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3", "llama")
+SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3", "llama", "hybridtron")
 
 
 class HFImportError(ConfigError):
@@ -43,7 +45,7 @@ def read_hf_config(hf_dir: Path) -> dict:
 def model_config_from_hf(raw: dict, base: ModelConfig) -> ModelConfig:
     """The model section for HF config ``raw``; fields HF does not describe are taken from ``base``."""
     mt = raw["model_type"]
-    qwen35 = mt.startswith("qwen3_5")
+    qwen35 = mt.startswith("qwen3_5") or mt == "hybridtron"  # hybridtron: Qwen3.5 plus two delta-rule options
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise HFImportError(f"rope_type {rope.get('rope_type')!r} is not supported (plain rotary only)")
@@ -56,6 +58,7 @@ def model_config_from_hf(raw: dict, base: ModelConfig) -> ModelConfig:
         max_seq_len=max(base.max_seq_len, 16), rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1e4))),
         rotary_fraction=float(rope.get("partial_rotary_factor", 1.0)), norm_eps=float(raw["rms_norm_eps"]),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        init_std=float(raw.get("initializer_range", base.init_std)),
         qk_norm=mt != "llama", attn_gate="elementwise" if qwen35 else "none",
         norm_type="rmsnorm_zero_centered" if qwen35 else "rmsnorm",
         layer_pattern=[{"full_attention": "A", "linear_attention": "L"}[t] for t in raw["layer_types"]]
@@ -66,7 +69,8 @@ def model_config_from_hf(raw: dict, base: ModelConfig) -> ModelConfig:
             base.deltanet if isinstance(base.deltanet, DeltaNetConfig) else DeltaNetConfig(),
             n_k_heads=raw["linear_num_key_heads"], n_v_heads=raw["linear_num_value_heads"],
             k_head_dim=raw["linear_key_head_dim"], v_head_dim=raw["linear_value_head_dim"],
-            conv_size=raw["linear_conv_kernel_dim"], neg_eigval=False, n_householder=1))
+            conv_size=raw["linear_conv_kernel_dim"], neg_eigval=bool(raw.get("linear_allow_neg_eigval", False)),
+            n_householder=int(raw.get("linear_num_householder", 1))))
     if mt.startswith("qwen3_5_moe"):
         cfg = replace(cfg, moe=replace(
             base.moe if base.moe.n_experts else MoEConfig(), n_experts=raw["num_experts"],

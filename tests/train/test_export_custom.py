@@ -206,6 +206,26 @@ def test_the_exported_directory_loads_without_hybridtron(tok_dir, tmp_path):
     assert result["ids"] == ours
 
 
+def test_round_trip_of_a_custom_export_is_bit_exact(tok_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from hybridtron.train.hf_import import load_hf_weights, model_config_from_hf, read_hf_config
+
+    model, _ = export_case("tiny_deltaproduct", tok_dir, tmp_path / "a")
+    # The rotary length comes from the run (as with --init-from), not from max_position_embeddings.
+    cfg = model_config_from_hf(read_hf_config(tmp_path / "a"), ModelConfig(max_seq_len=model.cfg.max_seq_len))
+    assert cfg.deltanet.neg_eigval and cfg.deltanet.n_householder == 2
+    imported = GatedLM(cfg, cfg.vocab_size)
+    load_hf_weights(imported, tmp_path / "a")
+    export_model(imported.eval(), tok_dir, tmp_path / "b", log=lambda _: None)
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    for f in ("config.json", "modeling_hybridtron.py", "configuration_hybridtron.py"):
+        assert (tmp_path / "a" / f).read_text() == (tmp_path / "b" / f).read_text(), f
+
+
 def test_custom_features_with_moe_are_refused_by_name(tok_dir, tmp_path):
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64,
                       layer_pattern="LA", deltanet=DeltaNetConfig(**SMALL_DN, n_householder=2),
