@@ -226,6 +226,26 @@ def test_round_trip_of_a_custom_export_is_bit_exact(tok_dir, tmp_path):
         assert (tmp_path / "a" / f).read_text() == (tmp_path / "b" / f).read_text(), f
 
 
+def test_with_qwen35_settings_the_custom_model_is_qwen35(tok_dir, tmp_path):
+    """beta = sigmoid(b) and n_h = 1: HybridtronForCausalLM on a native export's weights gives transformers'
+    own Qwen3_5ForCausalLM logits (the replaced mixer is Qwen3.5's plus the two options, nothing else)."""
+    from hybridtron.train.export_custom.configuration_hybridtron import HybridtronConfig
+    from hybridtron.train.export_custom.modeling_hybridtron import HybridtronForCausalLM
+
+    cfg = replace(CASES["neg_eigval_hybrid"](), deltanet=DeltaNetConfig(**SMALL_DN))
+    export_model(build(cfg), tok_dir, tmp_path / "hf", log=lambda _: None)
+    native = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert type(native).__name__ == "Qwen3_5ForCausalLM"
+    raw = {k: v for k, v in native.config.to_dict().items() if k not in ("model_type", "architectures")}
+    ours = HybridtronForCausalLM(HybridtronConfig(**raw)).eval()
+    ours.load_state_dict(native.state_dict(), strict=True)
+    x = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (ours(x).logits - native(x).logits).abs().max().item() <= 1e-4  # two chunked algorithms in fp32
+    with pytest.raises(ValueError, match="linear_num_householder=0 must be >= 1"):
+        HybridtronConfig(**{**raw, "linear_num_householder": 0})
+
+
 def test_custom_features_with_moe_are_refused_by_name(tok_dir, tmp_path):
     cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64,
                       layer_pattern="LA", deltanet=DeltaNetConfig(**SMALL_DN, n_householder=2),
