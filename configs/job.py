@@ -194,6 +194,12 @@ class ParallelConfig:
     # on when train.dtype resolves to bf16; the sharded master weights and optimizer state stay fp32.
     mixed_precision: Literal["auto", "off"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, gloo on the CPU
+    # Pipeline parallel (pp > 1): the layers are cut into pp x pp_stages_per_rank stages, balanced by an estimate
+    # of each layer's FLOPs, and run by a torch.distributed.pipelining schedule over train.grad_accum_steps
+    # micro-batches: gpipe and 1f1b take one stage per rank, interleaved_1f1b and zero_bubble (the interleaved
+    # zero-bubble schedule: input and weight gradients computed apart to fill the bubble) two or more.
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    pp_stages_per_rank: int = 1
 
     def validate(self) -> None:
         if self.dp == 0 or self.dp < -1:
@@ -213,10 +219,23 @@ class ParallelConfig:
         if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
             raise ConfigError(f"parallel.deepspeed_config={self.deepspeed_config!r} is not a file; give the path of a "
                               f"DeepSpeed JSON")
-        for name in ("pp", "ep", "cp"):
+        for name in ("ep", "cp"):
             if getattr(self, name) > 1:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} is not available in this version (data and "
-                                  f"tensor parallel: parallel.dp, parallel.tp, parallel.zero_stage); set parallel.{name}=1")
+                raise ConfigError(f"parallel.{name}={getattr(self, name)} is not available in this version (data, "
+                                  f"tensor and pipeline parallel: parallel.dp, tp, pp, zero_stage); set parallel.{name}=1")
+        schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+        if self.pp_schedule not in schedules:
+            raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} must be one of {', '.join(schedules)}")
+        multi = self.pp_schedule in ("interleaved_1f1b", "zero_bubble")
+        if self.pp_stages_per_rank < 1 or (multi and self.pp_stages_per_rank < 2) or \
+                (not multi and self.pp_stages_per_rank != 1):
+            raise ConfigError(
+                f"parallel.pp_stages_per_rank={self.pp_stages_per_rank} does not fit parallel.pp_schedule="
+                f"{self.pp_schedule}: gpipe and 1f1b run one stage per rank (set 1), interleaved_1f1b and zero_bubble "
+                f"two or more (set 2)")
+        if self.pp > 1 and self.engine == "deepspeed":
+            raise ConfigError("parallel.pp > 1 works with parallel.engine=torch only (torch.distributed.pipelining); "
+                              "set parallel.engine=torch, or parallel.pp=1 for DeepSpeed")
         if self.tp > 1 and self.engine == "deepspeed":
             raise ConfigError("parallel.tp > 1 works with parallel.engine=torch only; set parallel.tp=1 for DeepSpeed")
 

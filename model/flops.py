@@ -23,24 +23,27 @@ import torch
 from ..configs import ModelConfig
 
 
-def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
+def layer_flops(cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[list[float], float]:
+    """Forward FLOPs per token of each layer, and of the output layer (lm_head), as counted above."""
     from .lm import GatedLM
 
     with torch.device("meta"):
         model = GatedLM(cfg, vocab_size)
-    matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.ndim >= 2 and n != "embed_tokens.weight")
-    for m in model.layers.modules():
-        if hasattr(m, "active_params_per_token"):  # MoE: only the routed experts compute
-            total = sum(p.numel() for p in m.parameters() if p.ndim >= 2)
-            matmul_params -= total - m.active_params_per_token()
-    if model.lm_head is None:
-        matmul_params += cfg.d_model * vocab_size
-    types = cfg.layer_types()
     H, D = cfg.n_heads, cfg.resolved_head_dim()
-    attn = types.count("A") * 2 * H * D * seq_len / 2
     _hk, hv, dk, dv = cfg.deltanet.resolved(cfg)
     C = min(cfg.deltanet.chunk_size, seq_len)
-    per_head = 2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv
-    delta = types.count("L") * hv * cfg.deltanet.n_householder * per_head
-    forward = 2 * (matmul_params + attn + delta)
-    return 3.0 * forward
+    delta_per_head = 2 * C * dk + C * (dk + dv) / 2 + C * dv + 3 * dk * dv
+    mixer = {"A": 2 * H * D * seq_len / 2, "L": hv * cfg.deltanet.n_householder * delta_per_head}
+    per_layer = []
+    for layer, kind in zip(model.layers, cfg.layer_types(), strict=True):
+        matmul = sum(p.numel() for p in layer.parameters() if p.ndim >= 2)
+        for m in layer.modules():
+            if hasattr(m, "active_params_per_token"):  # MoE: only the routed experts compute
+                matmul -= sum(p.numel() for p in m.parameters() if p.ndim >= 2) - m.active_params_per_token()
+        per_layer.append(2.0 * (matmul + mixer[kind]))
+    return per_layer, 2.0 * cfg.d_model * vocab_size
+
+
+def flops_per_token(cfg: ModelConfig, vocab_size: int, seq_len: int) -> float:
+    per_layer, head = layer_flops(cfg, vocab_size, seq_len)
+    return 3.0 * (sum(per_layer) + head)

@@ -203,6 +203,11 @@ class MoE(nn.Module):
         if self.bias_update_rate and self._load.sum() > 0:
             load = self._load.float()
             self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+        self.reset_stats()
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        """Forget the statistics gathered since the last optimizer step (a forward that was not training)."""
         self._load.zero_()
         self._stats = {"aux_loss": 0.0, "z_loss": 0.0, "dropped": 0.0, "forwards": 0}
 

@@ -438,7 +438,7 @@ class CheckpointManager:
             _load_sharded(path, model, optimizer)
         elif deepspeed:
             _load_deepspeed_weights(path, model)
-        elif _has_dtensors(model):
+        elif _has_dtensors(model) or _is_pipeline_part(model):
             _load_full_into_sharded(path, model, optimizer)
         else:
             _load_plain(path, model, optimizer)
@@ -518,6 +518,11 @@ def _has_dtensors(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def _is_pipeline_part(model: torch.nn.Module) -> bool:
+    """The layers of one pipeline-parallel rank (``train/pipeline.py``): the others are None."""
+    return any(layer is None for layer in getattr(model, "layers", ()))
+
+
 def _load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
     """A multi-process checkpoint (``dcp/``) into ``model`` at whatever layout it has now (one process, or
     sharded or replicated over any number): torch.distributed.checkpoint reshards on load."""
@@ -553,7 +558,8 @@ def _load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
 
 
 def _load_full_into_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
-    """A one-process checkpoint into an FSDP-sharded model: every rank reads the whole files and keeps its shard."""
+    """A one-process checkpoint into a sharded model (FSDP, tensor parallel) or a pipeline stage's part of one:
+    every rank reads the whole files and keeps its shard of the tensors it holds."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -570,6 +576,8 @@ def _load_full_into_sharded(path: Path, model: torch.nn.Module, optimizer) -> No
         raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read ({_first_line(e)}); "
                               f"{resume_advice(path)}") from None
     want = get_model_state_dict(model)  # sharded: only its keys are used
+    if _is_pipeline_part(model):  # the tensors of this rank's stages; the rest are other ranks'
+        full = {k: v for k, v in full.items() if k in want}
     if sorted(full) != sorted(want):
         raise CheckpointError(
             f"checkpoint {path} does not fit this model: missing {sorted(set(want) - set(full))[:5]}, unexpected "
@@ -584,13 +592,31 @@ def _load_full_into_sharded(path: Path, model: torch.nn.Module, optimizer) -> No
     names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     try:  # torch's optimizer state is keyed by position; the distributed API keys it by parameter name
-        by_name = {"state": {order[int(i)]: v for i, v in osd["state"].items()},
-                   "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in osd["param_groups"]]}
+        if _is_pipeline_part(model):  # positions in the saving run's optimizer, which held the whole model
+            order = _whole_model_param_order(path, model)
+        keep = set(names.values())
+        by_name = {"state": {order[int(i)]: v for i, v in osd["state"].items() if order[int(i)] in keep},
+                   "param_groups": [{**g, "params": [order[int(i)] for i in g["params"] if order[int(i)] in keep]}
+                                    for g in osd["param_groups"]]}
         set_optimizer_state_dict(model, optimizer, by_name, options=opts)
     except (IndexError, KeyError, TypeError, ValueError, RuntimeError) as e:
         raise CheckpointError(f"checkpoint {path}: optimizer.pt does not fit this model's optimizer "
                               f"({_first_line(e)}); resume with the train settings in {path / 'config.yaml'} "
                               f"or start a new --run-dir") from None
+
+
+def _whole_model_param_order(path: Path, part: torch.nn.Module) -> list[str]:
+    """Parameter names in the order of the optimizer that wrote ``path`` over the whole model (its groups as the
+    saved train config formed them)."""
+    from hybridtron.configs import load_config
+
+    from .optim import param_groups
+
+    saved = load_config(str(path / "config.yaml"))
+    with torch.device("meta"):
+        whole = type(part)(saved.model, part.vocab_size)
+    names = {id(p): n for n, p in whole.named_parameters()}
+    return [names[id(p)] for g in param_groups(whole, saved.train) for p in g["params"]]
 
 
 def _first_line(e: BaseException) -> str:

@@ -254,7 +254,7 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
     sizes = (f"{model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
              f"non-embedding, {model.num_active_params() / 1e6:.2f}M active)")  # before ZeRO-3 partitions them
     amp_dtype = autocast_dtype(t, device)
-    engine = None
+    engine = pipeline = None
     if cfg.parallel.engine == "deepspeed":
         from .deepspeed_engine import initialize
 
@@ -262,21 +262,31 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
         engine = initialize(model, optimizer, cfg, mesh, device)  # ZeRO partitions, bf16 and offload are its own
         optimizer = engine.optimizer
     else:
+        if mesh.pp > 1:  # cut into this rank's pipeline stages first: every later step sees only its part
+            from .pipeline import Pipeline
+
+            pipeline = Pipeline(cfg, model, mesh, device, cfg.model.vocab_size)
+            log(f"pipeline: {len(pipeline.ranges)} stages of layers "
+                f"{', '.join(f'{r.start}-{r.stop - 1}' for r in pipeline.ranges)}, schedule {cfg.parallel.pp_schedule}, "
+                f"{t.grad_accum_steps} micro-batches per step")
         apply_tensor_parallel(model, mesh)  # TP/SP first, then data parallel over the other dimension
         # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
         apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
-                            params_may_leave=self_guided_end_step(cfg) is not None)
+                            params_may_leave=self_guided_end_step(cfg) is not None,
+                            roots=pipeline.stages if pipeline is not None else None)
+        if pipeline is not None:
+            pipeline.finish()
         optimizer = build_optimizer(model, t)
     log(f"model: {sizes}, device {device}, {len(train_ds)} train / "
         f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
-        + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, zero_stage={mesh.zero_stage}"
+        + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, pp={mesh.pp}, zero_stage={mesh.zero_stage}"
            if mesh.distributed else "")
         + (" (DeepSpeed)" if engine is not None else ""))
     trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,
                       amp_dtype=amp_dtype, run_dir=run_dir, config_yaml=config_yaml,
                       tokenizer_dir=prepared.tokenizer_dir,
                       flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len), mesh=mesh,
-                      engine=engine)
+                      engine=engine, pipeline=pipeline)
     result = trainer.fit(log=log)  # 4. fit
     log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
     if result.final_val_loss is not None:

@@ -45,6 +45,8 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
             f"{'a multiple of ' + str(others) if p.dp == -1 else dp * others} processes, but the launcher started "
             f"{world} (WORLD_SIZE); change torchrun --nproc-per-node / --nnodes, or parallel.dp"
         )
+    if p.pp > 1:
+        check_pipeline_parallel(cfg, dp)
     if p.tp > 1:
         check_tensor_parallel(cfg)
         if dp > 1 and p.zero_stage == 0:
@@ -61,6 +63,29 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
             "(parallel.zero_stage 2/3) cannot follow; use parallel.zero_stage=0 for self-guided runs"
         )
     return dp
+
+
+def check_pipeline_parallel(cfg: JobConfig, dp: int) -> None:
+    """What pipeline parallelism of degree ``parallel.pp`` needs of the model and the batch; ConfigError."""
+    p, m, accum = cfg.parallel, cfg.model, cfg.train.grad_accum_steps
+    stages = p.pp * p.pp_stages_per_rank
+    if m.n_layers < stages:
+        raise ConfigError(f"model.n_layers={m.n_layers} cannot fill parallel.pp={p.pp} x pp_stages_per_rank="
+                          f"{p.pp_stages_per_rank} = {stages} pipeline stages (each needs a layer); lower parallel.pp "
+                          f"or pp_stages_per_rank")
+    if p.pp_schedule != "gpipe" and accum < p.pp:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} needs at least parallel.pp={p.pp} micro-batches per "
+                          f"step, and train.grad_accum_steps={accum} gives {accum}; raise train.grad_accum_steps (the "
+                          f"pipeline's micro-batches; more of them shrink its idle bubble) or lower the pp degree")
+    if p.pp_stages_per_rank > 1 and accum % p.pp:
+        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs the micro-batches in rounds of parallel.pp="
+                          f"{p.pp}; set train.grad_accum_steps to a multiple of {p.pp} (now {accum})")
+    if dp > 1 and p.zero_stage == 0:
+        raise ConfigError(f"parallel.pp={p.pp} with dp={dp} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
+                          f"the pipeline schedules drive); replicated DDP does not compose with them here")
+    if m.ffn.kind != "dense" and m.ffn.self_guided:
+        raise ConfigError("model.ffn.self_guided changes the model during the run, which fixed pipeline stages "
+                          "cannot follow; set parallel.pp=1 for self-guided runs")
 
 
 def check_tensor_parallel(cfg: JobConfig) -> None:
@@ -91,7 +116,7 @@ def check_tensor_parallel(cfg: JobConfig) -> None:
 
 @dataclass
 class Mesh:
-    """Rank, world and the named device mesh of one run (``dp``, and ``tp`` inside it)."""
+    """Rank, world and the named device mesh of one run: ``pp`` outermost, then ``dp``, ``tp`` innermost."""
 
     rank: int = 0
     local_rank: int = 0
@@ -99,7 +124,9 @@ class Mesh:
     dp: int = 1
     tp: int = 1
     zero_stage: int = 0
-    device_mesh: object | None = None  # torch DeviceMesh, dims ("dp",) or ("dp", "tp"), when world_size > 1
+    # torch DeviceMesh when world_size > 1, its dims those of ("pp", "dp", "tp") with pp, tp > 1 ("dp" always)
+    device_mesh: object | None = None
+    pp: int = 1
     owns_group: bool = False  # a one-process group made for DeepSpeed
 
     @property
@@ -112,8 +139,13 @@ class Mesh:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's coordinate along dp: the tp ranks of one dp group read the same batches."""
-        return self.rank // self.tp
+        """This rank's coordinate along dp: the tp ranks and pipeline stages of one dp group read the same batches."""
+        return (self.rank // self.tp) % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline coordinate: it holds stage pp_rank (and pp_rank + pp, ... when interleaved)."""
+        return self.rank // (self.dp * self.tp)
 
     @classmethod
     def setup(cls, cfg: JobConfig, device: torch.device) -> Mesh:
@@ -136,12 +168,12 @@ class Mesh:
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
         from torch.distributed.device_mesh import init_device_mesh
 
-        tp = cfg.parallel.tp
-        if tp > 1:  # tp innermost: the ranks of a tp group are neighbours (one node, fast links)
-            mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
-        else:
-            mesh = init_device_mesh(device.type, (dp,), mesh_dim_names=("dp",))
-        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh)
+        tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        # tp innermost: the ranks of a tp group are neighbours (one node, fast links); pp outermost: only activations
+        # of stage boundaries cross it, so it can span nodes.
+        dims = [(name, n) for name, n in (("pp", pp), ("dp", dp), ("tp", tp)) if n > 1 or name == "dp"]
+        mesh = init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
+        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp)
 
     # ---- collectives (no-ops on one process) -----------------------------------------------------
     def mean(self, value: float) -> float:
@@ -159,6 +191,14 @@ class Mesh:
         t = torch.tensor([int(flag)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def pp_sum(self, value: float) -> float:
+        """The sum of a per-rank scalar over the pipeline stages of this rank's (dp, tp) coordinate."""
+        if self.pp == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self.device_mesh.get_group("pp"))
+        return float(t.item())
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a tensor over the data-parallel ranks in place (its device's backend must take it)."""

@@ -86,11 +86,14 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
 
     tp_mesh = mesh.device_mesh["tp"]
     root = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel()}
-    if model.lm_head is not None:  # tied: the logits come from the embedding's own vocabulary shards
-        root["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-    parallelize_module(model, tp_mesh, root)
+            "norm": SequenceParallel(),
+            # tied: no lm_head, the logits come from the embedding's own vocabulary shards
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    # A pipeline stage holds some of these only (``train/pipeline.py``); absent parts are None.
+    parallelize_module(model, tp_mesh, {k: v for k, v in root.items() if getattr(model, k) is not None})
     for block in model.layers:
+        if block is None:
+            continue
         block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing wraps blocks
         attn = block.self_attn
         plan = {
@@ -127,10 +130,11 @@ def loss_context(mesh):
 
 
 def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, mixed_precision: str = "auto",
-                        params_may_leave: bool = False):
+                        params_may_leave: bool = False, roots: list[nn.Module] | None = None):
     """Replicate (ZeRO 0) or shard (ZeRO 2/3) an initialised model over ``mesh``'s ``dp`` dimension, in place.
     ``params_may_leave``: parameters leave the model during the run (self-guided FFN guides), so replication
-    must not wait for their gradients (DDP's unused-parameter detection, one graph walk per step)."""
+    must not wait for their gradients (DDP's unused-parameter detection, one graph walk per step).
+    ``roots``: the modules that run forward (pipeline stages over ``model``'s blocks); default the model."""
     if mesh is None or mesh.dp == 1:
         return model
     dp_mesh = mesh.device_mesh["dp"]
@@ -147,8 +151,10 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
         mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     reshard = mesh.zero_stage == 3
     for block in model.layers:
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        if block is not None:
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     # The root holds the embeddings, final norm and head; it is gathered last in forward and used first in
     # backward, so it is never resharded after forward.
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    for root in roots or [model]:
+        fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     return model

@@ -81,7 +81,8 @@ class FitResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype, mesh=None) -> float:
+def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype, mesh=None,
+             pipeline=None) -> float:
     """Mean loss over the first ``n_batches`` validation micro-batches (the same ones every time)."""
     was_training = model.training
     model.eval()
@@ -90,7 +91,10 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
     for _ in range(n_batches):
         b = {k: v.to(device) for k, v in next(loader).items()}
         with loss_context(mesh), autocast_context(device, amp_dtype):
-            total += _whole(model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])).float().item()
+            if pipeline is not None:
+                total += pipeline.eval_loss(b)
+            else:
+                total += _whole(model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])).float().item()
     model.train(was_training)
     return total / n_batches
 
@@ -98,7 +102,7 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
 class Trainer:
     def __init__(self, cfg: JobConfig, model, optimizer, train_loader, val_loader_factory, *, device, amp_dtype,
                  run_dir: Path, config_yaml: str, tokenizer_dir: Path, flops_per_token: float, mesh: Mesh | None = None,
-                 engine=None):
+                 engine=None, pipeline=None):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.train_loader, self.val_loader_factory = train_loader, val_loader_factory
         self.device, self.amp_dtype = device, amp_dtype
@@ -108,6 +112,7 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.mesh = mesh or Mesh()  # one process unless the recipe launched several
         self.engine = engine  # a DeepSpeed engine (parallel.engine=deepspeed) wrapping model and optimizer, or None
+        self.pipeline = pipeline  # parallel.pp > 1: this rank's stages of ``model`` and their schedule, or None
         self.peak_flops = device_peak_flops(device, cfg.train.peak_flops)
 
     def resume_if_possible(self) -> Path | None:
@@ -175,6 +180,23 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, tokens, finite
 
+    def _pipeline_micro_batches(self, accum: int) -> tuple[float, float, int, bool]:
+        """The step's micro-batches through the pipeline schedule (forward and backward interleaved over the stages),
+        then clipping by the norm over every stage and (if all is finite) the optimizer step."""
+        t = self.cfg.train
+        parts = [next(self.train_loader) for _ in range(accum)]
+        keys = ("input_ids", "labels", "doc_ids") if self.cfg.model.doc_mask else ("input_ids", "labels")
+        b = {k: torch.cat([p[k] for p in parts]).to(self.device, non_blocking=True) for k in keys}
+        with loss_context(self.mesh), autocast_context(self.device, self.amp_dtype):
+            loss = self.pipeline.step(b)
+        loss = self.mesh.mean(loss)
+        grad_norm = self.pipeline.clip_grad_norm(t.grad_clip)
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, grad_norm, b["input_ids"].numel(), finite
+
     def train_step(self) -> dict:
         t, accum = self.cfg.train, self.cfg.train.grad_accum_steps
         if self.engine is None:
@@ -185,9 +207,13 @@ class Trainer:
         if self.engine is not None:
             loss, grad_norm, tokens = self._deepspeed_micro_batches(accum)
             finite = math.isfinite(loss)
+        elif self.pipeline is not None:
+            loss, grad_norm, tokens, finite = self._pipeline_micro_batches(accum)
         else:
             loss, grad_norm, tokens, finite = self._torch_micro_batches(accum)
         model_metrics = after_step(self.model, reduce=self.mesh.sum_)
+        if self.pipeline is not None:
+            model_metrics = self.pipeline.metrics_from_all_stages(model_metrics)
         self.state.step += 1
         tokens *= self.mesh.dp  # every data-parallel rank took the same number of tokens
         self.state.tokens_seen += tokens
@@ -237,7 +263,7 @@ class Trainer:
                         log(f"step {step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
                     if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
                         val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
-                                            self.amp_dtype, self.mesh)
+                                            self.amp_dtype, self.mesh, self.pipeline)
                         rec["val_loss"], rec["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
                         (bar.write if main else _quiet)(f"step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
                                   f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")

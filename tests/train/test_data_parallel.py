@@ -130,7 +130,7 @@ def test_sharded_checkpoint_layout_and_logs(runs):
     files = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert f"{SHARDED}/__1_0.distcp" in files and "rng.pt" in files
     log = runs["zero3.log"]
-    assert "[hybridtron rank 0/2]" in log and "2 processes, dp=2, tp=1, zero_stage=3" in log
+    assert "[hybridtron rank 0/2]" in log and "2 processes, dp=2, tp=1, pp=1, zero_stage=3" in log
     assert "rank 1/2" not in log  # only rank 0 reports
 
 
@@ -158,13 +158,17 @@ def test_resume_at_another_layout_continues_the_same_run(src, dst, runs, small_d
     run = rolled_back(runs[src], tmp_path / "run")
     argv = small_argv(small_data_dir, run, [*STEPS, *(["--train.grad_accum_steps", "2"] if dst == "single" else
                                                       LAYOUTS[dst])])
-    if dst == "single":
+    resume_from_step_2(argv, one_process=dst == "single")
+    assert_same_steps(steps(run), steps(runs["single"]))
+
+
+def resume_from_step_2(argv: list[str], one_process: bool) -> None:
+    if one_process:
         assert main(argv) == 0
     else:
         res = torchrun(argv)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert "resumed from" in res.stdout and "step 2" in res.stdout
-    assert_same_steps(steps(run), steps(runs["single"]))
 
 
 def test_sharded_checkpoint_exports_from_one_process(runs, tmp_path, capsys):
