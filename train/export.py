@@ -312,7 +312,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
                 shutil.copyfile(HERE / name, tmp / name)
         export_tokenizer(tokenizer_dir, tmp)
         report = ExportReport(target, ARCHITECTURES[target], model.num_params(), folded,
-                              custom_code=custom_features(model.cfg) if custom else [])
+                              custom_code=custom_features(model.cfg))  # [] for every native target
         if check:
             report.max_logit_diff = parity(model, tmp, model.vocab_size, trust_remote_code=custom)
             if not report.max_logit_diff <= PARITY_TOLERANCE:

@@ -182,6 +182,8 @@ class HybridtronForCausalLM(qwen35.Qwen3_5ForCausalLM):
 
     def __init__(self, config: HybridtronConfig):
         super().__init__(config)
+        # Qwen3.5's own mixers are built first and replaced here (free on the meta device from_pretrained
+        # builds on); every other module, and the forward of every layer, stays transformers'.
         for i, layer in enumerate(self.model.layers):
             if config.layer_types[i] == "linear_attention":
                 layer.linear_attn = HybridtronGatedDeltaNet(config, i)
