@@ -260,8 +260,24 @@ def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
+    if trust_remote_code:
+        drop_remote_code_copy(type(hf))
     x = torch.randint(0, vocab, (2, min(64, model.cfg.max_seq_len)), generator=torch.Generator().manual_seed(seed))
     return float((hf(x).logits - model(x)).abs().max())
+
+
+def drop_remote_code_copy(cls: type) -> None:
+    """transformers imports remote code from a copy in its modules cache (``transformers_modules/<directory
+    name>/<hash>/``, under ~/.cache/huggingface by default). The copy made for the export's temporary
+    directory would stay there for good, one per export; remove it once the class is imported. Only a
+    folder holding nothing but our two files is removed."""
+    import inspect
+
+    from .export_custom import FILES
+
+    named = Path(inspect.getfile(cls)).parent.parent  # transformers_modules/<directory name>
+    if named.parent.name == "transformers_modules" and {f.name for f in named.rglob("*.py")} <= {"__init__.py", *FILES}:
+        shutil.rmtree(named, ignore_errors=True)
 
 
 def export(ckpt: Path, out: Path, *, max_shard_size: str = "5GB", check: bool = True, log=print) -> ExportReport:

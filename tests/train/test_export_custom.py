@@ -41,12 +41,6 @@ def tok_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(autouse=True)
-def _modules_cache(tmp_path, monkeypatch):
-    """transformers copies remote code into HF_MODULES_CACHE: keep it inside the test's directory."""
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
-
-
 def build(cfg: ModelConfig) -> GatedLM:
     # init_std 0.2: logits far from uniform, so greedy generation is a long non-repeating sequence and a
     # wrong token anywhere shows (at 0.02 every model here repeats one token, with tied embeddings the last
@@ -84,6 +78,13 @@ def export_case(case: str, tok_dir: Path, out: Path, log=lambda _: None):
     return model, export_model(model, tok_dir, out, log=log)
 
 
+def remote_code_copies() -> set[str]:
+    """The folders in transformers' modules cache (one per directory loaded with remote code)."""
+    from transformers.dynamic_module_utils import HF_MODULES_CACHE
+
+    return {p.name for p in (Path(HF_MODULES_CACHE) / "transformers_modules").glob("*") if p.is_dir()}
+
+
 def import_roots(path: Path) -> set[str]:
     """Top-level modules a file imports (relative imports as '.name')."""
     roots = set()
@@ -99,7 +100,10 @@ def import_roots(path: Path) -> set[str]:
 def test_custom_export_matches_in_logits_generation_and_cached_decoding(case, tok_dir, tmp_path):
     out = tmp_path / "hf"
     logs = []
+    cached_before = remote_code_copies()
     model, report = export_case(case, tok_dir, out, log=logs.append)
+    # The parity check's copy of the code (made under the temporary directory's name) does not stay cached.
+    assert remote_code_copies() <= cached_before
     assert report.target == "hybridtron" and report.architecture == "HybridtronForCausalLM"
     dn = model.cfg.deltanet
     said = next(line for line in logs if line.startswith("custom code:"))
@@ -197,7 +201,7 @@ def test_the_exported_directory_loads_without_hybridtron(tok_dir, tmp_path):
         ids = hf.generate(torch.tensor([{PROMPT}]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
         print(json.dumps({{"diff": diff, "ids": ids[0].tolist(), "hybridtron": "hybridtron" in sys.modules}}))
     """)
-    env = {**os.environ, "PYTHONPATH": ""}
+    env = {**os.environ, "PYTHONPATH": "", "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
