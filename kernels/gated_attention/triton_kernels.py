@@ -1,0 +1,501 @@
+"""Triton gated flash attention over packed documents: a forward kernel and a three-kernel backward.
+
+Layout: tokens are flattened to one packed sequence of N = B * T rows; q, out (N, H, D), k, v (N, KV, D),
+any token and head strides (the last dim contiguous), so the elementwise gate is read straight out of
+q_proj's fused [query | gate] output without a copy. Documents arrive as two int32 vectors of length N,
+``START[i]`` / ``END[i]``: the first index of token i's document and one past its last. Query row m may
+attend key n iff ``START[m] <= n <= m`` (equivalently ``n <= m < END[n]``: documents are contiguous).
+There is no T x T mask anywhere, and no host sync: the grid covers the packed sequence in fixed tiles.
+
+Forward (grid: query tiles x query heads). A query tile [m0, m0 + BLOCK_M) visits key blocks from
+``START[m0]`` (the earliest document any of its rows is in; tiles fully before it are never read) to its
+last row. Those blocks fall in three ranges: the ones some row's document start cuts, the ones fully
+inside every row's document and below the diagonal, and the ones the diagonal cuts. Only the first and
+last get the per-element mask (its cost is visible in the inner loop, so the middle range skips it).
+Softmax is online in fp32 with exp2 (scores pre-multiplied by log2 e); the log-sum-exp (base 2) is saved
+for the backward. Epilogue: the ungated attention A is stored (the backward needs it) and ``out = A *
+sigmoid(g)`` is computed from the fp32 A, so the gate costs one extra read of g and no extra kernel.
+
+Backward, no atomics:
+1. ``_bwd_pre`` (query tiles x heads): dA = dout * sigmoid(g) (stored: the other two kernels read it per
+   tile pair, once instead of dout and g twice); dg = dout * A * s (1 - s) elementwise, or its sum over
+   the head's channels headwise; Delta = rowsum(dA * A), from the ungated A and the gated dA.
+2. ``_bwd_dkdv`` (key tiles x kv heads): dK, dV of a kv head accumulate in registers over every query head
+   of its group (GQA without repeating K/V and without atomics) and every query tile that sees the keys:
+   from the tile's diagonal to the end of the last key's document.
+3. ``_bwd_dq`` (query tiles x heads): dQ over the same key blocks as the forward.
+Both recompute P = exp2(scores - lse) and dS = P (dP - Delta).
+
+Tile sizes are autotuned per head-dim block (16..256) and dtype on the GPU; under TRITON_INTERPRET=1 one
+small config is used (autotuning would run every config in Python). fp32 inputs use IEEE fp32 dots, not
+TF32, so an fp32 run is as exact as the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import check_interpreted, interpreter_requested
+
+LOG2E = 1.4426950408889634
+
+GATE_NONE, GATE_HEAD, GATE_ELEM = 0, 1, 2
+
+
+def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
+
+
+# GPU candidates, (BLOCK_M, BLOCK_N, warps, stages), per head-dim block. Wider head dims hold bigger
+# tiles in registers / shared memory, so they get smaller key blocks and fewer pipeline stages. The
+# forward's and dQ's BLOCK_M is the query tile kept in registers; dK/dV's BLOCK_N is the key tile.
+_FWD = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2)],
+    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)],
+}
+_DKDV = {
+    64: [(32, 128, 4, 4), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 3)],
+    128: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 2), (16, 128, 4, 3)],
+    256: [(32, 64, 8, 2), (16, 64, 4, 2), (32, 32, 4, 2), (64, 64, 8, 1), (16, 128, 8, 1)],
+}
+_DQ = {
+    64: [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 4)],
+    128: [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 16, 4, 3)],
+    256: [(64, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2), (128, 32, 8, 1), (64, 64, 8, 1)],
+}
+_INTERPRET = _cfg(16, 16, 4, 1)  # tiny tiles: several per test sequence, so every masking branch runs
+
+
+def _configs(table: dict) -> list[triton.Config]:
+    if interpreter_requested():
+        return [_INTERPRET]
+    unique = {row for rows in table.values() for row in rows}
+    return [_cfg(*row) for row in sorted(unique)]
+
+
+def _tier(block_d: int) -> int:
+    return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
+
+
+def _pruner(table: dict):
+    def prune(configs, named_args, **kwargs):
+        want = {(bm, bn, w, s) for bm, bn, w, s in table[_tier(kwargs["BLOCK_D"])]}
+        kept = [c for c in configs
+                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in want]
+        return kept or configs[:1]
+    return prune
+
+
+def _autotune(table: dict):
+    configs = _configs(table)
+    if len(configs) == 1:
+        return triton.autotune(configs=configs, key=["BLOCK_D", "GATE"])
+    return triton.autotune(configs=configs, key=["BLOCK_D", "GATE"],
+                           prune_configs_by={"early_config_prune": _pruner(table)})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+
+
+@triton.jit
+def _load_tile(ptrs, rmask, dmask, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """A (rows, BLOCK_D) tile; masks only where rows may run past N or D is not a power of two."""
+    if CHECK_ROWS:
+        if EVEN_D:
+            x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rmask[:, None] & dmask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=dmask[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    """tl.dot with fp32 accumulation. DOT_F32: upcast the operands first -- only for bfloat16 under the
+    interpreter, whose tl.dot multiplies bfloat16 bit patterns as integers (triton 3.7, triton-lang/triton#11584).
+    Products of bfloat16 values are exact in fp32, so this computes what the GPU's bf16 MMA does."""
+    if DOT_F32:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _fwd_range(
+    acc, l_i, m_i, q, K, V, sk_n, sv_n, rows, starts, dcols, dmask, n_lo, n_hi, N, qk_scale,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Online softmax over key blocks [n_lo, n_hi) for one query tile. K, V point at this kv head."""
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cols64 = cols.to(tl.int64)
+        cmask = cols < N
+        k = _load_tile(K + cols64[:, None] * sk_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
+        s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        if MASKED:
+            ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row whose keys so far are all masked has max -inf: shift by 0 so exp2 gives 0, not NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(V + cols64[:, None] * sv_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _key_ranges(START, m0, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Per-row document starts of query tile [m0, m0 + BLOCK_M) and its key-block ranges: [a, b) cut by a
+    document start (masked), [b, c) fully visible to every row (unmasked), [c, hi) cut by the diagonal
+    (masked). Keys before ``a`` (other documents) are never read."""
+    starts = tl.load(START + tl.minimum(rows, N - 1))  # rows past N borrow the last row's start
+    lo = tl.load(START + m0)
+    lo_last = tl.load(START + tl.minimum(m0 + BLOCK_M, N) - 1)
+    hi = tl.minimum(m0 + BLOCK_M, N)
+    a = (lo // BLOCK_N) * BLOCK_N
+    c = ((m0 + 1) // BLOCK_N) * BLOCK_N  # blocks ending at or before row m0's diagonal
+    b = tl.minimum(tl.cdiv(lo_last, BLOCK_N) * BLOCK_N, c)  # blocks starting at or after every row's start
+    return starts, a, b, c, hi
+
+
+# ----------------------------------------------------------------------------------------------------------
+# forward
+
+
+@_autotune(_FWD)
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, G, OUT, A, LSE, START,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, so_n, so_h,
+    N, D, GROUP, qk_scale,
+    GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) tiles first: better tail balance
+    h = tl.program_id(1)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    rmask = rows < N
+    dcols = tl.arange(0, BLOCK_D)
+    dmask = dcols < D
+    starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N)
+
+    q = _load_tile(Q + rows64[:, None] * sq_n + h * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
+    kvh = (h // GROUP).to(tl.int64)
+    Kh = K + kvh * sk_h
+    Vh = V + kvh * sv_h
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N,
+                               qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N,
+                               qk_scale, False, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N,
+                               qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+
+    l_i = tl.where(l_i > 0, l_i, 1.0)  # only rows past N can have l = 0 (every real row sees its diagonal)
+    attn = acc / l_i[:, None]
+    offs = rows64[:, None] * so_n + h * so_h + dcols[None, :]
+    omask = rmask[:, None] & dmask[None, :]
+    if GATE == 0:
+        tl.store(OUT + offs, attn.to(OUT.dtype.element_ty), mask=omask)
+    else:
+        tl.store(A + offs, attn.to(A.dtype.element_ty), mask=omask)
+        if GATE == 1:
+            g = tl.load(G + rows64 * sg_n + h * sg_h, mask=rmask, other=0.0).to(tl.float32)
+            out = attn * tl.sigmoid(g)[:, None]
+        else:
+            g = tl.load(G + rows64[:, None] * sg_n + h * sg_h + dcols[None, :], mask=omask, other=0.0)
+            out = attn * tl.sigmoid(g.to(tl.float32))
+        tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=omask)
+    tl.store(LSE + h.to(tl.int64) * N + rows, m_i + tl.math.log2(l_i), mask=rmask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _bwd_pre_kernel(
+    DO, A, G, DA, DG, DELTA,
+    sdo_n, sdo_h, sa_n, sa_h, sg_n, sg_h, sdg_n, sdg_h,
+    N, D,
+    GATE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    rmask = rows < N
+    dcols = tl.arange(0, BLOCK_D)
+    mask = rmask[:, None] & (dcols < D)[None, :]
+    tile = rows64[:, None] * sdo_n + h * sdo_h + dcols[None, :]  # dA is written in dout's layout
+    do = tl.load(DO + tile, mask=mask, other=0.0).to(tl.float32)
+    attn = tl.load(A + rows64[:, None] * sa_n + h * sa_h + dcols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if GATE == 0:
+        da = do
+    else:
+        if GATE == 1:
+            g = tl.load(G + rows64 * sg_n + h * sg_h, mask=rmask, other=0.0).to(tl.float32)
+            sg = tl.sigmoid(g)
+            dg = tl.sum(do * attn, 1) * sg * (1.0 - sg)
+            tl.store(DG + rows64 * sdg_n + h * sdg_h, dg.to(DG.dtype.element_ty), mask=rmask)
+            da = do * sg[:, None]
+        else:
+            g = tl.load(G + rows64[:, None] * sg_n + h * sg_h + dcols[None, :], mask=mask, other=0.0)
+            sg = tl.sigmoid(g.to(tl.float32))
+            dg = do * attn * sg * (1.0 - sg)
+            tl.store(DG + rows64[:, None] * sdg_n + h * sdg_h + dcols[None, :], dg.to(DG.dtype.element_ty),
+                     mask=mask)
+            da = do * sg
+        # Round dA as the dot products will read it, so Delta is the row sum of exactly those values.
+        da = da.to(DA.dtype.element_ty)
+        tl.store(DA + tile, da, mask=mask)
+        da = da.to(tl.float32)
+    tl.store(DELTA + h.to(tl.int64) * N + rows, tl.sum(da * attn, 1), mask=rmask)
+
+
+@triton.jit
+def _dkdv_range(
+    dk, dv, k, v, Q, DA, LSE, DELTA, sq_n, sda_n, cols, ends, dcols, dmask, m_lo, m_hi, N, qk_scale,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """dK, dV of one key tile from query blocks [m_lo, m_hi) of one query head (Q, DA, LSE, DELTA point at it)."""
+    for m0 in range(m_lo, m_hi, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
+        rmask = rows < N
+        q = _load_tile(Q + rows64[:, None] * sq_n + dcols[None, :], rmask, dmask, MASKED, EVEN_D)
+        da = _load_tile(DA + rows64[:, None] * sda_n + dcols[None, :], rmask, dmask, MASKED, EVEN_D)
+        if MASKED:
+            lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+            delta = tl.load(DELTA + rows, mask=rmask, other=0.0)
+        else:
+            lse = tl.load(LSE + rows)
+            delta = tl.load(DELTA + rows)
+        s_t = _dot(k, tl.trans(q), PRECISION, DOT_F32) * qk_scale  # (BLOCK_N, BLOCK_M)
+        p_t = tl.math.exp2(s_t - lse[None, :])
+        if MASKED:
+            ok = (rows[None, :] >= cols[:, None]) & (rows[None, :] < ends[:, None])
+            p_t = tl.where(ok, p_t, 0.0)
+        dv += _dot(p_t.to(da.dtype), da, PRECISION, DOT_F32)
+        dp_t = _dot(v, tl.trans(da), PRECISION, DOT_F32)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += _dot(ds_t.to(q.dtype), q, PRECISION, DOT_F32)
+    return dk, dv
+
+
+@_autotune(_DKDV)
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DA, LSE, DELTA, END, DK, DV,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdk_n, sdk_h,
+    N, D, GROUP, qk_scale, sm_scale,
+    GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    n0 = pid_n * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    cols64 = cols.to(tl.int64)
+    cmask = cols < N
+    dcols = tl.arange(0, BLOCK_D)
+    dmask = dcols < D
+    ends = tl.load(END + tl.minimum(cols, N - 1))
+    end_first = tl.load(END + n0)
+    q_hi = tl.load(END + tl.minimum(n0 + BLOCK_N, N) - 1)  # one past the last row that sees any key here
+    # Query-block ranges: [a, b) cut by the diagonal (masked), [b, c) seeing every key of the tile
+    # (unmasked), [c, q_hi) cut by a document end (masked).
+    a = (n0 // BLOCK_M) * BLOCK_M
+    b = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_hi)
+    c = tl.maximum((end_first // BLOCK_M) * BLOCK_M, b)
+
+    kvh64 = kvh.to(tl.int64)
+    k = _load_tile(K + cols64[:, None] * sk_n + kvh64 * sk_h + dcols[None, :], cmask, dmask, True, EVEN_D)
+    v = _load_tile(V + cols64[:, None] * sv_n + kvh64 * sv_h + dcols[None, :], cmask, dmask, True, EVEN_D)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for h in range(kvh * GROUP, kvh * GROUP + GROUP):  # every query head reading this kv head
+        # (the loop variable is a plain int under the interpreter: no .to(); H * N and H * D fit in int32)
+        Qh = Q + h * sq_h
+        DAh = DA + h * sda_h
+        LSEh = LSE + h * N
+        DELTAh = DELTA + h * N
+        dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
+                             a, b, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+        dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
+                             b, c, N, qk_scale, False, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+        dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
+                             c, q_hi, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+    offs = cols64[:, None] * sdk_n + kvh64 * sdk_h + dcols[None, :]
+    mask = cmask[:, None] & dmask[None, :]
+    tl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
+    tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dq_range(
+    dq, q, da, lse, delta, K, V, sk_n, sv_n, rows, starts, dcols, dmask, n_lo, n_hi, N, qk_scale,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cols64 = cols.to(tl.int64)
+        cmask = cols < N
+        k = _load_tile(K + cols64[:, None] * sk_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
+        v = _load_tile(V + cols64[:, None] * sv_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
+        s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * qk_scale
+        p = tl.math.exp2(s - lse[:, None])
+        if MASKED:
+            ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
+            p = tl.where(ok, p, 0.0)
+        dp = _dot(da, tl.trans(v), PRECISION, DOT_F32)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, PRECISION, DOT_F32)
+    return dq
+
+
+@_autotune(_DQ)
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DA, LSE, DELTA, START, DQ,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdq_n, sdq_h,
+    N, D, GROUP, qk_scale, sm_scale,
+    GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    h64 = h.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    rows64 = rows.to(tl.int64)
+    rmask = rows < N
+    dcols = tl.arange(0, BLOCK_D)
+    dmask = dcols < D
+    starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N)
+
+    q = _load_tile(Q + rows64[:, None] * sq_n + h64 * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
+    da = _load_tile(DA + rows64[:, None] * sda_n + h64 * sda_h + dcols[None, :], rmask, dmask, True, EVEN_D)
+    lse = tl.load(LSE + h64 * N + rows, mask=rmask, other=0.0)
+    delta = tl.load(DELTA + h64 * N + rows, mask=rmask, other=0.0)
+    kvh = (h // GROUP).to(tl.int64)
+    Kh = K + kvh * sk_h
+    Vh = V + kvh * sv_h
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N, qk_scale,
+                   True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+    dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N, qk_scale,
+                   False, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+    dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N, qk_scale,
+                   True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+    offs = rows64[:, None] * sdq_n + h64 * sdq_h + dcols[None, :]
+    tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _gate_mode(gate: torch.Tensor | None) -> int:
+    if gate is None:
+        return GATE_NONE
+    return GATE_HEAD if gate.dim() == 2 else GATE_ELEM
+
+
+def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int]:
+    return (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
+
+
+def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
+    N, H, D = q.shape
+    block_d = max(16, triton.next_power_of_2(D))
+    return dict(
+        N=N, D=D, GROUP=H // k.shape[1], EVEN_D=block_d == D, BLOCK_D=block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_F32=q.device.type == "cpu" and q.dtype == torch.bfloat16,  # see `_dot`
+    )
+
+
+def attn_fwd(q, k, v, gate, start, scale: float):
+    """q (N, H, D), k, v (N, KV, D), gate None / (N, H) / (N, H, D), start (N,) int32 ->
+    out (N, H, D), A (N, H, D) the ungated attention (empty without a gate: out is A), lse (H, N) fp32 base 2."""
+    N, H, D = q.shape
+    out = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
+    attn = torch.empty_like(out) if gate is not None else out.new_empty(0)
+    lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
+    if N == 0:
+        return out, attn, lse
+    check_interpreted(_fwd_kernel, q.device)
+    sg = _gate_strides(gate)
+
+    def grid(meta):
+        return triton.cdiv(N, meta["BLOCK_M"]), H
+
+    _fwd_kernel[grid](
+        q, k, v, gate, out, attn if gate is not None else None, lse, start,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sg[0], sg[1],
+        out.stride(0), out.stride(1), qk_scale=scale * LOG2E, GATE=_gate_mode(gate), **_common(q, k),
+    )
+    return out, attn, lse
+
+
+def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float):
+    """Gradients of `attn_fwd`: dq (N, H, D), dk, dv (N, KV, D), dgate (gate's shape, contiguous; empty
+    without a gate). ``attn`` is the ungated attention output (``out`` itself without a gate)."""
+    N, H, D = q.shape
+    dq = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if gate is not None else q.new_empty(0)
+    if N == 0:
+        return dq, dk.zero_(), dv.zero_(), dgate
+    check_interpreted(_bwd_pre_kernel, q.device)
+    mode = _gate_mode(gate)
+    common = _common(q, k)
+    delta = torch.empty((H, N), dtype=torch.float32, device=q.device)
+    da = torch.empty_like(dout) if gate is not None else dout
+    pre_rows = 16 if interpreter_requested() else max(1, min(64, 8192 // common["BLOCK_D"]))
+    sg = _gate_strides(gate)
+    sdg = _gate_strides(dgate if gate is not None else None)
+    _bwd_pre_kernel[(triton.cdiv(N, pre_rows), H)](
+        dout, attn, gate, da if gate is not None else None, dgate if gate is not None else None, delta,
+        dout.stride(0), dout.stride(1), attn.stride(0), attn.stride(1), sg[0], sg[1], sdg[0], sdg[1],
+        N, D, GATE=mode, BLOCK_D=common["BLOCK_D"], BLOCK_M=pre_rows,
+        num_warps=4 if common["BLOCK_D"] * pre_rows <= 4096 else 8,
+    )
+    common.update(qk_scale=scale * LOG2E, sm_scale=scale, GATE=mode)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               da.stride(0), da.stride(1))
+    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), k.shape[1])](
+        q, k, v, da, lse, delta, end, dk, dv, *strides, dk.stride(0), dk.stride(1), **common,
+    )
+    _bwd_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), H)](
+        q, k, v, da, lse, delta, start, dq, *strides, dq.stride(0), dq.stride(1), **common,
+    )
+    return dq, dk, dv, dgate

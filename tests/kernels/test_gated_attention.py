@@ -1,0 +1,225 @@
+"""Gated flash attention: the Triton kernel, run by Triton's interpreter on the CPU, against the pure-torch
+reference at tiny and odd shapes (T = 1, lengths off the 16-row tiles, head dims that are not powers of
+two, one document, many short ones, an empty one), for the output and the gradients of q, k, v and the gate;
+the reference against an explicit float64 softmax; bad input; the backend switch; torch.compile."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is decorated (read at decoration)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hybridtron.kernels import backend  # noqa: E402
+from hybridtron.kernels.backend import BackendError  # noqa: E402
+from hybridtron.kernels.gated_attention import (  # noqa: E402
+    doc_bounds,
+    gated_attention,
+    gated_attention_reference,
+)
+from hybridtron.kernels.testing import assert_within_reference_error  # noqa: E402
+
+needs_interpreter = pytest.mark.skipif(
+    not (backend.triton_installed() and backend.interpreter_requested()),
+    reason="needs triton and TRITON_INTERPRET=1 (the dev extra installs triton)",
+)
+
+
+def _doc_ids(B: int, T: int, seed: int) -> torch.Tensor:
+    """Rows of short documents of random lengths 1..8 (single-token documents included)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        lengths = torch.randint(1, 9, (T,), generator=g)
+        rows.append(torch.repeat_interleave(torch.arange(T), lengths)[:T])
+    return torch.stack(rows)
+
+
+# name: (B or None for a packed (N, H, D) q, T or N, H, KV, D, documents, gate)
+CASES = {
+    "T1_gqa": (2, 1, 2, 1, 16, None, "elementwise"),
+    "one_doc_mha_headwise": (1, 50, 3, 3, 32, "one", "headwise"),
+    "many_docs_odd_headdim": (2, 37, 4, 2, 24, "many", "elementwise"),
+    "packed_cu_seqlens_empty_doc": (None, 45, 4, 1, 64, "cu", None),
+    "tile_multiple_headwise": (3, 32, 2, 2, 16, "many", "headwise"),
+    "rows_as_docs_d80": (2, 19, 4, 1, 80, None, "elementwise"),
+    "d256": (1, 21, 2, 1, 256, "many", "elementwise"),
+}
+CU_SEQLENS = [0, 7, 7, 30, 31, 45]  # an empty and a one-token document
+
+
+def _make(case: str, dtype: torch.dtype, seed: int = 0):
+    B, T, H, KV, D, docs, gate = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    lead = (T,) if B is None else (B, T)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+    # q scaled up so the softmax is peaked: large score ranges exercise the running max and the rescaling.
+    q, k, v = rand(*lead, H, D, scale=2.0), rand(*lead, KV, D), rand(*lead, KV, D)
+    gt = None if gate is None else rand(*lead, H, *(() if gate == "headwise" else (D,)), scale=2.0)
+    kw = {}
+    if docs == "cu":
+        kw["cu_seqlens"] = torch.tensor(CU_SEQLENS, dtype=torch.int32)
+    elif docs == "one":
+        kw["doc_ids"] = torch.full((B, T), 3)
+    elif docs == "many":
+        kw["doc_ids"] = _doc_ids(B, T, seed)
+    dout = rand(*lead, H, D)
+    return [q, k, v, gt], kw, dout
+
+
+def _run(fn, inputs, kw, dout, dtype=None, **extra):
+    """fn's output and the gradients of every non-None input, with inputs cast to ``dtype``."""
+    xs = [None if t is None else t.to(dtype or t.dtype).detach().requires_grad_() for t in inputs]
+    out = fn(*xs, **kw, **extra)
+    leaves = [x for x in xs if x is not None]
+    grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
+    return [out, *grads]
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "case,dtype",
+    [(c, d) for c in CASES for d in (torch.float32, torch.bfloat16)] + [("many_docs_odd_headdim", torch.float16)],
+    ids=lambda x: str(x).replace("torch.", ""),
+)
+def test_kernel_matches_reference(case, dtype):
+    inputs, kw, dout = _make(case, dtype)
+    got = _run(gated_attention, inputs, kw, dout, backend="triton")
+    ref_d = _run(gated_attention_reference, inputs, kw, dout)
+    ref64 = _run(gated_attention_reference, inputs, kw, dout, dtype=torch.float64)
+    names = ["out", "dq", "dk", "dv", "dgate"][: len(got)]
+    D = inputs[0].shape[-1]
+    for name, a, r, r64 in zip(names, got, ref_d, ref64, strict=True):
+        assert a.dtype == dtype
+        # Floor: the rule's few ulps of the output dtype, plus ~4 sqrt(D) fp32 ulps for the fp32 dot products
+        # over the head dim. That part matters in fp32 only: dS = P (dP - Delta) is exactly 0 for a token
+        # alone in its document, so dq there is pure dP rounding (measured at D=256: 2.8e-6 where the CPU
+        # reference, computing Delta and dP by identical arithmetic, gets exactly 0 and 4.2e-7 elsewhere).
+        scale = r64.abs().max().item()
+        atol = 4 * scale * (torch.finfo(dtype).eps + D**0.5 * torch.finfo(torch.float32).eps)
+        assert_within_reference_error(f"{case} {name}", a, r, r64, atol=atol)
+
+
+def _dense_reference64(q, k, v, gate, start):
+    """float64 softmax with the block-diagonal causal mask built explicitly (N x N: tests only)."""
+    N, H, D = q.shape
+    kv = torch.arange(H) // (H // k.shape[1])
+    s = torch.einsum("nhd,mhd->hnm", q, k[:, kv]) / D**0.5
+    idx = torch.arange(N)
+    allowed = (idx[None, :] <= idx[:, None]) & (idx[None, :] >= start[:, None].long())
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+    out = torch.einsum("hnm,mhd->nhd", p, v[:, kv])
+    return out * torch.sigmoid(gate)
+
+
+def test_reference_matches_explicit_softmax():
+    """The reference (per-document SDPA) against a masked softmax written out, for doc_ids and cu_seqlens."""
+    inputs, kw, _ = _make("many_docs_odd_headdim", torch.float64)
+    B, T = 2, 37
+    flat = [t.reshape(B * T, *t.shape[2:]) for t in inputs]
+    start, end = doc_bounds(B, T, doc_ids=kw["doc_ids"])
+    expected = _dense_reference64(*flat, start)
+    got = gated_attention_reference(*inputs, **kw).reshape(B * T, *inputs[0].shape[2:])
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+    # the same documents given as cu_seqlens over the flattened tokens, q packed to (N, H, D)
+    cu = torch.cat([(start == torch.arange(B * T)).nonzero().flatten(), torch.tensor([B * T])])
+    got_cu = gated_attention_reference(*flat, cu_seqlens=cu)
+    torch.testing.assert_close(got_cu, expected, rtol=1e-10, atol=1e-12)
+    # and documents matter: without them the result is different
+    assert (gated_attention_reference(*inputs) - got.view_as(inputs[0])).abs().max() > 1e-2
+
+
+def test_doc_bounds():
+    start, end = doc_bounds(2, 3, doc_ids=torch.tensor([[4, 4, 9], [1, 1, 1]]))
+    assert start.tolist() == [0, 0, 2, 3, 3, 3] and end.tolist() == [2, 2, 3, 6, 6, 6]
+    start, end = doc_bounds(1, 6, cu_seqlens=torch.tensor([0, 2, 2, 3, 6]))  # an empty document is skipped
+    assert start.tolist() == [0, 0, 2, 3, 3, 3] and end.tolist() == [2, 2, 3, 6, 6, 6]
+    start, end = doc_bounds(2, 2)  # no documents: each row is one
+    assert start.tolist() == [0, 0, 2, 2] and end.tolist() == [2, 2, 4, 4]
+    # a document id that recurs after another one is a new document (ids are runs, not labels)
+    start, _ = doc_bounds(1, 4, doc_ids=torch.tensor([[0, 1, 0, 0]]))
+    assert start.tolist() == [0, 1, 2, 2]
+
+
+def _qkv(B=1, T=5, H=2, KV=1, D=16, dtype=torch.float32):
+    return torch.randn(B, T, H, D, dtype=dtype), torch.randn(B, T, KV, D, dtype=dtype), torch.randn(B, T, KV, D, dtype=dtype)
+
+
+@pytest.mark.parametrize("which", ["reference", "triton"])
+def test_bad_input_is_named(which):
+    if which == "triton" and not (backend.triton_installed() and backend.interpreter_requested()):
+        pytest.skip("needs triton under TRITON_INTERPRET=1")
+    q, k, v = _qkv()
+    call = lambda *a, **kw: gated_attention(*a, backend=which, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match=r"end at the number of tokens N=5"):
+        call(q, k, v, cu_seqlens=torch.tensor([0, 2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"start at 0, never decrease.*1 decreasing"):
+        call(q, k, v, cu_seqlens=torch.tensor([0, 3, 2, 5]))
+    with pytest.raises(ValueError, match="1-D int32/int64"):
+        call(q, k, v, cu_seqlens=torch.tensor([0.0, 5.0]))
+    with pytest.raises(ValueError, match=r"gate has shape \(1, 5, 2, 8\)"):
+        call(q, k, v, torch.randn(1, 5, 2, 8))
+    with pytest.raises(ValueError, match="3 query heads are not a multiple of 2 kv heads"):
+        call(torch.randn(1, 5, 3, 16), torch.randn(1, 5, 2, 16), torch.randn(1, 5, 2, 16))
+    with pytest.raises(ValueError, match=r"doc_ids has shape \(1, 4\)"):
+        call(q, k, v, doc_ids=torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="not both"):
+        call(q, k, v, doc_ids=torch.zeros(1, 5), cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"k and v must be q's shape"):
+        call(q, k, v[:, :4])
+
+
+@needs_interpreter
+def test_kernel_refuses_dtype_and_head_dim():
+    q, k, v = _qkv(dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"one dtype of float16, bfloat16, float32.*backend='reference'"):
+        gated_attention(q, k, v, backend="triton")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"got q torch.float32, k torch.bfloat16"):
+        gated_attention(q, k.bfloat16(), v, backend="triton")
+    q, k, v = _qkv(D=272)
+    with pytest.raises(ValueError, match=r"head_dim=272 is above the kernel's maximum 256"):
+        gated_attention(q, k, v, backend="triton")
+
+
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    backend.clear_cache()
+    yield
+    backend.clear_cache()
+
+
+def test_backends_that_cannot_run_are_refused(no_interpreter):
+    q, k, v = _qkv()
+    with pytest.raises(BackendError, match="flash-attn runs on CUDA GPUs only"):
+        gated_attention(q, k, v, backend="flash-attn")
+    with pytest.raises(BackendError, match="TRITON_INTERPRET=1"):
+        gated_attention(q, k, v, backend="triton")
+    # auto on the CPU is the reference, whatever is installed
+    torch.testing.assert_close(gated_attention(q, k, v), gated_attention_reference(q, k, v))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("docs", ["doc_ids", "cu_seqlens"])
+def test_compiles_without_graph_breaks(docs):
+    """fullgraph=True fails on any graph break; the compiled forward and backward run the same kernels."""
+    inputs, kw, dout = _make("many_docs_odd_headdim", torch.float32)
+    if docs == "cu_seqlens":
+        start, _ = doc_bounds(2, 37, doc_ids=kw.pop("doc_ids"))
+        kw["cu_seqlens"] = torch.cat([(start == torch.arange(74)).nonzero().flatten(), torch.tensor([74])])
+    torch._dynamo.reset()
+
+    def fn(q, k, v, g, **kw):
+        return gated_attention(q, k, v, g, backend="triton", **kw)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    eager = _run(fn, inputs, kw, dout)
+    got = _run(compiled, inputs, kw, dout)
+    for a, b in zip(got, eager, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
