@@ -62,6 +62,7 @@ class GatedAttentionFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, gate, attn, lse, start, end = ctx.saved_tensors
         dq, dk, dv, dgate = torch.ops.hybridtron.gated_attention_bwd(
