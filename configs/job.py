@@ -171,7 +171,8 @@ class CheckpointConfig:
 class ParallelConfig:
     """How a run is laid out over its processes (``torchrun --nproc-per-node N``; one process: all 1).
 
-    The world size must be the product dp x tp x pp x cp; dp = -1 takes what the others leave. tp splits every
+    The world size must be the product dp x tp x pp x cp; dp = -1 takes what the others leave; ep (expert
+    parallel) divides dp and splits MoE experts over groups of ep data-parallel ranks. tp splits every
     attention and feed-forward layer over tp ranks (Megatron-style column/row sharding, with sequence
     parallelism between them, vocabulary-parallel embedding and loss); the tp ranks of a node should share it. ZeRO stage of
     the data-parallel dimension: 0 replicates the model (DDP, gradients all-reduced), 2 shards optimizer state
@@ -219,10 +220,12 @@ class ParallelConfig:
         if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
             raise ConfigError(f"parallel.deepspeed_config={self.deepspeed_config!r} is not a file; give the path of a "
                               f"DeepSpeed JSON")
-        for name in ("ep", "cp"):
-            if getattr(self, name) > 1:
-                raise ConfigError(f"parallel.{name}={getattr(self, name)} is not available in this version (data, "
-                                  f"tensor and pipeline parallel: parallel.dp, tp, pp, zero_stage); set parallel.{name}=1")
+        if self.cp > 1:
+            raise ConfigError(f"parallel.cp={self.cp} is not available in this version (data, tensor, pipeline and "
+                              f"expert parallel: parallel.dp, tp, pp, ep, zero_stage); set parallel.cp=1")
+        if self.ep > 1 and self.engine == "deepspeed":
+            raise ConfigError("parallel.ep > 1 works with parallel.engine=torch only; set parallel.engine=torch, or "
+                              "parallel.ep=1 for DeepSpeed")
         schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
         if self.pp_schedule not in schedules:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} must be one of {', '.join(schedules)}")

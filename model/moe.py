@@ -106,6 +106,9 @@ class MoE(nn.Module):
         self.register_buffer("_load", torch.zeros(self.n_experts, dtype=torch.float64), persistent=False)
         self._stats = {"aux_loss": 0.0, "z_loss": 0.0, "dropped": 0.0, "forwards": 0}
         self.aux_loss: torch.Tensor | None = None
+        # Expert parallel (set from outside, ``train/expert_parallel.py``): a callable that runs the expert-sorted
+        # assignments through experts held by other ranks too; None runs every expert here.
+        self.expert_dispatch = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -162,17 +165,24 @@ class MoE(nn.Module):
                 self._load += counts_t.double()
                 self._stats["dropped"] += N * k - sum(counts)  # 0: dropless
                 self._stats["forwards"] += 1
-        offsets = counts_t.cumsum(0).to(torch.int32)
         xs = x[order // k]  # (N k, d), expert-sorted
-        gate_up = grouped_linear(xs, self.experts.gate_up_proj, counts, offsets, self.backend)
-        gate, up = gate_up.chunk(2, dim=-1)
-        ys = grouped_linear(F.silu(gate) * up, self.experts.down_proj, counts, offsets, self.backend)
+        if self.expert_dispatch is None:
+            ys = self.run_experts(xs, counts, self.experts.gate_up_proj, self.experts.down_proj)
+        else:
+            ys = self.expert_dispatch(self, xs, counts_t)
         ys = ys * weights.flatten()[order, None].to(ys.dtype)
         y = torch.empty_like(ys).index_copy(0, order, ys)  # back to assignment order
         out = y.view(N, k, -1).sum(1)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
+
+    def run_experts(self, xs: torch.Tensor, counts: list[int], gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (counts[e] rows for expert e of the given weights) through their SwiGLU experts."""
+        offsets = torch.tensor(counts, device=xs.device).cumsum(0).to(torch.int32)
+        gate, up = grouped_linear(xs, gate_up_proj, counts, offsets, self.backend).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, down_proj, counts, offsets, self.backend)
 
     # -- between optimizer steps ------------------------------------------------------------------------
 

@@ -47,6 +47,8 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
         )
     if p.pp > 1:
         check_pipeline_parallel(cfg, dp)
+    if p.ep > 1:
+        check_expert_parallel(cfg, dp)
     if p.tp > 1:
         check_tensor_parallel(cfg)
         if dp > 1 and p.zero_stage == 0:
@@ -88,6 +90,22 @@ def check_pipeline_parallel(cfg: JobConfig, dp: int) -> None:
                           "cannot follow; set parallel.pp=1 for self-guided runs")
 
 
+def check_expert_parallel(cfg: JobConfig, dp: int) -> None:
+    """What expert parallelism of degree ``parallel.ep`` needs: MoE layers whose experts split evenly over ep ranks
+    taken from the data-parallel ones."""
+    p, m = cfg.parallel, cfg.model
+    if not m.moe.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} splits the experts of MoE layers, and this model has none "
+                          f"(model.moe.n_experts=0); set parallel.ep=1")
+    if m.moe.n_experts % p.ep:
+        raise ConfigError(f"model.moe.n_experts={m.moe.n_experts} is not divisible by parallel.ep={p.ep}: every "
+                          f"expert-parallel rank holds an equal share; choose an ep that divides it")
+    if dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} groups data-parallel ranks, and dp={dp} is not a multiple of it; "
+                          f"choose an ep that divides dp (ep ranks share their tokens' experts, each still reads "
+                          f"its own batches)")
+
+
 def check_tensor_parallel(cfg: JobConfig) -> None:
     """What tensor parallelism of degree ``parallel.tp`` needs of the model; ConfigError naming the field."""
     m, tp = cfg.model, cfg.parallel.tp
@@ -127,6 +145,9 @@ class Mesh:
     # torch DeviceMesh when world_size > 1, its dims those of ("pp", "dp", "tp") with pp, tp > 1 ("dp" always)
     device_mesh: object | None = None
     pp: int = 1
+    ep: int = 1  # expert parallel: groups of ep neighbouring dp ranks split every MoE layer's experts
+    # parallel.ep > 1: a second view of the same ranks, dims ("pp", "dp_replicate", "ep", "tp"), dp = dp_replicate x ep
+    expert_mesh: object | None = None
     owns_group: bool = False  # a one-process group made for DeepSpeed
 
     @property
@@ -173,7 +194,11 @@ class Mesh:
         # of stage boundaries cross it, so it can span nodes.
         dims = [(name, n) for name, n in (("pp", pp), ("dp", dp), ("tp", tp)) if n > 1 or name == "dp"]
         mesh = init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
-        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp)
+        ep, expert_mesh = cfg.parallel.ep, None
+        if ep > 1:  # the same rank order with dp split in two: experts shard over ep, replicate over dp_replicate
+            expert_mesh = init_device_mesh(device.type, (pp, dp // ep, ep, tp),
+                                           mesh_dim_names=("pp", "dp_replicate", "ep", "tp"))
+        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp, ep, expert_mesh)
 
     # ---- collectives (no-ops on one process) -----------------------------------------------------
     def mean(self, value: float) -> float:

@@ -137,12 +137,16 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
     ``roots``: the modules that run forward (pipeline stages over ``model``'s blocks); default the model."""
     if mesh is None or mesh.dp == 1:
         return model
+    from .expert_parallel import expert_modules, expert_params
+
+    experts = expert_params(model)  # expert parallel: sharded over ep, their gradients summed apart
     dp_mesh = mesh.device_mesh["dp"]
     if mesh.zero_stage == 0:
         from torch.distributed._composable.replicate import replicate
 
         # Gradients live in DDP's communication buckets (views), not beside them: one copy of the gradients.
-        replicate(model, device_mesh=dp_mesh, find_unused_parameters=params_may_leave, gradient_as_bucket_view=True)
+        replicate(model, device_mesh=dp_mesh, find_unused_parameters=params_may_leave, gradient_as_bucket_view=True,
+                  ignored_modules=[m.experts for m in expert_modules(model)] if experts else None)
         return model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -150,11 +154,44 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
     if amp_dtype is not None and mixed_precision == "auto":
         mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     reshard = mesh.zero_stage == 3
+    ignored = set(experts) or None
     for block in model.layers:
         if block is not None:
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
     # The root holds the embeddings, final norm and head; it is gathered last in forward and used first in
     # backward, so it is never resharded after forward.
     for root in roots or [model]:
-        fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
     return model
+
+
+def clip_grad_norm(params, max_norm: float, counted=None, sum_other_ranks=None) -> float:
+    """Clip the gradients of ``params`` by their global 2-norm and return it. ``counted``: the parameters whose
+    gradients make up the norm (default all; a pipeline's tied copy counts once); ``sum_other_ranks``: adds the
+    squared norms of ranks holding other parameters (pipeline stages). Gradients may be DTensors on different
+    meshes (FSDP over dp, experts over ep): each mesh's norm is taken whole, then they are combined."""
+    import math
+
+    params = [p for p in params if p.grad is not None]
+    counted = params if counted is None else [p for p in counted if p.grad is not None]
+    by_mesh = _by_mesh(counted)
+    if len(by_mesh) <= 1 and sum_other_ranks is None and counted is params:  # one kind: torch's own, as always
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm or float("inf"))
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    square = 0.0
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        square += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    total = math.sqrt(sum_other_ranks(square) if sum_other_ranks is not None else square)
+    coef = (max_norm / (total + 1e-6)) if max_norm else 1.0
+    if math.isfinite(total) and coef < 1.0:
+        for grads in _by_mesh(params).values():  # one fused multiply per kind of tensor
+            torch._foreach_mul_(grads, coef)
+    return total
+
+
+def _by_mesh(params) -> dict[int, list[torch.Tensor]]:
+    out: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        out.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+    return out

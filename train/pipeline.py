@@ -22,8 +22,6 @@ the last one.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -262,15 +260,12 @@ class Pipeline:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip every stage's gradients by their global norm (over all stages and shards); returns that norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        from .parallelize import clip_grad_norm
+
+        params = list(self.model.parameters())
         counted = [p for p in params if not (self.tied and self.has_last and not self.has_first
                                              and p is self.model.embed_tokens.weight)]
-        local = torch.nn.utils.get_total_norm([p.grad for p in counted], 2.0) if counted else torch.zeros(())
-        local = local.full_tensor() if hasattr(local, "full_tensor") else local
-        total = math.sqrt(self.mesh.pp_sum(float(local) ** 2))
-        if max_norm and math.isfinite(total) and total > max_norm:
-            torch._foreach_mul_([p.grad for p in params], max_norm / (total + 1e-6))
-        return total
+        return clip_grad_norm(params, max_norm, counted=counted, sum_other_ranks=self.mesh.pp_sum)
 
     def metrics_from_all_stages(self, metrics: dict) -> dict:
         """Per-layer metrics (MoE loads) of every stage, merged on every rank of the pipeline."""

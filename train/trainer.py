@@ -21,9 +21,10 @@ from hybridtron.configs import JobConfig
 
 from .checkpoint import CheckpointManager, TrainerState
 from .distributed import Mesh
+from .expert_parallel import sync_expert_grads
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
-from .parallelize import autocast_context, loss_context
+from .parallelize import autocast_context, clip_grad_norm, loss_context
 from .schedule import lr_at
 
 
@@ -172,8 +173,8 @@ class Trainer:
             loss_sum += _whole(loss.detach()).float()
             tokens += b["input_ids"].numel()
         loss = self.mesh.mean((loss_sum / accum).item())  # the mean over data-parallel ranks: the global batch's
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
-        grad_norm = _whole(grad_norm).item()  # FSDP / TP: a DTensor, the norm over every rank's shards
+        sync_expert_grads(self.model, self.mesh)
+        grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip)  # over every rank's shards (FSDP, TP, EP)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -190,6 +191,7 @@ class Trainer:
         with loss_context(self.mesh), autocast_context(self.device, self.amp_dtype):
             loss = self.pipeline.step(b)
         loss = self.mesh.mean(loss)
+        sync_expert_grads(self.model, self.mesh)
         grad_norm = self.pipeline.clip_grad_norm(t.grad_clip)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:

@@ -1,0 +1,112 @@
+"""Expert parallel on the CPU for real: `torchrun` starts two or four gloo processes.
+
+MoE layers of 4 experts split over ep=2 ranks (all-to-all dispatch) under DDP, under FSDP2 (ZeRO-3), with
+the experts replicated over two pairs of ranks (dp=4, ep=2), and inside a 2-stage pipeline. Each trains 4 steps
+and is compared with one process taking the same global batch in the same micro-batches: the same losses
+(auxiliary losses included), gradient norms, router biases and final weights, experts included. Checkpoints
+move between expert-parallel and one-process runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridtron.configs import ConfigError, load_config
+from hybridtron.train.checkpoint import CheckpointManager
+from hybridtron.train.cli import main
+from hybridtron.train.distributed import resolve_layout
+from hybridtron.train.metrics import read_metrics
+
+from .test_data_parallel import (
+    MOE,
+    STEPS,
+    assert_same_steps,
+    resume_from_step_2,
+    rolled_back,
+    steps,
+    torchrun,
+    weights,
+)
+
+
+def test_expert_layouts_that_cannot_work_are_refused():
+    def layout(*over, world=2):
+        return resolve_layout(load_config("tiny", [("parallel.ep", "2"), *over]), world)
+
+    moe = [("model.moe.n_experts", "4")]
+    assert layout(*moe) == 2
+    with pytest.raises(ConfigError, match=r"this model has none \(model.moe.n_experts=0\); set parallel.ep=1"):
+        layout()
+    with pytest.raises(ConfigError, match=r"model.moe.n_experts=6 is not divisible by parallel.ep=4"):
+        layout(("model.moe.n_experts", "6"), ("parallel.ep", "4"), world=4)
+    with pytest.raises(ConfigError, match=r"dp=3 is not a multiple of it"):
+        layout(*moe, world=3)
+    with pytest.raises(ConfigError, match=r"parallel.ep > 1 works with parallel.engine=torch only"):
+        load_config("tiny", [*moe, ("parallel.ep", "2"), ("parallel.engine", "deepspeed")])
+
+
+SMALL_MB = ["--train.micro_batch_size", "2"]
+LAYOUTS = {  # name: (processes, extra arguments, the one-process reference)
+    "ep2_ddp": (2, ["--parallel.ep", "2"], "single"),
+    "ep2_zero3": (2, ["--parallel.ep", "2", "--parallel.zero_stage", "3"], "single"),
+    # experts on 2 ranks, each pair of them replicated twice: expert gradients summed over the copies
+    "dp4_ep2_zero2": (4, ["--parallel.ep", "2", "--parallel.zero_stage", "2", *SMALL_MB], "single_mb2"),
+    "pp2_dp2_ep2_zero3": (4, ["--parallel.ep", "2", "--parallel.pp", "2", "--parallel.zero_stage", "3", *SMALL_MB,
+                              "--train.grad_accum_steps", "2"], "single_mb2"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(small_data_dir, small_argv, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    out = {}
+    # The auxiliary loss and router statistics are per micro-batch: references take the same micro-batches.
+    for name, extra in (("single", ["--train.grad_accum_steps", "2"]),
+                        ("single_mb2", [*SMALL_MB, "--train.grad_accum_steps", "4"])):
+        out[name] = root / name
+        assert main(small_argv(small_data_dir, out[name], [*STEPS, *MOE, *extra])) == 0
+    for name, (nproc, extra, _ref) in LAYOUTS.items():
+        out[name] = root / name
+        res = torchrun(small_argv(small_data_dir, out[name], [*STEPS, *MOE, *extra]), nproc=nproc)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        out[name + ".log"] = res.stdout + res.stderr
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_expert_parallel_trains_like_one_process(layout, runs):
+    ref = runs[LAYOUTS[layout][2]]
+    assert_same_steps(steps(runs[layout]), steps(ref))
+    got, want = weights(runs[layout], 4), weights(ref, 4)
+    assert sorted(got) == sorted(want) and any(".experts." in k for k in want)
+    for k in want:  # every expert's slice came back from its rank, trained as on one process
+        torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    # global expert loads move the router biases identically
+    got_m, want_m = read_metrics(runs[layout])[-1], read_metrics(ref)[-1]
+    bias = [k for k in want_m if "/bias/e" in k]
+    assert bias and any(want_m[k] != 0 for k in bias)
+    for k in bias:
+        assert got_m[k] == pytest.approx(want_m[k], abs=1e-9), k
+
+
+@pytest.mark.slow
+def test_expert_shards_are_whole_in_the_checkpoint(runs):
+    ckpt = runs["ep2_zero3"] / "checkpoints" / "step_00000004"
+    cfg = load_config(str(ckpt / "config.yaml"))
+    from hybridtron.model import GatedLM
+
+    model = GatedLM(cfg.model, cfg.model.vocab_size)
+    CheckpointManager.load(ckpt, model, restore_rng_state=False)
+    assert model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4  # all experts, from both ranks' halves
+    assert "ep=2" in runs["ep2_zero3.log"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("src, dst", [("ep2_zero3", "single"), ("single", "ep2_ddp")])
+def test_expert_parallel_checkpoint_resumes_at_another_layout(src, dst, runs, small_data_dir, small_argv, tmp_path):
+    run = rolled_back(runs[src], tmp_path / "run")
+    extra = ["--train.grad_accum_steps", "2"] if dst == "single" else LAYOUTS[dst][1]
+    resume_from_step_2(small_argv(small_data_dir, run, [*STEPS, *MOE, *extra]), one_process=dst == "single")
+    assert_same_steps(steps(run), steps(runs["single"]))
