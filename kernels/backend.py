@@ -156,6 +156,26 @@ def pick(op: str, requested: str, device_type: str) -> str:
     return hit
 
 
+def is_distributed(t: torch.Tensor | None) -> bool:
+    """A DTensor (tensor parallel hands them to modules whose inputs its plans rewrite). Duck-typed, so
+    nothing under kernels/ imports torch.distributed."""
+    return t is not None and type(t) is not torch.Tensor and hasattr(t, "placements") and hasattr(t, "to_local")
+
+
+def pick_for(op: str, requested: str, *tensors: torch.Tensor | None) -> str:
+    """`pick` for the device of ``tensors[0]``, except that DTensor inputs go to the reference (torch's DTensor
+    rules know its ops; our custom ops take plain tensors): ``auto`` resolves to it, an explicit Triton or
+    flash-attn request is refused."""
+    if any(is_distributed(t) for t in tensors):
+        if requested in ("auto", "reference"):
+            return "reference"
+        raise BackendError(
+            f"model.kernels.{op}={requested} takes plain tensors, but tensor parallelism hands this op DTensors; "
+            f"choose model.kernels.{op}=auto (the reference under tensor parallelism) or reference"
+        )
+    return pick(op, requested, tensors[0].device.type)
+
+
 def clear_cache() -> None:
     """Forget resolved backends (tests that change TRITON_INTERPRET or what is installed)."""
     _resolved.clear()

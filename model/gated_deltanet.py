@@ -87,6 +87,7 @@ class GatedDeltaNet(nn.Module):
         # A decay rate and a time-step bias are not weights to shrink: decaying A_log towards 0 would pull
         # every head towards the same forgetting rate (Mamba-2 and GDN exclude both).
         self.param_decay = {"A_log": False, "dt_bias": False}
+        self.context_parallel = None  # set from outside under context parallelism (train/context_parallel.py)
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -111,7 +112,14 @@ class GatedDeltaNet(nn.Module):
         Hk, Hv, Dk, Dv, n_h = self.n_k_heads, self.n_v_heads, self.k_head_dim, self.v_head_dim, self.n_h
         mixed = self.in_proj_qkv(x)  # (B, T, conv_dim)
         past = None if cache is None else cache.get("conv_state")
-        conv_out = F.silu(causal_conv(mixed, self.conv1d.weight, doc_ids, past))
+        cp = self.context_parallel if cache is None else None  # x is one piece of each sequence
+        if cp is not None:  # the convolution window reaches into the previous piece
+            K = self.conv1d.kernel_size[0]
+            halo, halo_ids = cp.conv_halo(mixed, doc_ids, K - 1)
+            ids = None if doc_ids is None else torch.cat([halo_ids, doc_ids], dim=1)
+            conv_out = F.silu(causal_conv(torch.cat([halo, mixed], dim=1), self.conv1d.weight, ids)[:, K - 1:])
+        else:
+            conv_out = F.silu(causal_conv(mixed, self.conv1d.weight, doc_ids, past))
         if cache is not None:
             K = self.conv1d.kernel_size[0]
             seen = mixed if past is None else torch.cat([past, mixed], dim=1)
@@ -127,7 +135,13 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(f32).exp() * F.softplus(self.in_proj_a(x).to(f32) + self.dt_bias.to(f32))  # (B, T, Hv)
         resets = doc_starts(doc_ids) if doc_ids is not None else None
         state = None if cache is None else cache.get("recurrent_state")
-        if self.algo == "recurrent" or (cache is not None and T == 1):
+        if cp is not None:  # the state comes from the previous piece and goes on to the next
+            if resets is not None:
+                resets[:, 0] = cp.first_is_doc_start(doc_ids)
+            fn, kw = ((delta_rule_recurrent, {}) if self.algo == "recurrent" else
+                      (delta_rule_chunked, {"chunk_size": self.chunk_size}))
+            o = cp.delta_rule(fn, q, k, v, g, beta, resets, **kw)
+        elif self.algo == "recurrent" or (cache is not None and T == 1):
             o, state = delta_rule_recurrent(q, k, v, g, beta, resets=resets, initial_state=state,
                                             output_final_state=cache is not None)
         else:
@@ -136,5 +150,5 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             cache["recurrent_state"] = state
         z = self.in_proj_z(x).view(B, T, Hv, Dv)
-        o = (self.norm(o).to(f32) * F.silu(z.to(f32))).to(x.dtype)  # gated RMSNorm per value head
+        o = self.norm.gated(o, z).to(x.dtype)  # gated RMSNorm per value head: norm(o) * silu(z), one kernel
         return self.out_proj(o.reshape(B, T, self.value_dim))

@@ -9,6 +9,11 @@ Parameter names follow transformers' Qwen3.5 text model (``qwen3_5_text`` / ``qw
 self_attn.* | linear_attn.*, post_attention_layernorm, mlp.*}, norm, lm_head. With tied embeddings
 there is no lm_head module at all (HF's tie_word_embeddings=True also stores none).
 
+Fused kernels (``model.kernels``, kernels/): every RMSNorm gets ``model.kernels.norm`` here; the
+post-mixer residual add runs inside the FFN norm's kernel; the loss is the fused linear + cross-entropy
+(``model.kernels.cross_entropy``), which never makes the (B, T, V) logits on the triton backend. None of
+this changes a parameter's name or shape.
+
 Initialisation convention: ``init_weights`` visits modules in registration order; a module that
 defines ``init_weights(std, out_std)`` initialises its own direct parameters and buffers, every other
 nn.Linear / nn.Embedding is N(0, std) (output projections N(0, out_std)), norms reset to identity.
@@ -24,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
+from ..kernels.backend import pick_for
+from ..kernels.cross_entropy import linear_cross_entropy
 from .attention import GatedAttention, doc_causal_mask
 from .ffn import build_ffn
 from .norm import RMSNorm, build_norm
@@ -77,11 +84,14 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.mixer_type == "A":
-            h = self.self_attn(h, cos, sin, attn_mask, cache=cache)
+            h = self.self_attn(h, cos, sin, attn_mask, cache=cache, doc_ids=doc_ids)
         else:
             h = self.linear_attn(h, doc_ids=doc_ids, cache=cache)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.post_attention_layernorm._forward_pre_hooks:  # its inputs are rewritten (tensor parallel): one input
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm(h, residual=x)  # x + h and its norm in one pass
+        return x + self.mlp(h)
 
 
 class GatedLM(nn.Module):
@@ -96,6 +106,13 @@ class GatedLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps, **norm_kwargs(cfg, feeds_linear=True))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, vocab_size, bias=False)
+        # Context parallel (set from outside, train/context_parallel.py): input_ids are then one piece of each
+        # sequence, and its positions start where the hooks say.
+        self.context_parallel = None
+        self.loss_backend = cfg.kernels.cross_entropy
+        for m in self.modules():
+            if getattr(m, "kernel_op", None) == "norm":
+                m.kernel_backend = cfg.kernels.norm
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -129,9 +146,11 @@ class GatedLM(nn.Module):
         tokens after those already in the cache."""
         T = input_ids.shape[1]
         start = 0 if cache is None else cache.pos
+        if self.context_parallel is not None:  # attention builds its own mask over the whole sequence
+            start = self.context_parallel.offset(T)
         cos, sin = self.rotary(start + T)
         cos, sin = cos[start:], sin[start:]
-        attn_mask = doc_causal_mask(doc_ids) if doc_ids is not None else None
+        attn_mask = doc_causal_mask(doc_ids) if doc_ids is not None and self.context_parallel is None else None
         h = self.embed_tokens(input_ids)  # (B, T, d)
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, attn_mask, doc_ids, None if cache is None else cache.layers[i])
@@ -139,6 +158,10 @@ class GatedLM(nn.Module):
             cache.pos = start + T
         h = self.norm(h)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if labels is not None and pick_for("cross_entropy", self.loss_backend, h, head) != "reference":
+            # Chunked: the (B, T, V) logits never exist (kernels/cross_entropy).
+            loss = linear_cross_entropy(h.flatten(0, 1), head, labels.flatten(), backend=self.loss_backend)
+            return loss + self.aux_loss()
         logits = F.linear(h, head)  # (B, T, V)
         if labels is None:
             return logits

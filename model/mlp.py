@@ -1,12 +1,13 @@
-"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), names as in Llama/Qwen."""
+"""SwiGLU feed-forward: down(silu(gate(x)) * up(x)), names as in Llama/Qwen. The activation goes through the
+backend switch (``model.kernels.swiglu``: the fused Triton kernel in kernels/swiglu or the torch reference)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
+from ..kernels.swiglu import swiglu
 from .linear import make_linear
 
 
@@ -17,6 +18,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = make_linear(cfg, d_model, hidden, after_norm=True)
         self.up_proj = make_linear(cfg, d_model, hidden, after_norm=True)
         self.down_proj = make_linear(cfg, hidden, d_model, residual_out=True)
+        self.kernel_backend = cfg.kernels.swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), backend=self.kernel_backend))

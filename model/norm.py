@@ -8,6 +8,12 @@ instead of towards 0. Both compute in fp32 and multiply by the gain before casti
 does, so a bf16 input loses precision only once. Under ``model.scale`` a norm may have no gain, or a
 gain parameterised as magnitude * direction (``weight_m``, ``weight_d``); `folded_state` writes either
 back as the plain ``weight`` (model/scale.py).
+
+The arithmetic runs through the backend switch (``model.kernels.norm``, set on every norm by
+`GatedLM`): the pure-torch reference or the fused Triton kernel (kernels/norm), which also folds in the
+residual add before the norm (`forward(x, residual)`) and the silu gate after it (`gated`). Whatever the
+form, the kernel gets one effective gain vector (magnitude * direction is built by autograd from its two
+parameters, a (dim,) tensor), so a reparameterised gain costs no activation memory.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.norm import rms_norm
 from .scale import add_scale, md_vector, reset_scale, scale_param_names
 
 
 class RMSNorm(nn.Module):
+    kernel_op = "norm"  # model.kernels.norm picks the implementation (set_kernel_backends in model/lm.py)
     def __init__(
         self,
         dim: int,
@@ -33,6 +41,7 @@ class RMSNorm(nn.Module):
         self.dim = dim
         self.eps = eps
         self.zero_centered = zero_centered
+        self.kernel_backend = "auto"
         # Scale-vector forms (model/scale.py): no gain (its consumers carry one each), or the gain as
         # magnitude * direction (weight_m, weight_d), which is the gain itself, not 1 + w.
         self.has_gain = gain
@@ -62,14 +71,25 @@ class RMSNorm(nn.Module):
         g = self.weight.to(dtype)
         return 1.0 + g if self.zero_centered else g
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (tests)
-        xf = x.to(dtype)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        gain = self.gain(dtype)
-        if gain is not None:
-            xf = xf * gain
-        return xf.to(x.dtype)
+    def kernel_gain(self) -> tuple[torch.Tensor | None, float]:
+        """(w, offset) with gain = w + offset, as the kernels take it: the stored weight and 1.0 when
+        zero-centred (added in fp32 inside), the magnitude-direction vector, or (None, 0) without a gain."""
+        if self.magnitude_direction:
+            return md_vector(self.weight_m, self.weight_d), 0.0
+        if not self.has_gain:
+            return None, 0.0
+        return self.weight, 1.0 if self.zero_centered else 0.0
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x) in x's dtype (computed in fp32 at least; fp64 stays fp64). With ``residual``: h = x +
+        residual, then (norm(h), h) -- the add fused into the norm's kernel."""
+        w, offset = self.kernel_gain()
+        return rms_norm(x, w, self.eps, offset=offset, residual=residual, backend=self.kernel_backend)
+
+    def gated(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """norm(x) * silu(z) in x's dtype, the delta-rule mixer's gated output norm, in one kernel."""
+        w, offset = self.kernel_gain()
+        return rms_norm(x, w, self.eps, offset=offset, z=z, backend=self.kernel_backend)
 
     @torch.no_grad()
     def folded_state(self, ref: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -5,6 +5,9 @@ pass through unchanged (Qwen3.5 rotates 25%). Within the rotated slice the pairi
 rotate-half convention of Llama/Qwen: channel i pairs with channel i + rot_dim/2 and turns by
 angle pos * theta^(-2i/rot_dim). That pairing, not the interleaved (2i, 2i+1) one, is what makes
 our q/k projections load into transformers' Qwen3.5 without a permutation.
+
+`apply_rotary_qk` is what attention calls: QK-norm and rotation of q and k through the backend switch
+(``model.kernels.rotary``; the Triton kernel in kernels/rotary does all four in one pass).
 """
 
 from __future__ import annotations
@@ -69,3 +72,34 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     # Each pair (x1_i, x2_i) turns by the 2x2 rotation [[cos, -sin], [sin, cos]].
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
     return out.to(x.dtype)
+
+
+def apply_rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: nn.Module | None = None,
+    k_norm: nn.Module | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QK-norm (when the norms are given) then rotary on q (B, T, H, D) and k (B, T, KV, D), through the
+    backend switch ``model.kernels.rotary``. Reference: the norm modules, then `apply_rotary` on each. Triton:
+    one kernel for norm and rotation of both (kernels/rotary), reading the norms' effective gains; where
+    tensor parallelism hooks the norms (their inputs become DTensors) the modules run as they are and the
+    kernel only rotates."""
+    from ..kernels.backend import pick_for
+    from ..kernels.rotary import rotary_qk
+
+    if pick_for("rotary", backend, q, k) == "reference":
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    if q_norm is not None and (q_norm._forward_pre_hooks or k_norm._forward_pre_hooks):
+        q, k = q_norm(q), k_norm(k)
+        q_norm = k_norm = None
+    if q_norm is None:
+        return rotary_qk(q, k, cos, sin, backend=backend)
+    (qw, offset), (kw, _) = q_norm.kernel_gain(), k_norm.kernel_gain()
+    return rotary_qk(q, k, cos, sin, norm=True, q_weight=qw, k_weight=kw, eps=q_norm.eps, offset=offset,
+                     backend=backend)

@@ -1,0 +1,43 @@
+"""Run a kernel and its reference on the same inputs and cotangents, in a dtype and in float64, and apply
+the accuracy rule of kernels/testing.py to every output and every input gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridtron.kernels.testing import assert_within_reference_error
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _run(fn, leaves, cotangents):
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in leaves]
+    outs = _as_tuple(fn(*leaves))
+    diff = [t for t in leaves if t.requires_grad]
+    grads = torch.autograd.grad(outs, diff, [c.to(o.dtype) for c, o in zip(cotangents, outs, strict=True)],
+                                allow_unused=True)
+    return [o.detach() for o in outs], [g if g is not None else torch.zeros_like(t) for g, t in zip(grads, diff,
+                                                                                                   strict=True)]
+
+
+def check_against_reference(name, kernel_fn, ref_fn, inputs, dtypes, factor=3.0, seed=0):
+    """inputs: float64 tensors (integer tensors pass as they are); dtypes: the dtype each float input takes in
+    the low-precision run (None: the input's own). Compares kernel(dtype) and ref(dtype) against ref(float64
+    of the same rounded inputs), for outputs and all float inputs' gradients."""
+    low = [t.to(d) if (t.is_floating_point() and d is not None) else t for t, d in zip(inputs, dtypes, strict=True)]
+    high = [t.double() if t.is_floating_point() else t for t in low]
+    with torch.no_grad():
+        probe = _as_tuple(ref_fn(*high))
+    g = torch.Generator().manual_seed(seed)
+    cot = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in probe]
+    out_k, grad_k = _run(kernel_fn, low, cot)
+    out_r, grad_r = _run(ref_fn, low, cot)
+    out_64, grad_64 = _run(ref_fn, high, cot)
+    for i, (k, r, h) in enumerate(zip(out_k, out_r, out_64, strict=True)):
+        assert k.dtype == r.dtype, f"{name}: output {i} is {k.dtype}, the reference gives {r.dtype}"
+        assert_within_reference_error(f"{name} output {i}", k, r, h, factor)
+    for i, (k, r, h) in enumerate(zip(grad_k, grad_r, grad_64, strict=True)):
+        assert k.dtype == r.dtype, f"{name}: gradient {i} is {k.dtype}, the reference gives {r.dtype}"
+        assert_within_reference_error(f"{name} grad of input {i}", k, r, h, factor)
