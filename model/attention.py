@@ -8,6 +8,12 @@ output of each head is multiplied by sigmoid(x W_g), x being the normed block in
   Keeping that layout makes the HF export a rename.
 - ``headwise``: one gate per head from a separate ``gate_proj`` (n_heads, d_model); no HF counterpart.
 - ``none``: the ungated baseline (q_proj is n_heads * head_dim wide).
+
+``model.kernels.attention`` picks how attention and gate are computed (kernels/backend.py): ``reference``
+is SDPA then the gate, below; ``triton`` is our gated flash attention (kernels/gated_attention: causal,
+grouped-query, documents as per-token bounds, the gate fused into its epilogue); ``flash-attn`` is
+flash-attn's (varlen) kernel then the gate. Same parameters and outputs for all. Decoding with a KV cache
+(queries shorter than keys) always runs the SDPA path.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
+from ..kernels.backend import pick_for
+from ..kernels.gated_attention import gated_attention
 from .linear import make_linear
 from .norm import build_norm
-from .rotary import apply_rotary
+from .rotary import apply_rotary_qk
 from .scale import norm_kwargs
 
 
@@ -32,6 +40,14 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
+def doc_ids_from_mask(attn_mask: torch.Tensor) -> torch.Tensor:
+    """Inverse of `doc_causal_mask`: (B, 1, T, T) -> (B, T) document ids (0, 1, ... per row). Row t's first
+    visible key is its document's first token. Only for masks from `doc_causal_mask`."""
+    first = attn_mask[:, 0].to(torch.uint8).argmax(-1)  # (B, T): argmax returns the first maximum
+    starts = first == torch.arange(first.shape[1], device=first.device)
+    return starts.cumsum(1)
+
+
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -39,6 +55,7 @@ class GatedAttention(nn.Module):
         self.n_kv_heads = cfg.n_kv_heads
         self.head_dim = cfg.resolved_head_dim()
         self.gate = cfg.attn_gate
+        self.kernel_backend = cfg.kernels.attention
         if self.gate not in ("elementwise", "headwise", "none"):
             raise ValueError(f"model.attn_gate={self.gate!r} is not one of 'elementwise', 'headwise', 'none'")
         q_width = self.n_heads * self.head_dim
@@ -56,6 +73,7 @@ class GatedAttention(nn.Module):
             self.k_norm = build_norm(cfg.norm_type, self.head_dim, cfg.norm_eps, **qk_norm_kw)
         else:
             self.q_norm = self.k_norm = None
+        self.rotary_backend = cfg.kernels.rotary  # QK-norm + rotary in one kernel on the triton backend
 
     def forward(
         self,
@@ -64,11 +82,14 @@ class GatedAttention(nn.Module):
         sin: torch.Tensor,
         attn_mask: torch.Tensor | None = None,
         cache: dict | None = None,
+        doc_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: (B, T, d_model), the normed block input; cos, sin: (T, rot_dim/2) rotary tables for the
         positions of x; attn_mask: None (plain causal) or (B, 1, T, T) bool from `doc_causal_mask`.
         cache: decoding state of this layer ({} at the first call): keys and values of earlier
-        positions, extended in place, so each new token costs one query against the cache."""
+        positions, extended in place, so each new token costs one query against the cache.
+        doc_ids: (B, T), the documents of `attn_mask` without the T x T tensor (the fused kernels read
+        it; given alone, the SDPA path builds the mask from it)."""
         B, T, _ = x.shape
         D = self.head_dim
         # Head counts come from the projections' widths: under tensor parallelism each rank holds a contiguous
@@ -82,9 +103,17 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, D)
         H, KV = q.shape[2], k.shape[2]
 
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin, self.q_norm, self.k_norm, backend=self.rotary_backend)
+
+        backend = pick_for("attention", self.kernel_backend, q, k, v)
+        if backend != "reference" and cache is None:
+            gate_in = self.gate_proj(x) if self.gate == "headwise" else gate if self.gate == "elementwise" else None
+            if doc_ids is None and attn_mask is not None:
+                doc_ids = doc_ids_from_mask(attn_mask)  # the kernels take documents as bounds, not a mask
+            out = gated_attention(q, k, v, gate_in, doc_ids=doc_ids, backend=backend)  # (B, T, H, D), gated
+            return self.o_proj(out.reshape(B, T, H * D))
+        if attn_mask is None and doc_ids is not None:
+            attn_mask = doc_causal_mask(doc_ids)
 
         is_causal = attn_mask is None
         if cache is not None:
