@@ -225,6 +225,11 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     return result, model
 
 
+# Why the last `train` stopped ({"stopped_by", "step", "max_steps", "checkpoint"}), written by rank 0 when it stops
+# cleanly: the SLURM job script requeues a run that a signal stopped, never a finished or crashed one.
+LAST_STOP = "last_stop.json"
+
+
 def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, device: torch.device, mesh: Mesh):
     check_resume_compatible(cfg, run_dir, sections=("data",))  # before prepare writes anything for other data
     if mesh.is_main:  # 2. data (idempotent): rank 0 prepares, the others then find it done
@@ -290,6 +295,10 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
                       flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len), mesh=mesh,
                       engine=engine, pipeline=pipeline)
     result = trainer.fit(log=log)  # 4. fit
+    if mesh.is_main:
+        write_text_atomic(run_dir / LAST_STOP, json.dumps({
+            "stopped_by": result.stopped_by, "step": result.state.step, "max_steps": t.max_steps,
+            "checkpoint": result.last_checkpoint.name if result.last_checkpoint else None}) + "\n")
     log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
     if result.final_val_loss is not None:
         log(f"final val_loss {result.final_val_loss:.4f}")

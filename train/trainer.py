@@ -33,14 +33,17 @@ class NonFiniteLossError(RuntimeError):
 
 
 class StopSignal:
-    """Turns the first SIGTERM/SIGINT into a request to checkpoint and stop at the end of the step."""
+    """Turns the first SIGTERM/SIGINT/SIGUSR1 into a request to checkpoint and stop at the end of the step.
+
+    SIGUSR1 is SLURM's warning before a job's time limit (``sbatch --signal``); SIGTERM is ``scancel`` or a
+    preemption. The SLURM job script (``slurm/template.sbatch``) requeues the job after a SIGUSR1 stop."""
 
     def __init__(self):
         self.received: int | None = None
         self._previous = {}
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -280,7 +283,7 @@ class Trainer:
                         last_ckpt = self.save()
                     if self.mesh.any(stop.received is not None):  # every rank stops at the same step
                         stopped_by = "signal"
-                        log(f"received signal {stop.received or 'on another rank'}; saving a checkpoint at step {step} and stopping")
+                        log(f"received signal {signal.Signals(stop.received).name if stop.received else 'on another rank'}; saving a checkpoint at step {step} and stopping")
                         break
                     if t.exit_interval and step % t.exit_interval == 0 and step < t.max_steps:
                         stopped_by = "exit_interval"

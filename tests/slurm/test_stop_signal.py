@@ -1,0 +1,47 @@
+"""The trainer's side of the SLURM contract, on one process: SIGUSR1 (the time-limit warning) stops training with a
+checkpoint like SIGTERM, and `last_stop.json` says why training stopped, which is what the job script reads to
+decide whether to requeue."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hybridtron.train.checkpoint import CheckpointManager
+from hybridtron.train.cli import LAST_STOP, main
+from hybridtron.train.metrics import read_metrics
+
+
+def test_sigusr1_checkpoints_stops_and_says_so(small_data_dir, cli_args, tmp_path):
+    run = tmp_path / "run"
+    flat = ["--train.schedule", "constant", "--train.warmup_steps", "0", "--checkpoint.every", "0",
+            "--train.eval_every", "0"]
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtron.train.cli",
+                             *cli_args(small_data_dir, run, [*flat, "--train.max_steps", "400"])],
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while not (run / "metrics.jsonl").exists() or len(read_metrics(run)) < 5:
+            assert time.time() < deadline and proc.poll() is None, "training never reached step 5"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    stop = json.loads((run / LAST_STOP).read_text())
+    assert "received signal SIGUSR1; saving a checkpoint at step" in out, out
+    assert stop["stopped_by"] == "signal" and 5 <= stop["step"] < 400 and stop["max_steps"] == 400, stop
+    assert CheckpointManager(run).latest().name == stop["checkpoint"] == f"step_{stop['step']:08d}"
+    # the same run to its end: the stop file now says it finished (the job script does not requeue that)
+    end = stop["step"] + 2
+    assert main(cli_args(small_data_dir, run, [*flat, "--train.max_steps", str(end)])) == 0
+    stop = json.loads((run / LAST_STOP).read_text())
+    assert stop == {"stopped_by": "max_steps", "step": end, "max_steps": end, "checkpoint": f"step_{end:08d}"}
