@@ -1,4 +1,4 @@
-"""``hybridtron`` command line: prepare, train, ablate, plan, export, eval, sample.
+"""``hybridtron`` command line: prepare, train, ablate, plan, export, eval, sample; submit and status (SLURM).
 
 Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``).
 ``train`` reads like the recipe it is: config -> data -> model -> parallelize -> init -> fit.
@@ -403,7 +403,7 @@ def cmd_ablate(args) -> int:
 # ---- argument parsing ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,plan,export,eval,sample}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,plan,export,eval,sample,submit,status}")
 
     def add_subcommand(name, **kw):  # every subcommand: --debug, and the exit codes in its --help
         sp = sub.add_parser(name, epilog=EXIT_CODES, **kw)
@@ -459,6 +459,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--top-k", type=int, default=50)
     sp.add_argument("--seed", type=int, default=0)
     sp.set_defaults(func=cmd_sample)
+    from hybridtron.slurm import status as slurm_status
+    from hybridtron.slurm import submit as slurm_submit
+
+    sp = add_subcommand("submit", help="submit a training job to SLURM (sbatch): multi-node, requeued at its time limit")
+    common(sp)
+    slurm_submit.add_arguments(sp)
+    sp.set_defaults(func=slurm_submit.cmd_submit)
+    sp = add_subcommand("status", help="a SLURM run: job state, last step and loss, latest checkpoint, logs")
+    slurm_status.add_arguments(sp)
+    sp.set_defaults(func=slurm_status.cmd_status)
     return p
 
 

@@ -1,0 +1,185 @@
+"""``hybridtron status RUN_DIR``: the SLURM job(s) of a run and where the run stands.
+
+The job ids come from ``RUN_DIR/slurm/jobs.jsonl`` (written by ``hybridtron submit``); their state from
+``squeue`` (which knows a finished job for the cluster's MinJobAge), else ``sacct`` (where accounting is on).
+The run's own files say the rest: the last logged step and loss (``metrics.jsonl``), the latest complete
+checkpoint, and why the trainer last stopped (``last_stop.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from hybridtron.configs import ConfigError
+from hybridtron.train.cli import LAST_STOP
+
+from .submit import JOBS_FILE
+
+TAIL_BYTES = 1 << 16  # the end of metrics.jsonl holds the last steps; a long run's file is not read whole
+
+
+def add_arguments(sp) -> None:
+    sp.add_argument("run_dir", help="the run directory given to hybridtron submit")
+    sp.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+
+
+def read_jobs(run_dir: Path) -> list[dict]:
+    path = run_dir / "slurm" / JOBS_FILE
+    if not path.is_file():
+        return []
+    jobs = []
+    for line in path.read_text().splitlines():
+        try:
+            jobs.append(json.loads(line))
+        except ValueError:
+            continue  # a torn line from an interrupted submit
+    return jobs
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess | None:
+    from .cluster import find_binary
+
+    exe = find_binary(cmd[0])
+    if exe is None:
+        return None
+    try:
+        return subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def query_job(job_id: str) -> dict:
+    """{state, reason, elapsed, limit, nodes, restarts, exit_code, source}; state "UNKNOWN" with the reason when
+    neither squeue nor sacct can say."""
+    res = _run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T|%r|%M|%l|%N"])
+    why = "squeue is not available here" if res is None else None
+    if res is not None and res.returncode == 0 and res.stdout.strip():
+        state, reason, elapsed, limit, nodes = (res.stdout.strip().splitlines()[0].split("|") + [""] * 5)[:5]
+        info = {"state": state, "reason": reason, "elapsed": elapsed, "limit": limit, "nodes": nodes,
+                "source": "squeue"}
+        show = _run(["scontrol", "show", "job", "-o", str(job_id)])
+        for item in (show.stdout.split() if show is not None and show.returncode == 0 else []):
+            key, _, value = item.partition("=")
+            if key in ("Restarts", "ExitCode"):
+                info["restarts" if key == "Restarts" else "exit_code"] = value
+        return info
+    if res is not None and res.returncode != 0 and "invalid job id" not in res.stderr.lower():
+        why = f"squeue failed: {' '.join(res.stderr.split())[:200]}"  # e.g. the controller is unreachable
+    res = _run(["sacct", "-n", "-P", "-X", "-j", str(job_id), "-o", "State,ExitCode,Elapsed,Timelimit,NodeList"])
+    if res is not None and res.returncode == 0 and res.stdout.strip():
+        state, code, elapsed, limit, nodes = (res.stdout.strip().splitlines()[-1].split("|") + [""] * 5)[:5]
+        return {"state": state, "exit_code": code, "elapsed": elapsed, "limit": limit, "nodes": nodes,
+                "source": "sacct"}
+    return {"state": "UNKNOWN", "source": None,
+            "reason": why or "squeue no longer knows the job (it ended more than the cluster's MinJobAge ago) and "
+                             "sacct has no record of it"}
+
+
+def tail_metrics(run_dir: Path) -> tuple[dict | None, dict | None]:
+    """(the last metrics record, the last one with val_loss) from the end of metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None, None
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        f.seek(max(0, size - TAIL_BYTES))
+        lines = f.read().decode(errors="replace").splitlines()[1 if size > TAIL_BYTES else 0:]
+    last = last_val = None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the torn last line of a killed write
+        last = last or rec
+        if "val_loss" in rec:
+            last_val = rec
+            break
+    return last, last_val
+
+
+def collect(run_dir: Path) -> dict:
+    from hybridtron.train.checkpoint import CheckpointManager
+
+    run_dir = Path(run_dir).resolve()
+    if not run_dir.is_dir():
+        raise ConfigError(f"no run directory {run_dir}; give the --run-dir that hybridtron submit printed")
+    jobs = read_jobs(run_dir)
+    if jobs:  # the last submission: its job and the ones chained after it
+        jobs = [j for j in jobs if j.get("script") == jobs[-1].get("script")]
+    out: dict = {"run_dir": str(run_dir), "jobs": []}
+    for j in jobs:
+        out["jobs"].append({"job_id": j["job_id"], **query_job(j["job_id"])})
+    last, last_val = tail_metrics(run_dir)
+    max_steps = None
+    try:  # a missing or damaged config.yaml leaves the total out; the rest still shows
+        max_steps = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("train", {}).get("max_steps")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        pass
+    out["step"] = last.get("step") if last else None
+    out["max_steps"] = max_steps
+    out["loss"] = last.get("loss") if last else None
+    out["val_loss"] = last_val.get("val_loss") if last_val else None
+    out["val_step"] = last_val.get("step") if last_val else None
+    latest = CheckpointManager(run_dir).latest(warn=False)
+    out["checkpoint"] = str(latest) if latest else None
+    try:
+        out["last_stop"] = json.loads((run_dir / LAST_STOP).read_text())
+    except (OSError, ValueError):
+        out["last_stop"] = None
+    logs = sorted((run_dir / "logs").glob("job-*"), key=lambda p: p.stat().st_mtime) if (run_dir / "logs").is_dir() else []
+    ids = {j["job_id"] for j in out["jobs"]}
+    out["logs"] = [str(p) for p in logs if not ids or p.name.split(".")[0].removeprefix("job-") in ids]
+    return out
+
+
+def _job_line(j: dict) -> str:
+    text = j["state"]
+    if j.get("state") == "PENDING" and j.get("reason"):
+        text += f" ({j['reason']})"
+    if j.get("elapsed") and j.get("state") != "PENDING":
+        text += f", ran {j['elapsed']}" + (f" of {j['limit']}" if j.get("limit") else "")
+    if j.get("nodes") and j.get("state") != "PENDING":
+        text += f" on {j['nodes']}"
+    if j.get("restarts") not in (None, "0"):
+        text += f", requeued {j['restarts']}x"
+    if j.get("exit_code") not in (None, "0:0") and j.get("state") not in ("PENDING", "RUNNING"):
+        text += f", exit {j['exit_code']}"
+    if j.get("state") == "UNKNOWN":
+        text += f" ({j.get('reason')})"
+    return text
+
+
+def format_status(s: dict) -> str:
+    rows = [("run", s["run_dir"])]
+    if not s["jobs"]:
+        rows.append(("job", f"none submitted from here (no slurm/{JOBS_FILE}); hybridtron submit --run-dir "
+                            f"{s['run_dir']} ..."))
+    for j in s["jobs"]:
+        rows.append((f"job {j['job_id']}", _job_line(j)))
+    if s["step"] is None:
+        rows.append(("progress", "no step logged yet"))
+    else:
+        text = f"step {s['step']}" + (f" of {s['max_steps']}" if s["max_steps"] else "")
+        text += f", loss {s['loss']:.4f}" if isinstance(s["loss"], float) else ""
+        if s["val_loss"] is not None:
+            text += f", val_loss {s['val_loss']:.4f} at step {s['val_step']}"
+        rows.append(("progress", text))
+    rows.append(("checkpoint", s["checkpoint"] or "none yet"))
+    if s["last_stop"]:
+        stop = s["last_stop"]
+        rows.append(("last stop", f"step {stop.get('step')} ({stop.get('stopped_by')})"))
+    for i, log in enumerate(s["logs"] or ["none yet"]):
+        rows.append(("logs" if i == 0 else "", log))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def cmd_status(args) -> int:
+    s = collect(Path(args.run_dir))
+    print(json.dumps(s) if args.json else format_status(s))
+    return 0

@@ -1,0 +1,383 @@
+"""``hybridtron submit``: validate a run, render its sbatch script from a template, submit it with ``sbatch``.
+
+Everything that can be judged on the login node is judged before anything is written or submitted: the config
+(with its overrides), its parallel layout against nodes x processes per node, a resumed run directory's model
+and data, the data sources, the time limit against the warning, and (through ``sinfo``) the partition and its
+node count. What only SLURM can judge (an account, a QOS, GPUs it does not have) comes back as ``sbatch``'s
+own reason, in one line.
+
+The job trains the config exactly as validated: it is written to ``RUN_DIR/slurm/submit-<stamp>.yaml`` and the
+script points at that copy. The template (``slurm/template.sbatch``) is plain bash with ``{{ name }}``
+placeholders; ``--template`` takes a user's own copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridtron.configs import ConfigError
+
+TEMPLATE = Path(__file__).with_name("template.sbatch")
+PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
+JOBS_FILE = "jobs.jsonl"  # RUN_DIR/slurm/jobs.jsonl: one line per submitted job, read by `hybridtron status`
+DEFAULT_WARNING_S = 300
+SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+class SlurmError(ConfigError):
+    """SLURM refused or could not be asked (exit code 2, one line): its own reason, and what to do."""
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+def add_arguments(sp) -> None:
+    """``hybridtron submit``'s options (``--config``, ``--run-dir`` and the dotted overrides come from the CLI)."""
+    g = sp.add_argument_group("allocation")
+    g.add_argument("--nodes", type=int, default=1, help="nodes (one torchrun each; default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8; 0: a CPU job on gloo)")
+    g.add_argument("--nproc-per-node", type=int, default=None,
+                   help="training processes per node (default: --gpus-per-node, or 1 for a CPU job)")
+    g.add_argument("--cpus-per-node", type=int, default=None, help="CPUs per node (sbatch --cpus-per-task)")
+    g.add_argument("--partition", default=None, help="partition (default: the cluster's default)")
+    g.add_argument("--time", default=None, metavar="[D-]HH:MM:SS", help="time limit (default: the partition's)")
+    g.add_argument("--account", default=None)
+    g.add_argument("--qos", default=None)
+    g.add_argument("--constraint", default=None, help="node features, e.g. 'h100&ib'")
+    g.add_argument("--exclusive", action="store_true", help="whole nodes, shared with no other job")
+    g.add_argument("--job-name", default=None, help="default: hx-<run directory name>")
+    g.add_argument("--sbatch-arg", action="append", default=[], metavar="--OPT=VALUE",
+                   help="one more #SBATCH line, e.g. --sbatch-arg=--mem=0 (repeat)")
+    g.add_argument("--container-image", default=None, help="run each node's torchrun in this image (pyxis/enroot)")
+    g.add_argument("--container-mounts", default=None, help="pyxis --container-mounts, e.g. /lustre:/lustre")
+    g = sp.add_argument_group("time limit, preemption, chains")
+    g.add_argument("--warning-seconds", type=int, default=DEFAULT_WARNING_S,
+                   help=f"SIGUSR1 this long before the time limit: checkpoint, then requeue (default "
+                        f"{DEFAULT_WARNING_S}; at least one step plus one checkpoint)")
+    g.add_argument("--chain", type=int, default=1, metavar="N",
+                   help="submit N jobs, each starting when the previous one ends (afterany), each resuming the run")
+    g.add_argument("--dependency", default=None, help="sbatch --dependency of the (first) job, e.g. afterok:123")
+    g = sp.add_argument_group("script")
+    g.add_argument("--template", default=None, help=f"your own sbatch template (default {TEMPLATE})")
+    g.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    g.add_argument("--show-template", action="store_true", help="print the template (to copy and own) and exit")
+
+
+# ---- validation ---------------------------------------------------------------------------------
+def parse_time(value: str) -> int | None:
+    """A SLURM time limit in seconds: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``;
+    None for no limit (``0``, ``UNLIMITED``, ``INFINITE``)."""
+    text = value.strip()
+    if text.upper() in ("0", "UNLIMITED", "INFINITE"):
+        return None
+    m = SLURM_TIME.match(text)
+    if not m:
+        raise ConfigError(f"--time {value!r} is not a SLURM time limit; write HH:MM:SS, D-HH:MM:SS or minutes "
+                          f"(e.g. 24:00:00, 2-00:00:00, 90)")
+    days, a, b, c = (int(x) if x is not None else None for x in m.groups())
+    if days is not None:  # D-HH[:MM[:SS]]
+        return days * 86400 + a * 3600 + (b or 0) * 60 + (c or 0)
+    if c is not None:  # HH:MM:SS
+        return a * 3600 + b * 60 + c
+    return a * 60 + (b or 0)  # MM[:SS]
+
+
+def check_numbers(args) -> int:
+    """The allocation's numbers; returns the processes per node."""
+    for name in ("nodes", "chain"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} {getattr(args, name)} must be at least 1")
+    if args.gpus_per_node < 0:
+        raise ConfigError(f"--gpus-per-node {args.gpus_per_node} must be 0 (a CPU job) or more")
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else (args.gpus_per_node or 1)
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node {nproc} must be at least 1")
+    if args.gpus_per_node and nproc != args.gpus_per_node:
+        raise ConfigError(f"--nproc-per-node {nproc} with --gpus-per-node {args.gpus_per_node}: each training process "
+                          f"drives one GPU; make them equal (or leave --nproc-per-node out)")
+    if args.cpus_per_node is not None and args.cpus_per_node < nproc:
+        raise ConfigError(f"--cpus-per-node {args.cpus_per_node} is fewer than the {nproc} processes per node; "
+                          f"give each at least one CPU")
+    if args.warning_seconds < 1:
+        raise ConfigError(f"--warning-seconds {args.warning_seconds} must be positive (time for one step and a "
+                          f"checkpoint before the time limit)")
+    if args.time is not None:
+        limit = parse_time(args.time)
+        if limit is not None and args.warning_seconds >= limit:
+            raise ConfigError(f"--warning-seconds {args.warning_seconds} is not shorter than --time {args.time} "
+                              f"({limit} s): the job would be told to stop as it starts; lengthen --time or shorten "
+                              f"the warning")
+    return nproc
+
+
+def check_layout(cfg, nodes: int, nproc: int, gpus_per_node: int) -> int:
+    """The config's parallel layout on nodes x nproc processes (ConfigError naming both), returns dp."""
+    from hybridtron.train.distributed import resolve_layout
+
+    p = cfg.parallel
+    world, others = nodes * nproc, p.tp * p.pp * p.cp
+    if (p.dp == -1 and world % others) or (p.dp != -1 and p.dp * others != world):
+        need = f"a multiple of {others}" if p.dp == -1 else str(p.dp * others)
+        raise ConfigError(f"--nodes {nodes} x {nproc} processes per node = {world} processes, but the layout "
+                          f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} needs {need}; change --nodes / "
+                          f"--gpus-per-node or the parallel section")
+    if p.tp > nproc:
+        raise ConfigError(f"parallel.tp={p.tp} spans more than one node ({nproc} processes per node): tensor "
+                          f"parallel ranks exchange activations every layer and must share a node; lower tp")
+    if gpus_per_node == 0 and p.backend == "nccl":
+        raise ConfigError("parallel.backend=nccl needs GPUs, but --gpus-per-node is 0 (a CPU job); use "
+                          "parallel.backend=gloo or auto, or ask for GPUs")
+    return resolve_layout(cfg, world)  # the model-specific checks (tp, pp, self-guided, DeepSpeed)
+
+
+def check_sources(cfg) -> None:
+    """Every data source names something that exists (relative to this directory, the job's too)."""
+    for src in cfg.data.sources:
+        if src.path == "stdlib":
+            continue
+        p = Path(src.path).expanduser()
+        if not p.exists() and not glob.glob(str(p), recursive=True):
+            raise ConfigError(f"data source {src.path!r} matches no file or directory (from {Path.cwd()}, the job's "
+                              f"working directory too); fix data.sources, or submit from the directory it is relative to")
+
+
+def check_resume(cfg, run_dir: Path) -> None:
+    """A run directory that already holds a run continues only with its model and data (as the job would check
+    after its queue wait): the same check, now."""
+    from hybridtron.train.cli import check_resume_compatible, read_saved_config
+
+    saved = read_saved_config(run_dir)
+    if saved is None:
+        return
+    probe = copy.deepcopy(cfg)
+    if not probe.model.vocab_size:  # derived from the tokenizer at the start of training; compare the run's
+        probe.model.vocab_size = (saved.get("model") or {}).get("vocab_size", 0)
+    check_resume_compatible(probe, run_dir)
+
+
+def check_path(path: Path, what: str) -> None:
+    if re.search(r"\s|%", str(path)):
+        raise ConfigError(f"{what} {str(path)!r} holds a space or '%', which #SBATCH lines cannot carry (SLURM reads "
+                          f"'%' as a pattern); choose a path without them")
+
+
+def slurm_binary(name: str) -> str:
+    from .cluster import find_binary
+
+    path = find_binary(name)
+    if path is None:
+        raise SlurmError(f"{name} not found: submit from a SLURM login node (or put SLURM's bin directory on PATH); "
+                         f"--dry-run prints the script without SLURM")
+    return path
+
+
+def check_partition(partition: str | None, nodes: int) -> None:
+    """The partition exists and has at least ``nodes`` nodes, by ``sinfo`` (skipped if sinfo cannot answer)."""
+    from .cluster import find_binary
+
+    sinfo = find_binary("sinfo")
+    if sinfo is None:
+        return
+    try:
+        res = subprocess.run([sinfo, "-h", "-o", "%P %D"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    if res.returncode != 0:
+        return  # sbatch will say what is wrong
+    sizes: dict[str, int] = {}
+    default = None
+    for line in res.stdout.split("\n"):
+        if len(line.split()) != 2:
+            continue
+        name, count = line.split()
+        if name.endswith("*"):
+            name = default = name[:-1]
+        sizes[name] = sizes.get(name, 0) + int(count) if count.isdigit() else sizes.get(name, 0)
+    if not sizes:
+        return
+    if partition is not None and partition not in sizes:
+        raise SlurmError(f"--partition {partition!r} does not exist on this cluster; its partitions: "
+                         f"{', '.join(sorted(sizes))} (sinfo)")
+    name = partition or default
+    if name is not None and nodes > sizes[name]:
+        raise SlurmError(f"--nodes {nodes} is more than partition {name!r} has ({sizes[name]} nodes, sinfo); ask "
+                         f"for at most {sizes[name]} or choose another --partition")
+
+
+# ---- rendering ----------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """Everything the template needs, resolved and validated."""
+
+    run_dir: Path
+    config_path: Path
+    script_path: Path
+    log_dir: Path
+    values: dict[str, str] = field(default_factory=dict)
+
+
+def render(template: str, values: dict[str, str], source: str = "the template") -> str:
+    """Replace every ``{{ name }}``; a name the values do not have is an error naming it and the known ones."""
+    unknown = sorted({m.group(1) for m in PLACEHOLDER.finditer(template)} - set(values))
+    if unknown:
+        raise ConfigError(f"{source} uses {', '.join('{{ ' + u + ' }}' for u in unknown)}, which hybridtron does not "
+                          f"fill; the placeholders are: {', '.join(sorted(values))}")
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+
+
+def sbatch_options(args) -> list[str]:
+    opts = []
+    for flag, value in (("partition", args.partition), ("time", args.time), ("account", args.account),
+                        ("qos", args.qos), ("constraint", args.constraint)):
+        if value:
+            opts.append(f"--{flag}={value}")
+    if args.gpus_per_node:
+        opts.append(f"--gpus-per-node={args.gpus_per_node}")
+    if args.cpus_per_node:
+        opts.append(f"--cpus-per-task={args.cpus_per_node}")
+    if args.exclusive:
+        opts.append("--exclusive")
+    for extra in args.sbatch_arg:
+        if not extra.startswith("-"):
+            raise ConfigError(f"--sbatch-arg {extra!r} is not an sbatch option; write it as --sbatch-arg=--mem=0")
+        opts.append(extra)
+    return opts
+
+
+def torchrun_path(container: bool) -> str:
+    if container:
+        return "torchrun"  # the image's
+    beside = Path(sys.executable).parent / "torchrun"  # the environment this command runs in (shared with the nodes)
+    found = str(beside) if beside.is_file() else shutil.which("torchrun")
+    if not found:
+        raise ConfigError(f"torchrun not found beside {sys.executable} nor on PATH; install torch in this environment")
+    return found
+
+
+def build_job(args) -> tuple[Job, str, str]:
+    """Validate everything and render: (job, script text, config YAML)."""
+    from hybridtron.train.cli import resolve_job
+
+    nproc = check_numbers(args)
+    cfg, run_dir = resolve_job(args)  # the config and its overrides, validated
+    run_dir = run_dir.resolve()
+    check_path(run_dir, "--run-dir")
+    check_path(Path.cwd(), "the working directory")
+    check_layout(cfg, args.nodes, nproc, args.gpus_per_node)
+    check_sources(cfg)
+    check_resume(cfg, run_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    job = Job(run_dir, run_dir / "slurm" / f"submit-{stamp}.yaml", run_dir / "slurm" / f"submit-{stamp}.sbatch",
+              run_dir / "logs")
+    template_path = Path(args.template) if args.template else TEMPLATE
+    try:
+        template = template_path.read_text()
+    except OSError as e:
+        raise ConfigError(f"--template {template_path}: {e.strerror or e}; give a readable file") from None
+    container = bool(args.container_image)
+    srun = []
+    if container:
+        srun += [f"--container-image={args.container_image}", f"--container-workdir={Path.cwd()}"]
+        if args.container_mounts:
+            srun.append(f"--container-mounts={args.container_mounts}")
+    values = {
+        "template": str(template_path.resolve()),
+        "command": command_line(args),
+        "resubmit_q": shlex.quote(command_line(args, resubmit=True)),
+        "job_name": args.job_name or f"hx-{run_dir.name}",
+        "nodes": str(args.nodes),
+        "nproc_per_node": str(nproc),
+        "sbatch_options": "\n".join(f"#SBATCH {o}" for o in sbatch_options(args)) or "#",
+        "workdir": str(Path.cwd()),
+        "log_dir": str(job.log_dir),
+        "log_dir_q": shlex.quote(str(job.log_dir)),
+        "run_dir_q": shlex.quote(str(run_dir)),
+        "config_q": shlex.quote(str(job.config_path)),
+        "torchrun_q": shlex.quote(torchrun_path(container)),
+        "srun_options": "".join(shlex.quote(o) + " " for o in srun),
+        "warning_seconds": str(args.warning_seconds),
+    }
+    job.values = values
+    return job, render(template, values, str(template_path)), cfg.to_yaml()
+
+
+# ---- submission ---------------------------------------------------------------------------------
+def sbatch(script: Path, dependency: str | None) -> str:
+    cmd = [slurm_binary("sbatch"), "--parsable"] + ([f"--dependency={dependency}"] if dependency else []) + [str(script)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        raise SlurmError("sbatch did not answer within 120 s (slurmctld down or unreachable?); check `sinfo`, then "
+                         "submit again") from None
+    if res.returncode != 0:
+        why = " ".join(ln.strip() for ln in (res.stderr or res.stdout).strip().splitlines()) or f"exit {res.returncode}"
+        raise SlurmError(f"sbatch refused the job: {why}; the script is {script}")
+    return res.stdout.strip().split(";")[0]
+
+
+def submit(args, out=print) -> list[str]:
+    """Validate, render, and (unless --dry-run) write the script and config into the run directory and sbatch
+    it ``--chain`` times; returns the job ids."""
+    job, script, config_yaml = build_job(args)
+    if args.dry_run:
+        out(script)
+        return []
+    slurm_binary("sbatch")
+    check_partition(args.partition, args.nodes)
+    for d in (job.script_path.parent, job.log_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    job.config_path.write_text(config_yaml)
+    job.script_path.write_text(script)
+    job.script_path.chmod(0o755)
+    ids: list[str] = []
+    for i in range(args.chain):
+        dep = args.dependency if i == 0 else f"afterany:{ids[-1]}"
+        ids.append(sbatch(job.script_path, dep))
+        with open(job.script_path.parent / JOBS_FILE, "a") as f:
+            f.write(json.dumps({"job_id": ids[-1], "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                "script": str(job.script_path), "config": str(job.config_path),
+                                "nodes": args.nodes, "nproc_per_node": int(job.values["nproc_per_node"]),
+                                "dependency": dep, "chain": [i + 1, args.chain]}) + "\n")
+    out(f"submitted job{'s' if len(ids) > 1 else ''} {', '.join(ids)}"
+        + (" (each starts when the previous one ends)" if len(ids) > 1 else ""))
+    out(f"run directory: {job.run_dir}")
+    out(f"script:        {job.script_path}")
+    out(f"job log:       {job.log_dir}/job-{ids[0]}.out")
+    out(f"node logs:     {job.log_dir}/job-{ids[0]}.<attempt>.node<N>.log")
+    out(f"status:        hybridtron status {job.run_dir}")
+    return ids
+
+
+def command_line(args, resubmit: bool = False) -> str:
+    """The ``hybridtron submit`` command these arguments came from; ``resubmit``: the one that continues the run
+    (absolute run directory, from the same working directory, without chain or dependency)."""
+    parts = ["hybridtron", "submit"]
+    skip = {"chain", "dependency"} if resubmit else set()
+    defaults = {"warning_seconds": DEFAULT_WARNING_S, "chain": 1}
+    for dest in ("config", "run_dir", "nodes", "gpus_per_node", "nproc_per_node", "cpus_per_node", "partition", "time",
+                 "account", "qos", "constraint", "job_name", "container_image", "container_mounts", "warning_seconds",
+                 "chain", "dependency", "template"):
+        value = getattr(args, dest, None)
+        if value is not None and dest not in skip and defaults.get(dest) != value:
+            if dest == "run_dir" and resubmit:
+                value = Path(value).resolve()
+            parts += [f"--{dest.replace('_', '-')}", str(value)]
+    parts += ["--exclusive"] * bool(args.exclusive) + [f"--sbatch-arg={a}" for a in args.sbatch_arg]
+    line = " ".join(shlex.quote(p) for p in parts + list(args.overrides))
+    return f"cd {shlex.quote(str(Path.cwd()))} && {line}" if resubmit else line
+
+
+def cmd_submit(args) -> int:
+    if args.show_template:
+        print(TEMPLATE.read_text(), end="")
+        return 0
+    submit(args)
+    return 0

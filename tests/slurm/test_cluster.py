@@ -1,0 +1,236 @@
+"""`hybridtron submit` and `status` against a real SLURM cluster (slurmctld + two slurmd nodes on localhost).
+
+Every job is a two-node CPU job: one torchrun per node with one gloo process each, c10d rendezvous on the
+first node. The uninterrupted job is compared with one process taking the same global batch (the tolerance of
+the data-parallel tests), and the interrupted ones (the time-limit warning, scancel, a killed rank) with the
+uninterrupted job, step by step. The schedule is constant so that a run's length does not change its steps.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import signal
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridtron.train.checkpoint import CheckpointManager, verify_manifest
+from hybridtron.train.cli import LAST_STOP, main
+from hybridtron.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+STEPS = 150  # long enough that a signal sent at step 10 arrives mid-run (a step takes ~20-50 ms here)
+FLAT = ["--train.schedule", "constant", "--train.warmup_steps", "0", "--train.eval_every", "0",
+        "--train.micro_batch_size", "4", "--checkpoint.every", "50"]
+TWO_NODES = ["--nodes", "2", "--gpus-per-node", "0", "--time", "00:10:00", "--warning-seconds", "60"]
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED"}
+
+
+def submit_argv(small_argv, data_dir, run, extra=()) -> list[str]:
+    train = small_argv(data_dir, run, [*FLAT, "--train.max_steps", str(STEPS)])
+    return ["submit", *TWO_NODES, *train[1:], *extra]  # train[0] is the subcommand
+
+
+def run_main(argv) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+def submit(argv) -> str:
+    code, out, err = run_main(argv)
+    assert code == 0, err
+    return re.search(r"submitted job (\d+)", out).group(1)
+
+
+def logs(run: Path, job: str) -> str:
+    """The job's batch log and node logs, for a failure message."""
+    parts = []
+    for p in sorted((run / "logs").glob(f"job-{job}*")):
+        parts.append(f"==== {p.name}\n{p.read_text(errors='replace')[-4000:]}")
+    return "\n".join(parts) or f"(no logs in {run / 'logs'})"
+
+
+def wait_for(cond, timeout: float, what: str, run: Path, job: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}\n{logs(run, job)}"
+        time.sleep(0.2)
+
+
+def wait_end(cluster, job: str, run: Path, timeout: float = 240) -> str:
+    wait_for(lambda: cluster.job_field(job, "JobState") in ENDED, timeout, f"job {job} to end", run, job)
+    return cluster.job_field(job, "JobState")
+
+
+def wait_steps(cluster, job: str, run: Path, n: int) -> None:
+    def logged() -> bool:
+        assert cluster.job_field(job, "JobState") not in ENDED, f"job {job} ended early\n{logs(run, job)}"
+        return (run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= n
+
+    wait_for(logged, 180, f"step {n}", run, job)
+
+
+def steps(run) -> list[tuple[int, float, float, int]]:
+    return [(r["step"], r["loss"], r["grad_norm"], r["tokens_seen"]) for r in read_metrics(run)]
+
+
+def assert_same_steps(got, want):
+    assert [s[0] for s in got] == [s[0] for s in want] and [s[3] for s in got] == [s[3] for s in want], (got, want)
+    for g, w in zip(got, want, strict=True):
+        assert g[1] == pytest.approx(w[1], rel=1e-5, abs=1e-6), (g, w)
+        assert g[2] == pytest.approx(w[2], rel=1e-4, abs=1e-6), (g, w)
+
+
+def node_logs(run: Path, job: str, attempt: int) -> str:
+    files = sorted((run / "logs").glob(f"job-{job}.{attempt}.node*.log"))
+    assert len(files) == 2, f"expected one log per node for attempt {attempt}: {files}\n{logs(run, job)}"
+    return "\n".join(f.read_text(errors="replace") for f in files)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm_cluster, small_data_dir, small_argv, tmp_path_factory):
+    run = tmp_path_factory.mktemp("slurm_runs") / "uninterrupted"
+    job = submit(submit_argv(small_argv, small_data_dir, run))
+    return {"run": run, "job": job, "state": wait_end(slurm_cluster, job, run)}
+
+
+def test_two_node_job_completes_and_trains_like_one_process(uninterrupted, small_data_dir, small_argv, tmp_path):
+    run, job = uninterrupted["run"], uninterrupted["job"]
+    assert uninterrupted["state"] == "COMPLETED", logs(run, job)
+    batch_log = (run / "logs" / f"job-{job}.out").read_text()
+    assert "attempt 0 on node[1-2]: 2 x torchrun --nproc-per-node 1" in batch_log, batch_log
+    assert f"training finished at step {STEPS}" in batch_log, batch_log
+    assert "2 processes, dp=2" in node_logs(run, job, 0)
+    ref = tmp_path / "one_process"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the job's processes have one thread each; two here only contend with other work
+    try:
+        assert main(small_argv(small_data_dir, ref, [*FLAT, "--train.max_steps", str(STEPS),
+                                                     "--train.grad_accum_steps", "2"])) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert_same_steps(steps(run), steps(ref))
+
+
+def test_status_shows_state_step_checkpoint_and_logs(uninterrupted):
+    run, job = uninterrupted["run"], uninterrupted["job"]
+    code, out, err = run_main(["status", str(run)])
+    assert code == 0, err
+    assert re.search(rf"job {job} +COMPLETED, ran \S+ of 10:00 on node\[1-2\]", out), out
+    assert f"step {STEPS} of {STEPS}, loss " in out and f"{run}/checkpoints/step_{STEPS:08d}" in out, out
+    assert f"step {STEPS} (max_steps)" in out and f"{run}/logs/job-{job}.out" in out, out
+    assert f"{run}/logs/job-{job}.0.node1.log" in out, out
+
+
+def test_warning_signal_checkpoints_requeues_and_resumes_to_the_same_losses(
+        uninterrupted, slurm_cluster, small_data_dir, small_argv, tmp_path):
+    run = tmp_path / "run"
+    job = submit(submit_argv(small_argv, small_data_dir, run))
+    wait_steps(slurm_cluster, job, run, 10)
+    # What SLURM sends --warning-seconds before the time limit (#SBATCH --signal=B:USR1@60): USR1 to the batch shell.
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", job, check=True)
+    wait_for(lambda: slurm_cluster.job_field(job, "Restarts") == "1" and
+             slurm_cluster.job_field(job, "JobState") == "PENDING", 120, "the job to requeue itself", run, job)
+    stop = json.loads((run / LAST_STOP).read_text())
+    assert stop["stopped_by"] == "signal" and 10 <= stop["step"] < STEPS, stop
+    latest = CheckpointManager(run).latest()
+    assert latest.name == f"step_{stop['step']:08d}"
+    verify_manifest(latest)
+    code, out, _ = run_main(["status", str(run)])
+    assert re.search(rf"job {job} +PENDING \(\w+\), requeued 1x", out), out  # held back for cred_expire seconds
+    assert f"step {stop['step']} (signal)" in out, out
+    assert wait_end(slurm_cluster, job, run) == "COMPLETED", logs(run, job)
+    batch_log = (run / "logs" / f"job-{job}.out").read_text()
+    for line in ("time-limit warning (SIGUSR1)", f"requeueing job {job} to resume from it", "attempt 1 on node[1-2]",
+                 f"from step {stop['step']}", f"training finished at step {STEPS}"):
+        assert line in batch_log, batch_log
+    # rank 0 logs the signal, or that another rank had it first: both then stop at the same step
+    assert re.search(r"received signal (SIGUSR1|on another rank); saving a checkpoint at step", node_logs(run, job, 0))
+    assert f"resumed from {latest} (step {stop['step']})" in node_logs(run, job, 1)
+    assert_same_steps(steps(run), steps(uninterrupted["run"]))
+
+
+def test_scancel_leaves_a_readable_checkpoint_and_resubmission_resumes(
+        uninterrupted, slurm_cluster, small_data_dir, small_argv, tmp_path):
+    run = tmp_path / "run"
+    argv = submit_argv(small_argv, small_data_dir, run)
+    job = submit(argv)
+    wait_steps(slurm_cluster, job, run, 10)
+    slurm_cluster.run("scancel", job, check=True)  # SIGTERM to every process of the job, SIGKILL after KillWait
+    assert wait_end(slurm_cluster, job, run) == "CANCELLED"
+    assert "SIGTERM (scancel or preemption)" in (run / "logs" / f"job-{job}.out").read_text(), logs(run, job)
+    stop = json.loads((run / LAST_STOP).read_text())  # the trainer got SIGTERM and checkpointed where it stopped
+    assert stop["stopped_by"] == "signal" and 10 <= stop["step"] < STEPS, stop
+    latest = CheckpointManager(run).latest()
+    assert latest.name == f"step_{stop['step']:08d}"
+    verify_manifest(latest)
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    code, out, err = run_main(["eval", "--run-dir", str(run), "--batches", "1"])  # readable, on one process
+    assert code == 0 and json.loads(out.strip().splitlines()[-1])["checkpoint"] == str(latest), err
+    job2 = submit(argv)  # the same command again
+    assert wait_end(slurm_cluster, job2, run) == "COMPLETED", logs(run, job2)
+    assert f"resumed from {latest} (step {stop['step']})" in node_logs(run, job2, 0)
+    assert_same_steps(steps(run), steps(uninterrupted["run"]))
+
+
+def _rank_pid(job: str, rank: int) -> int | None:
+    """The pid of training process ``rank`` of SLURM job ``job`` (its environment says both)."""
+    want = {f"SLURM_JOB_ID={job}".encode(), f"RANK={rank}".encode()}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                env = set((proc / "environ").read_bytes().split(b"\0"))
+            except OSError:
+                continue
+            if want <= env and any(e.startswith(b"LOCAL_RANK=") for e in env):
+                return int(proc.name)
+    return None
+
+
+def test_killed_rank_ends_the_job_with_a_clear_message_and_a_complete_checkpoint(
+        slurm_cluster, small_data_dir, small_argv, tmp_path):
+    run = tmp_path / "run"
+    job = submit(submit_argv(small_argv, small_data_dir, run, ["--train.max_steps", "100000", "--checkpoint.every",
+                                                               "5"]))
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_00000010").is_dir(), 180, "checkpoint 10", run, job)
+        pid = _rank_pid(job, 1)
+        assert pid is not None, logs(run, job)
+        os.kill(pid, signal.SIGKILL)
+        assert wait_end(slurm_cluster, job, run) == "FAILED", logs(run, job)
+    finally:
+        if slurm_cluster.job_field(job, "JobState") not in ENDED:
+            slurm_cluster.run("scancel", job)
+    batch_log = (run / "logs" / f"job-{job}.out").read_text()
+    assert "FAILED: training ended without stopping cleanly" in batch_log, batch_log
+    latest = CheckpointManager(run).latest()
+    assert f"The latest complete checkpoint is {latest};" in batch_log and "resume from it with: cd " in batch_log
+    verify_manifest(latest)  # what latest names is complete, whatever the kill interrupted
+    assert not (run / LAST_STOP).exists()  # the trainer did not stop cleanly: nothing says "requeue me"
+    assert slurm_cluster.job_field(job, "Restarts") == "0"
+    assert "SIGKILL" in node_logs(run, job, 0)  # torchrun's summary names the killed process
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--partition", "nope"], "--partition 'nope' does not exist on this cluster; its partitions: debug (sinfo)"),
+    (["--nodes", "3"], "--nodes 3 is more than partition 'debug' has (2 nodes, sinfo)"),
+    (["--config", "/nonexistent/run.yaml"], "config '/nonexistent/run.yaml' is neither a file nor a preset"),
+    (["--parallel.dp", "4"], "--nodes 2 x 1 processes per node = 2 processes, but the layout parallel.dp=4"),
+    # judged by SLURM alone (these nodes have no GPUs): its reason, in one line
+    (["--gpus-per-node", "1"], "sbatch refused the job: sbatch: error: Invalid generic resource (gres) specification"),
+])
+def test_bad_submissions_fail_with_a_clear_message(extra, message, slurm_cluster, small_data_dir, small_argv, tmp_path):
+    before = slurm_cluster.run("squeue", "-h", "-t", "all", "-o", "%i").stdout.split()
+    code, _out, err = run_main(submit_argv(small_argv, small_data_dir, tmp_path / "run", extra))
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert slurm_cluster.run("squeue", "-h", "-t", "all", "-o", "%i").stdout.split() == before  # nothing submitted

@@ -1,0 +1,210 @@
+"""`hybridtron submit` without a cluster: the rendered script, and every refusal that comes before sbatch.
+
+The script is checked for what a cluster needs of it (the #SBATCH lines, one torchrun per node with c10d
+rendezvous, the warning signal, requeue, per-node logs) and by `bash -n`; the refusals name the problem and the
+fix, and write nothing. `hybridtron status` is checked on a run directory without SLURM. The same code against
+a real SLURM cluster: test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from hybridtron.slurm import status as slurm_status
+from hybridtron.slurm.submit import PLACEHOLDER, TEMPLATE, parse_time
+from hybridtron.train.cli import LAST_STOP, main
+
+GPU_JOB = ["--nodes", "4", "--gpus-per-node", "8", "--partition", "p", "--time", "24:00:00", "--account", "a",
+           "--qos", "q", "--constraint", "h100", "--exclusive", "--sbatch-arg=--mem=0"]
+
+
+def submit(argv, capsys):
+    code = main(["submit", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_dry_run_renders_a_complete_job_script_and_writes_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    code, script, err = submit(["--config", "tiny", "--run-dir", str(run), *GPU_JOB, "--dry-run",
+                                "--train.max_steps", "100"], capsys)
+    assert code == 0, err
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=p",
+                 "#SBATCH --time=24:00:00", "#SBATCH --account=a", "#SBATCH --qos=q", "#SBATCH --constraint=h100",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --exclusive", "#SBATCH --mem=0", "#SBATCH --requeue",
+                 "#SBATCH --signal=B:USR1@300", f"#SBATCH --output={run}/logs/job-%j.out", "#SBATCH --open-mode=append",
+                 "NPROC_PER_NODE=8", f"RUN_DIR={run}"):
+        assert line in script.splitlines(), line
+    assert "--rdzv-backend=c10d" in script and '--nnodes="$SLURM_JOB_NUM_NODES"' in script
+    assert '--output="$LOG_DIR/job-%j.$attempt.node%n.log"' in script  # one log per node and attempt
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in script and f"$RUN_DIR/{LAST_STOP}" in script
+    assert not PLACEHOLDER.search(script)  # every {{ name }} filled
+    assert "--train.max_steps 100" in script  # the command that made it, in its header
+    assert not run.exists()  # a dry run writes nothing
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_container_image_runs_torchrun_of_the_image(tmp_path, capsys):
+    code, script, err = submit(["--run-dir", str(tmp_path / "r"), "--gpus-per-node", "8", "--container-image",
+                                "nvcr.io/nvidia/pytorch:25.01-py3", "--container-mounts", "/lustre:/lustre",
+                                "--dry-run"], capsys)
+    assert code == 0, err
+    assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in script
+    assert "--container-mounts=/lustre:/lustre" in script and "TORCHRUN=torchrun" in script
+
+
+def test_cpu_job_asks_for_no_gpus(tmp_path, capsys):
+    code, script, err = submit(["--run-dir", str(tmp_path / "r"), "--nodes", "2", "--gpus-per-node", "0", "--dry-run"],
+                               capsys)
+    assert code == 0, err
+    assert not [ln for ln in script.splitlines() if ln.startswith(("#SBATCH --gpus", "#SBATCH --gres"))]
+    assert "NPROC_PER_NODE=1" in script
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--time", "00:01:00"], "--warning-seconds 300 is not shorter than --time 00:01:00 (60 s)"),
+    (["--time", "tomorrow"], "--time 'tomorrow' is not a SLURM time limit; write HH:MM:SS"),
+    (["--nodes", "0"], "--nodes 0 must be at least 1"),
+    (["--gpus-per-node", "8", "--nproc-per-node", "4"], "each training process drives one GPU"),
+    (["--nodes", "2", "--gpus-per-node", "0", "--parallel.dp", "4"],
+     "--nodes 2 x 1 processes per node = 2 processes, but the layout parallel.dp=4"),
+    (["--nodes", "2", "--gpus-per-node", "0", "--parallel.tp", "2"], "parallel.tp=2 spans more than one node"),
+    (["--gpus-per-node", "0", "--parallel.backend", "nccl"], "parallel.backend=nccl needs GPUs"),
+    (["--config", "no_such_preset"], "config 'no_such_preset' is neither a file nor a preset"),
+    (["--model.n_heads", "3"], "model.n_heads"),
+    (["--data.sources", "[{path: /no/such/corpus/*.jsonl}]"], "data source '/no/such/corpus/*.jsonl' matches no file"),
+    (["--sbatch-arg", "mem=0"], "--sbatch-arg 'mem=0' is not an sbatch option"),
+])
+def test_bad_submissions_are_refused_before_anything_is_written(argv, message, tmp_path, capsys):
+    run = tmp_path / "run"
+    code, _out, err = submit(["--run-dir", str(run), "--dry-run", *argv], capsys)
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
+    assert not run.exists()
+
+
+def test_run_dir_with_a_space_is_refused(tmp_path, capsys):
+    code, _out, err = submit(["--run-dir", str(tmp_path / "my run"), "--dry-run"], capsys)
+    assert code == 2 and "holds a space or '%'" in err, err
+
+
+def test_resubmitting_a_run_with_another_model_is_refused(small_data_dir, cli_args, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(cli_args(small_data_dir, run, ["--train.max_steps", "1", "--train.warmup_steps", "0",
+                                                      "--train.eval_every", "0"])) == 0
+    capsys.readouterr()
+    argv = [a for a in cli_args(small_data_dir, run, ["--model.n_layers", "3", "--dry-run"]) if a != "train"]
+    code, _out, err = submit(argv, capsys)
+    assert code == 2 and "holds a run with model.n_layers=2, but this config has model.n_layers=3" in err, err
+    # the run's own settings pass (vocab_size derived from the tokenizer is not a difference)
+    argv = [a for a in cli_args(small_data_dir, run, ["--dry-run"]) if a != "train"]
+    code, _out, err = submit(argv, capsys)
+    assert code == 0, err
+
+
+def test_own_template(tmp_path, capsys):
+    mine = tmp_path / "mine.sbatch"
+    mine.write_text(TEMPLATE.read_text().replace("#SBATCH --requeue", "#SBATCH --requeue\n#SBATCH --mail-type=END"))
+    code, script, err = submit(["--run-dir", str(tmp_path / "r"), "--template", str(mine), "--dry-run"], capsys)
+    assert code == 0 and "#SBATCH --mail-type=END" in script, err
+    mine.write_text("#!/bin/bash\n#SBATCH --nodes={{ nodes }}\necho {{ nodez }}\n")
+    code, _script, err = submit(["--run-dir", str(tmp_path / "r"), "--template", str(mine), "--dry-run"], capsys)
+    assert code == 2 and "uses {{ nodez }}, which hybridtron does not fill; the placeholders are:" in err, err
+    assert "nodes" in err
+
+
+def test_show_template_prints_the_shipped_template(capsys):
+    assert main(["submit", "--show-template"]) == 0
+    assert capsys.readouterr().out == TEMPLATE.read_text()
+
+
+@pytest.mark.parametrize("text, seconds", [("90", 5400), ("30:15", 1815), ("24:00:00", 86400), ("2-00:00:00", 172800),
+                                           ("1-12", 129600), ("1-0:30", 88200), ("UNLIMITED", None), ("0", None)])
+def test_slurm_time_formats(text, seconds):
+    assert parse_time(text) == seconds
+
+
+def test_no_sbatch_is_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("hybridtron.slurm.cluster.find_binary", lambda name: None)
+    code, _out, err = submit(["--run-dir", str(tmp_path / "r")], capsys)
+    assert code == 2 and "sbatch not found: submit from a SLURM login node" in err, err
+
+
+def test_status_without_slurm_shows_the_run(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "jobs.jsonl").write_text(json.dumps({"job_id": "77", "script": "s"}) + "\n")
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 9, "loss": 3.5}, {"step": 10, "loss": 3.25, "val_loss": 3.4}, {"step": 11, "loss": 3.125})) + '{"st')
+    (run / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step_00000010")
+    (run / LAST_STOP).write_text(json.dumps({"stopped_by": "signal", "step": 10, "max_steps": 50}))
+    (run / "config.yaml").write_text("train:\n  max_steps: 50\n")
+    (run / "logs").mkdir()
+    (run / "logs" / "job-77.out").write_text("")
+    (run / "logs" / "job-5.out").write_text("")  # an older job's log
+    monkeypatch.setattr(slurm_status, "_run", lambda cmd: None)  # no SLURM commands here
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "job 77" in out and "UNKNOWN (squeue is not available here)" in out, out
+    assert "step 11 of 50, loss 3.1250, val_loss 3.4000 at step 10" in out, out
+    assert f"{run}/checkpoints/step_00000010" in out and "step 10 (signal)" in out
+    assert "job-77.out" in out and "job-5.out" not in out
+    assert main(["status", str(run), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["step"] == 11 and s["jobs"][0]["state"] == "UNKNOWN"
+    assert main(["status", str(tmp_path / "none")]) == 2
+    assert "no run directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
+    """The script's tail run by bash with srun and scontrol replaced by stubs: it requeues a run that a USR1
+    stopped with progress, and nothing else (a finished run, a TERM stop, a crash, a stop without progress)."""
+    code, script, err = submit(["--run-dir", str(tmp_path / "run"), "--gpus-per-node", "0", "--dry-run"], capsys)
+    assert code == 0, err
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1" = requeue ] && echo "REQUEUED $2" && exit 0\n'
+                                      '[ "$2" = hostnames ] && echo node1\n[ "$2" = node ] && echo NodeAddr=10.0.0.1\n')
+    # srun stands for the training step: it writes the stop file the trainer would, then sends a signal, or fails
+    (bin_dir / "srun").write_text('#!/bin/bash\nmkdir -p "$RUN/checkpoints"\n'
+                                  '[ -n "$STOP" ] && echo "$STOP" > "$RUN/last_stop.json"\n'
+                                  '[ -n "$STEP" ] && echo "step_0000000$STEP" > "$RUN/checkpoints/latest"\n'
+                                  '[ -n "$SIG" ] && kill -"$SIG" "$PPID"\nsleep 0.3\nexit "${RC:-0}"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+
+    def job(stop: dict | None, sig: str = "", rc: int = 0, step: int = 5, before: int | None = None):
+        run = tmp_path / "run"
+        shutil.rmtree(run, ignore_errors=True)
+        if before is not None:
+            (run / "checkpoints").mkdir(parents=True)
+            (run / "checkpoints" / "latest").write_text(f"step_0000000{before}")
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
+               "SLURM_JOB_NUM_NODES": "1", "RUN": str(run), "STOP": json.dumps(stop) if stop else "", "SIG": sig,
+               "RC": str(rc), "STEP": str(step)}
+        res = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
+        return res.returncode, res.stdout + res.stderr
+
+    signal_stop = {"stopped_by": "signal", "step": 5, "max_steps": 9, "checkpoint": "step_00000005"}
+    code, out = job(signal_stop, sig="USR1")
+    assert code == 0 and "REQUEUED 42" in out and "time-limit warning" in out, out
+    code, out = job(signal_stop, sig="TERM")  # scancel: checkpoint, no requeue
+    assert code == 0 and "REQUEUED" not in out and "stopped at step 5 (signal)" in out and "resume with: cd " in out, out
+    code, out = job({"stopped_by": "max_steps", "step": 9, "max_steps": 9, "checkpoint": "step_00000009"}, sig="USR1",
+                    step=9)
+    assert code == 0 and "REQUEUED" not in out and "training finished at step 9" in out, out
+    code, out = job(None, rc=1)  # a process died: no stop file
+    assert code == 1 and "REQUEUED" not in out and "FAILED" in out and "latest complete checkpoint is" in out, out
+    code, out = job(signal_stop, sig="USR1", before=5)  # warned again before any progress: would loop
+    assert code == 1 and "REQUEUED" not in out and "without progress" in out, out
