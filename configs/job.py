@@ -121,6 +121,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
     activation_checkpointing: bool = False
+    # torch.compile each block (in place: parameter names and checkpoints unchanged), after activation
+    # checkpointing and before data parallel; the fused kernels are custom ops it traces without graph breaks.
+    compile: bool = False
     eval_every: int = 50  # 0 disables periodic evaluation
     eval_batches: int = 8
     log_every: int = 1
@@ -261,6 +264,15 @@ class JobConfig:
             raise ConfigError("train.nan_policy=skip is not available with parallel.engine=deepspeed (its engine "
                               "steps on its own count of micro-batches); use train.nan_policy=stop, or the torch engine")
         self.model.kernels.check_device(self.train.device)
+        if self.train.compile and self.parallel.engine == "deepspeed":
+            raise ConfigError("train.compile=true works with parallel.engine=torch only (DeepSpeed wraps the model "
+                              "itself); set train.compile=false or parallel.engine=torch")
+        for op in ("norm", "cross_entropy"):
+            if self.parallel.tp > 1 and getattr(self.model.kernels, op) == "triton":
+                raise ConfigError(
+                    f"model.kernels.{op}=triton with parallel.tp={self.parallel.tp}: tensor parallelism hands the "
+                    f"{'norms' if op == 'norm' else 'loss'} DTensors, which the Triton {op} kernel does not take; set "
+                    f"model.kernels.{op}=auto (the reference under tensor parallelism) or parallel.tp=1")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds the rotary table model.max_seq_len="

@@ -124,7 +124,8 @@ def check_resume_compatible(cfg: JobConfig, run_dir: Path, sections: tuple[str, 
         pass  # a config of another version: compare the keys it has
     new = cfg.to_dict()
     for section in sections:
-        free = RESUME_FREE_DATA if section == "data" else ()
+        # model.kernels says how the same function is computed (kernels/backend.py), not what is trained
+        free = RESUME_FREE_DATA if section == "data" else ("kernels",)
         before = old.get(section)
         before = before if isinstance(before, dict) else {}
         for k, v in new[section].items():

@@ -54,10 +54,23 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+def apply_compile(model: nn.Module, **compile_kwargs) -> None:
+    """torch.compile each block in place (``nn.Module.compile``: names, state dict and checkpoints unchanged;
+    tensor/sequence parallel plans and FSDP2 apply to the same modules afterwards). One block's graph is
+    compiled once and reused by its siblings where shapes agree. The fused kernels are custom ops with fake
+    implementations, so they cause no graph breaks; fullgraph stays off so a layer that does break (MoE's
+    data-dependent routing) still runs. compile_kwargs go to torch.compile (tests: a cheaper backend)."""
+    for block in model.layers:
+        block.compile(**compile_kwargs)
+
+
 def parallelize(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """What is applied before the weights exist (on the meta device): activation checkpointing."""
+    """What is applied before the weights exist (on the meta device): activation checkpointing, then
+    torch.compile of each block (train.compile)."""
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if cfg.compile:
+        apply_compile(model)
     return model
 
 

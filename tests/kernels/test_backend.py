@@ -67,3 +67,12 @@ def test_config_refuses_what_cannot_run(no_interpreter):
         load_config("tiny", [("model.kernels.attention", "flash-attn"), ("train.device", "cpu")])
     cfg = load_config("tiny", [("model.kernels.norm", "reference")])
     assert cfg.model.kernels.norm == "reference"
+
+
+def test_resume_may_change_kernels_but_not_the_model(tmp_path, no_interpreter):
+    from hybridtron.train.cli import check_resume_compatible
+
+    (tmp_path / "config.yaml").write_text(load_config("tiny").to_yaml())
+    check_resume_compatible(load_config("tiny", [("model.kernels.norm", "reference")]), tmp_path)
+    with pytest.raises(ConfigError, match="model.d_model"):
+        check_resume_compatible(load_config("tiny", [("model.d_model", "64")]), tmp_path)
