@@ -222,6 +222,9 @@ class ModelConfig:
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # z-loss on the LM head (PaLM): + coef * logsumexp(logits)^2 per counted token, keeping the log-partition
+    # near 0 (bf16 logits stay precise); 1e-4 is PaLM's value. 0: off.
+    lm_z_loss: float = 0.0
     doc_mask: bool = False  # no attention and no recurrent state across packed documents
     # Mixer per layer: a string repeated to n_layers ("LLLA": three Gated DeltaNet layers per attention
     # layer, the Qwen3-Next ratio), or an explicit per-layer list of letters or Qwen3.5 layer_types names.
@@ -311,6 +314,8 @@ class ModelConfig:
                 f"model.rotary_fraction={self.rotary_fraction} rotates {rot} of head_dim="
                 f"{self.resolved_head_dim()} channels; that must be an even number >= 2"
             )
+        if self.lm_z_loss < 0:
+            raise ConfigError(f"model.lm_z_loss={self.lm_z_loss} must be >= 0 (0 = off)")
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigError("model.rope_theta, model.norm_eps and model.init_std must be positive")
         self._validate_pattern()

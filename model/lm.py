@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
-from ..kernels.backend import pick_for
+from ..kernels.backend import is_distributed, pick_for
 from ..kernels.cross_entropy import linear_cross_entropy
 from .attention import GatedAttention, doc_causal_mask
 from .ffn import build_ffn
@@ -147,6 +147,7 @@ class GatedLM(nn.Module):
         T = input_ids.shape[1]
         start = 0 if cache is None else cache.pos
         if self.context_parallel is not None:  # attention builds its own mask over the whole sequence
+            self.context_parallel.begin(doc_ids)
             start = self.context_parallel.offset(T)
         cos, sin = self.rotary(start + T)
         cos, sin = cos[start:], sin[start:]
@@ -158,13 +159,21 @@ class GatedLM(nn.Module):
             cache.pos = start + T
         h = self.norm(h)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if labels is not None and pick_for("cross_entropy", self.loss_backend, h, head) != "reference":
-            # Chunked: the (B, T, V) logits never exist (kernels/cross_entropy).
-            loss = linear_cross_entropy(h.flatten(0, 1), head, labels.flatten(), backend=self.loss_backend)
+        z_loss = self.cfg.lm_z_loss
+        if labels is not None and not is_distributed(head):
+            # triton: chunked, the (B, T, V) logits never exist; reference: the logits, then the loss (kernels/
+            # cross_entropy). Both in fp32: under bf16 autocast the logits alone would be too coarse.
+            loss = linear_cross_entropy(h.flatten(0, 1), head, labels.flatten(), z_loss=z_loss,
+                                        backend=self.loss_backend)
             return loss + self.aux_loss()
         logits = F.linear(h, head)  # (B, T, V)
         if labels is None:
             return logits
+        # Tensor parallel: vocabulary-sharded DTensor logits, the loss under loss_parallel (train/parallelize.py).
+        pick_for("cross_entropy", self.loss_backend, head)  # refuses an explicit triton request by name
+        if z_loss:
+            raise ValueError("model.lm_z_loss > 0 is not available with tensor parallelism yet (its loss runs on "
+                             "DTensor shards); set model.lm_z_loss=0 or parallel.tp=1")
         # fp32 log-softmax: under bf16 autocast the logits arrive in bf16, too coarse for the loss.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)

@@ -14,10 +14,10 @@ pytest.importorskip("triton")
 OPS = ("norm", "rotary", "swiglu", "cross_entropy")
 V = 64
 
-# dense: plain norms, QK-norm, partial rotary, untied head. hybrid: a Gated DeltaNet layer (gated norm),
+# dense: plain norms, QK-norm, partial rotary, untied head, z-loss. hybrid: a Gated DeltaNet layer (gated norm),
 # zero-centred norms, scale vectors (gainless branch norms, magnitude-direction gains), tied head.
 CONFIGS = {
-    "dense": dict(layer_pattern="A", rotary_fraction=0.5, tie_embeddings=False),
+    "dense": dict(layer_pattern="A", rotary_fraction=0.5, tie_embeddings=False, lm_z_loss=1e-3),
     "hybrid": dict(layer_pattern="LA", norm_type="rmsnorm_zero_centered", doc_mask=True,
                    scale={"branch_specific": True, "magnitude_direction": True}),
 }
@@ -98,3 +98,14 @@ def test_convergence_triton_vs_reference(name):
     diffs = [abs(a - b) / abs(a) for a, b in zip(tri, ref, strict=True)]
     assert max(diffs) < 1e-5, f"largest relative step loss difference {max(diffs):.2e} at step {diffs.index(max(diffs))}"
     assert ref[-1] < ref[0] - 0.5, (ref[0], ref[-1])
+
+
+def test_lm_z_loss_adds_the_log_partition_penalty():
+    model = build("dense", "reference")  # lm_z_loss = 1e-3
+    ids, labels, _ = batch(4)
+    with torch.no_grad():
+        with_z = model(ids, labels=labels)
+        lse = torch.logsumexp(model(ids).double(), -1)[labels != -100]
+        model.cfg.lm_z_loss = 0.0
+        without = model(ids, labels=labels)
+    assert torch.allclose((with_z - without).double(), 1e-3 * lse.square().mean(), rtol=1e-4)
