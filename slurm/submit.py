@@ -295,6 +295,7 @@ def build_job(args) -> tuple[Job, str, str]:
         "job_name": args.job_name or f"hx-{run_dir.name}",
         "nodes": str(args.nodes),
         "nproc_per_node": str(nproc),
+        "max_steps": str(cfg.train.max_steps),
         "sbatch_options": "\n".join(f"#SBATCH {o}" for o in sbatch_options(args)) or "#",
         "workdir": str(Path.cwd()),
         "log_dir": str(job.log_dir),

@@ -1,9 +1,10 @@
 """`hybridtron submit` and `status` against a real SLURM cluster (slurmctld + two slurmd nodes on localhost).
 
 Every job is a two-node CPU job: one torchrun per node with one gloo process each, c10d rendezvous on the
-first node. The uninterrupted job is compared with one process taking the same global batch (the tolerance of
-the data-parallel tests), and the interrupted ones (the time-limit warning, scancel, a killed rank) with the
-uninterrupted job, step by step. The schedule is constant so that a run's length does not change its steps.
+first node. The uninterrupted job (submitted as a chain of two) is compared with one process taking the same
+global batch (the tolerance of the data-parallel tests), and the interrupted ones (the time-limit warning sent
+by hand and by SLURM itself, scancel, a killed rank) with the uninterrupted job, step by step. The schedule is
+constant so that a run's length does not change its steps.
 """
 
 from __future__ import annotations
@@ -99,18 +100,26 @@ def node_logs(run: Path, job: str, attempt: int) -> str:
 
 @pytest.fixture(scope="module")
 def uninterrupted(slurm_cluster, small_data_dir, small_argv, tmp_path_factory):
+    """The reference job, submitted as a chain of two: the second starts when the first ends and finds nothing to do."""
     run = tmp_path_factory.mktemp("slurm_runs") / "uninterrupted"
-    job = submit(submit_argv(small_argv, small_data_dir, run))
-    return {"run": run, "job": job, "state": wait_end(slurm_cluster, job, run)}
+    code, out, err = run_main(submit_argv(small_argv, small_data_dir, run, ["--chain", "2"]))
+    assert code == 0, err
+    job, follower = re.search(r"submitted jobs (\d+), (\d+) \(each starts when the previous one ends\)", out).groups()
+    return {"run": run, "job": job, "state": wait_end(slurm_cluster, job, run), "follower": follower}
 
 
-def test_two_node_job_completes_and_trains_like_one_process(uninterrupted, small_data_dir, small_argv, tmp_path):
+def test_two_node_job_completes_and_trains_like_one_process(uninterrupted, slurm_cluster, small_data_dir, small_argv,
+                                                            tmp_path):
     run, job = uninterrupted["run"], uninterrupted["job"]
     assert uninterrupted["state"] == "COMPLETED", logs(run, job)
     batch_log = (run / "logs" / f"job-{job}.out").read_text()
     assert "attempt 0 on node[1-2]: 2 x torchrun --nproc-per-node 1" in batch_log, batch_log
     assert f"training finished at step {STEPS}" in batch_log, batch_log
     assert "2 processes, dp=2" in node_logs(run, job, 0)
+    follower = uninterrupted["follower"]
+    assert wait_end(slurm_cluster, follower, run) == "COMPLETED", logs(run, follower)
+    assert f"the run is already finished (checkpoint at step {STEPS} of {STEPS}): nothing to do" in \
+        (run / "logs" / f"job-{follower}.out").read_text()
     ref = tmp_path / "one_process"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the job's processes have one thread each; two here only contend with other work
@@ -158,6 +167,25 @@ def test_warning_signal_checkpoints_requeues_and_resumes_to_the_same_losses(
     assert re.search(r"received signal (SIGUSR1|on another rank); saving a checkpoint at step", node_logs(run, job, 0))
     assert f"resumed from {latest} (step {stop['step']})" in node_logs(run, job, 1)
     assert_same_steps(steps(run), steps(uninterrupted["run"]))
+
+
+def test_time_limit_warning_from_slurm_itself_checkpoints_and_requeues(
+        slurm_cluster, small_data_dir, small_argv, tmp_path):
+    """The warning as SLURM sends it, from #SBATCH --signal=B:USR1@40 with a one-minute limit: its time-limit check
+    runs every 30 s, so the warning comes 20 to 50 s in, while training runs; the job checkpoints and requeues."""
+    run = tmp_path / "run"
+    job = submit(submit_argv(small_argv, small_data_dir, run, ["--time", "00:01:00", "--warning-seconds", "40",
+                                                               "--train.max_steps", "1000000", "--train.log_every",
+                                                               "50"]))
+    try:
+        wait_for(lambda: slurm_cluster.job_field(job, "Restarts") == "1", 120, "the job to requeue itself", run, job)
+        assert "time-limit warning (SIGUSR1)" in (run / "logs" / f"job-{job}.out").read_text(), logs(run, job)
+        stop = json.loads((run / LAST_STOP).read_text())
+        assert stop["stopped_by"] == "signal" and stop["step"] > 0, stop
+        verify_manifest(CheckpointManager(run).latest())
+    finally:
+        slurm_cluster.run("scancel", job)
+    assert wait_end(slurm_cluster, job, run) == "CANCELLED"
 
 
 def test_scancel_leaves_a_readable_checkpoint_and_resubmission_resumes(

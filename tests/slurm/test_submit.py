@@ -175,7 +175,7 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
     (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1" = requeue ] && echo "REQUEUED $2" && exit 0\n'
                                       '[ "$2" = hostnames ] && echo node1\n[ "$2" = node ] && echo NodeAddr=10.0.0.1\n')
     # srun stands for the training step: it writes the stop file the trainer would, then sends a signal, or fails
-    (bin_dir / "srun").write_text('#!/bin/bash\nmkdir -p "$RUN/checkpoints"\n'
+    (bin_dir / "srun").write_text('#!/bin/bash\nmkdir -p "$RUN/checkpoints"\ntouch "$RUN/srun-ran"\n'
                                   '[ -n "$STOP" ] && echo "$STOP" > "$RUN/last_stop.json"\n'
                                   '[ -n "$STEP" ] && echo "step_0000000$STEP" > "$RUN/checkpoints/latest"\n'
                                   '[ -n "$SIG" ] && kill -"$SIG" "$PPID"\nsleep 0.3\nexit "${RC:-0}"\n')
@@ -189,7 +189,7 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
         shutil.rmtree(run, ignore_errors=True)
         if before is not None:
             (run / "checkpoints").mkdir(parents=True)
-            (run / "checkpoints" / "latest").write_text(f"step_0000000{before}")
+            (run / "checkpoints" / "latest").write_text(f"step_{before:08d}")
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
                "SLURM_JOB_NUM_NODES": "1", "RUN": str(run), "STOP": json.dumps(stop) if stop else "", "SIG": sig,
                "RC": str(rc), "STEP": str(step)}
@@ -208,3 +208,6 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
     assert code == 1 and "REQUEUED" not in out and "FAILED" in out and "latest complete checkpoint is" in out, out
     code, out = job(signal_stop, sig="USR1", before=5)  # warned again before any progress: would loop
     assert code == 1 and "REQUEUED" not in out and "without progress" in out, out
+    code, out = job(None, before=600)  # tiny's max_steps: a chained job after the run finished starts nothing
+    assert code == 0 and "already finished (checkpoint at step 600 of 600)" in out, out
+    assert not (tmp_path / "run" / "srun-ran").exists()
