@@ -1,0 +1,450 @@
+"""Fused kernels against their peers, in one run: time, bandwidth or FLOP rate, and peak memory per op.
+
+    python -m hybridtron.bench.kernels                      # every op at LM sizes on the GPU, appended to RESULTS.md
+    python -m hybridtron.bench.kernels --ops norm swiglu --tokens 16384 --d-model 4096 --no-append
+
+Ops and the peers each is timed against (a peer that is not installed is listed as unavailable):
+
+- ``norm``: RMSNorm with the residual add fused (the form every block uses), forward + backward -- torch
+  eager (our reference), ``torch.compile`` of it, Liger-Kernel's RMSNorm (+ a torch add: it has no residual
+  form), our Triton kernel.
+- ``rotary``: QK-norm + rotary of q and k (Qwen3.5's 25% rotary fraction by default) -- eager, compiled,
+  Liger's rope (after a torch QK-norm, in its (B, H, T, D) layout, partial rotary via its ``rotary_dim``),
+  ours.
+- ``swiglu``: ``silu(g) * u`` -- eager, compiled, Liger's SiLU-mul, ours.
+- ``cross_entropy``: LM head + loss at a 152k vocabulary -- the plain path (logits, fp32 upcast,
+  F.cross_entropy), compiled plain path, Liger's fused linear cross-entropy, ours (chunked).
+- ``attention``: gated attention, delegated to bench/kernels_attention.py (SDPA flash + gate, the masked
+  SDPA path, flash-attn varlen + gate, our Triton kernel).
+
+Every candidate's outputs and input gradients are first compared with ours (a candidate that computes
+something else is reported, not timed). Timing: CUDA events, ``--repeats`` rounds after a warm-up, the
+candidates alternating within a round; the median is reported. Bandwidth counts the bytes an op must move
+at least (inputs read once, outputs written once, forward and backward), against the device's copy
+bandwidth measured in the same run (``y.copy_(x)`` of 1 GiB); the loss counts 6 N d V FLOPs. Peak memory
+is the allocator's peak over one forward + backward above what the inputs already hold.
+
+Targets (issue 9, one H100): norm, rotary and SwiGLU at >= 85% of the copy bandwidth and faster than
+torch.compile; fused linear cross-entropy at vocabulary 152k with <= 15% of the plain path's peak memory
+in <= 1.1x its time. The summary lines under the table say met / not met for each.
+
+Liger-Kernel on a machine without internet (the lent GPU machines): download here, carry, install there:
+
+    pip download liger-kernel --no-deps -d wheels/liger      # here: one pure-Python wheel
+    # run on the device with carry=["wheels"], then:
+    pip install --no-deps wheels/liger/*.whl && python -m hybridtron.bench.kernels
+
+(``--no-deps``: its triton/torch requirements are already met by the CUDA torch install.)
+
+On the CPU (``--device cpu``) the script runs at tiny sizes for its tests: eager and reference peers
+only unless TRITON_INTERPRET=1; the numbers mean nothing there and say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybridtron.kernels import backend
+from hybridtron.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from hybridtron.kernels.norm import rms_norm, rms_norm_reference
+from hybridtron.kernels.rotary import rotary_qk, rotary_qk_reference
+from hybridtron.kernels.swiglu import swiglu, swiglu_reference
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+OPS = ("norm", "rotary", "swiglu", "cross_entropy", "attention")
+
+
+@dataclass
+class Case:
+    """One op at one size: inputs (those requiring grad get gradients), the traffic or work to rate it by, and
+    candidates name -> fn(*inputs) returning a tensor or tuple to backpropagate through."""
+
+    op: str
+    shape: str
+    inputs: list[torch.Tensor]
+    candidates: dict[str, Callable | str]  # a str: why the candidate is unavailable
+    bytes_moved: int = 0  # forward + backward, for GB/s
+    flops: float = 0.0  # forward + backward, for TFLOP/s
+    ours: str = "triton"
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    impl: str
+    seconds: float | None = None
+    peak_mib: float | None = None
+    max_err: float | None = None
+    rate: str = ""
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# ---- candidates -----------------------------------------------------------------------------------------------
+def _liger(name: str):
+    """A Liger-Kernel autograd.Function by module and class name, or the reason it is unavailable."""
+    try:
+        import importlib
+
+        mod, cls = name.rsplit(".", 1)
+        return getattr(importlib.import_module(f"liger_kernel.ops.{mod}"), cls)
+    except Exception as e:  # not installed, or another version's layout
+        return f"Liger-Kernel unavailable ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
+
+
+def _compiled(fn: Callable, enabled: bool) -> Callable | str:
+    return torch.compile(fn) if enabled else "torch.compile skipped (--no-compile)"
+
+
+def norm_case(tokens: int, d: int, dtype, device, compile_peers: bool, ours: bool) -> Case:
+    x = torch.randn(tokens, d, device=device, dtype=dtype)
+    r = torch.randn(tokens, d, device=device, dtype=dtype)
+    w = torch.rand(d, device=device) + 0.5
+
+    def eager(x, r, w):
+        return rms_norm_reference(x, w, 1e-6, 0.0, r)
+
+    cands: dict = {"torch eager": eager, "torch.compile": _compiled(eager, compile_peers)}
+    liger = _liger("rms_norm.LigerRMSNormFunction")
+    if isinstance(liger, str):
+        cands["liger (+ torch add)"] = liger
+    else:
+        def liger_fn(x, r, w):
+            h = x + r
+            return liger.apply(h, w.to(h.dtype), 1e-6, 0.0, "llama", False), h
+        cands["liger (+ torch add)"] = liger_fn
+    if ours:
+        cands["triton (ours)"] = lambda x, r, w: rms_norm(x, w, 1e-6, residual=r, backend="triton")
+    e = x.element_size()
+    # fwd: read x, r; write y, h. bwd: read dy, dh, h; write dx (= dr). w is negligible.
+    return Case("norm", f"{tokens}x{d} {_dt(dtype)} +residual", [x, r, w], cands, bytes_moved=8 * tokens * d * e)
+
+
+def rotary_case(tokens: int, heads: int, kv_heads: int, head_dim: int, fraction: float, dtype, device,
+                compile_peers: bool, ours: bool) -> Case:
+    B, T = max(1, tokens // 4096), min(tokens, 4096)
+    q = torch.randn(B, T, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(B, T, kv_heads, head_dim, device=device, dtype=dtype)
+    rot = int(head_dim * fraction)
+    ang = torch.outer(torch.arange(T, device=device, dtype=torch.float64),
+                      10000.0 ** -(torch.arange(0, rot, 2, device=device, dtype=torch.float64) / rot))
+    cos, sin = ang.cos().float(), ang.sin().float()
+    qw, kw = torch.rand(head_dim, device=device) + 0.5, torch.rand(head_dim, device=device) + 0.5
+
+    def eager(q, k, qw, kw):
+        return rotary_qk_reference(q, k, cos, sin, norm=True, q_weight=qw, k_weight=kw)
+
+    cands: dict = {"torch eager": eager, "torch.compile": _compiled(eager, compile_peers)}
+    liger = _liger("rope.LigerRopeFunction")
+    if isinstance(liger, str):
+        cands["liger rope (+ torch QK-norm)"] = liger
+    else:
+        def liger_fn(q, k, qw, kw):  # its layout is (B, H, T, D); rotary_dim with half-width tables (>= 0.8)
+            qn, kn = rms_norm_reference(q, qw), rms_norm_reference(k, kw)
+            qo, ko = liger.apply(qn.transpose(1, 2), kn.transpose(1, 2), cos, sin, None, 1, rot)
+            return qo.transpose(1, 2), ko.transpose(1, 2)
+        cands["liger rope (+ torch QK-norm)"] = liger_fn
+    if ours:
+        cands["triton (ours)"] = lambda q, k, qw, kw: rotary_qk(q, k, cos, sin, norm=True, q_weight=qw, k_weight=kw,
+                                                                backend="triton")
+    n = (q.numel() + k.numel()) * q.element_size()
+    # fwd: read q, k; write both. bwd: read dq_out, dk_out, q, k; write dq, dk.
+    return Case("rotary", f"B{B} T{T} H{heads}/{kv_heads} D{head_dim} rot {fraction:g} {_dt(dtype)} +QK-norm",
+                [q, k, qw, kw], cands, bytes_moved=6 * n)
+
+
+def swiglu_case(tokens: int, hidden: int, dtype, device, compile_peers: bool, ours: bool) -> Case:
+    g = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    u = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    cands: dict = {"torch eager": swiglu_reference, "torch.compile": _compiled(swiglu_reference, compile_peers)}
+    liger = _liger("swiglu.LigerSiLUMulFunction")
+    cands["liger"] = liger if isinstance(liger, str) else (lambda g, u: liger.apply(g, u))
+    if ours:
+        cands["triton (ours)"] = lambda g, u: swiglu(g, u, backend="triton")
+    # fwd: read g, u; write y. bwd: read dy, g, u; write dg, du.
+    return Case("swiglu", f"{tokens}x{hidden} {_dt(dtype)}", [g, u], cands,
+                bytes_moved=8 * g.numel() * g.element_size())
+
+
+def cross_entropy_case(tokens: int, d: int, vocab: int, dtype, device, compile_peers: bool, ours: bool) -> Case:
+    h = torch.randn(tokens, d, device=device, dtype=dtype)
+    w = torch.randn(vocab, d, device=device, dtype=dtype) * d ** -0.5
+    labels = torch.randint(0, vocab, (tokens,), device=device)
+    labels[::17] = -100
+
+    def plain(h, w, labels):
+        return linear_cross_entropy_reference(h, w, labels)
+
+    cands: dict = {"plain (logits + F.cross_entropy)": plain, "torch.compile plain": _compiled(plain, compile_peers)}
+    liger = _liger("fused_linear_cross_entropy.LigerFusedLinearCrossEntropyFunction")
+    cands["liger fused linear CE"] = liger if isinstance(liger, str) else (lambda h, w, labels: _first(liger.apply(h, w, labels)))
+    if ours:
+        cands["triton (ours, chunked)"] = lambda h, w, labels: linear_cross_entropy(h, w, labels, backend="triton")
+    return Case("cross_entropy", f"N{tokens} d{d} V{vocab} {_dt(dtype)}", [h, w, labels], cands,
+                flops=6.0 * tokens * d * vocab, ours="triton (ours, chunked)")
+
+
+def _first(out):
+    """Liger's fused linear CE returns (loss, z_loss, accuracy, predicted) in recent versions, the loss alone before."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------
+def _dt(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _fwd_bwd(fn, inputs, cotangents=None):
+    """One forward + backward; returns outputs and input gradients (detached)."""
+    leaves = [t for t in inputs if t.requires_grad]
+    for t in leaves:
+        t.grad = None
+    outs = _tuple(fn(*inputs))
+    cot = cotangents or [torch.ones_like(o) / o.numel() ** 0.5 for o in outs]
+    torch.autograd.backward(outs, cot)
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+def _timed(fn, inputs, cot, device) -> float:
+    for t in inputs:
+        if t.requires_grad:
+            t.grad = None
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.autograd.backward(_tuple(fn(*inputs)), cot)
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    torch.autograd.backward(_tuple(fn(*inputs)), cot)
+    return time.perf_counter() - t0
+
+
+def _peak_mib(fn, inputs, cot, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    for t in inputs:
+        if t.requires_grad:
+            t.grad = None
+    _sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.autograd.backward(_tuple(fn(*inputs)), cot)
+    _sync(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def copy_bandwidth(device, gib: float = 1.0, repeats: int = 10) -> float | None:
+    """GB/s of y.copy_(x) (read + write counted), the device's practical memory bandwidth."""
+    if device.type != "cuda":
+        return None
+    n = int(gib * 2**30) // 4
+    x, y = torch.empty(n, device=device), torch.empty(n, device=device)
+    y.copy_(x)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        y.copy_(x)
+        end.record()
+        torch.cuda.synchronize(device)
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n * 4 / statistics.median(times) / 1e9
+
+
+def run_case(case: Case, device, repeats: int, warmup: int, copy_gbs: float | None) -> list[Row]:
+    for t in case.inputs:
+        if t.is_floating_point():
+            t.requires_grad_(True)
+    rows, live = [], {}
+    ours = case.candidates.get(case.ours)
+    ref_fn = ours if callable(ours) else next(f for f in case.candidates.values() if callable(f))
+    ref_out, ref_grad = _fwd_bwd(ref_fn, case.inputs)
+    cot = [torch.ones_like(o) / o.numel() ** 0.5 for o in ref_out]
+    for name, fn in case.candidates.items():
+        if not callable(fn):
+            rows.append(Row(case.op, case.shape, name, note=fn))
+            continue
+        try:
+            out, grad = _fwd_bwd(fn, case.inputs, cot)
+        except Exception as e:  # a peer's version or layout that does not fit: report, do not time
+            rows.append(Row(case.op, case.shape, name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+            continue
+        errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(out + grad, ref_out + ref_grad, strict=False)
+                if a is not None and b is not None and a.shape == b.shape]
+        live[name] = fn
+        rows.append(Row(case.op, case.shape, name, max_err=max(errs) if errs else None))
+    for _ in range(warmup):
+        for fn in live.values():
+            _timed(fn, case.inputs, cot, device)
+    times: dict[str, list[float]] = {n: [] for n in live}
+    for _ in range(repeats):
+        for n, fn in live.items():
+            times[n].append(_timed(fn, case.inputs, cot, device))
+    for row in rows:
+        if row.impl not in live:
+            continue
+        row.seconds = statistics.median(times[row.impl])
+        row.peak_mib = _peak_mib(live[row.impl], case.inputs, cot, device)
+        if case.bytes_moved:
+            gbs = case.bytes_moved / row.seconds / 1e9
+            row.extra["gbs"] = gbs
+            row.rate = f"{gbs:,.0f} GB/s" + (f" ({100 * gbs / copy_gbs:.0f}% of copy)" if copy_gbs else "")
+        elif case.flops:
+            row.rate = f"{case.flops / row.seconds / 1e12:,.1f} TFLOP/s"
+    return rows
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+def table(rows: list[Row]) -> str:
+    lines = ["| op | shape | implementation | fwd+bwd ms | rate | peak MiB | max diff vs ours |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        if r.seconds is None:
+            lines.append(f"| {r.op} | {r.shape} | {r.impl} | {r.note} | | | |")
+            continue
+        peak = f"{r.peak_mib:,.0f}" if r.peak_mib is not None else "-"
+        err = f"{r.max_err:.1e}" if r.max_err is not None else "-"
+        lines.append(f"| {r.op} | {r.shape} | {r.impl} | {r.seconds * 1e3:.3f} | {r.rate} | {peak} | {err} |")
+    return "\n".join(lines)
+
+
+def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
+    """One line per target of the issue: met / not met, with the measured numbers."""
+    out = []
+    by = {(r.op, r.impl): r for r in rows if r.seconds is not None}
+    for op in ("norm", "rotary", "swiglu"):
+        ours, comp = by.get((op, "triton (ours)")), by.get((op, "torch.compile"))
+        if ours is None:
+            continue
+        parts = []
+        if copy_gbs:
+            frac = ours.extra["gbs"] / copy_gbs
+            parts.append(f"{100 * frac:.0f}% of copy bandwidth (target >= 85%: {'met' if frac >= 0.85 else 'NOT met'})")
+        if comp is not None:
+            ratio = comp.seconds / ours.seconds
+            parts.append(f"{ratio:.2f}x torch.compile's speed (target > 1: {'met' if ratio > 1 else 'NOT met'})")
+        out.append(f"- {op}: " + "; ".join(parts or ["timed (no copy bandwidth or compile peer to compare)"]))
+    ours, plain = by.get(("cross_entropy", "triton (ours, chunked)")), by.get(
+        ("cross_entropy", "plain (logits + F.cross_entropy)"))
+    if ours is not None and plain is not None:
+        t = ours.seconds / plain.seconds
+        line = f"- cross_entropy: {t:.2f}x the plain path's time (target <= 1.1: {'met' if t <= 1.1 else 'NOT met'})"
+        if ours.peak_mib is not None and plain.peak_mib:
+            m = ours.peak_mib / plain.peak_mib
+            line += f"; {100 * m:.0f}% of its peak memory (target <= 15%: {'met' if m <= 0.15 else 'NOT met'})"
+        out.append(line)
+    return out
+
+
+def append_results(path: Path, header: str, command: str, body: str) -> None:
+    text = f"\n## {header}\n\nCommand: `{command}`\n\n{body}\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}; not a timing: tests only)"
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    ap.add_argument("--tokens", type=int, default=16384, help="rows (batch x sequence) for every op")
+    ap.add_argument("--d-model", type=int, default=4096)
+    ap.add_argument("--ffn-hidden", type=int, default=12288)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--rotary-fraction", type=float, default=0.25)
+    ap.add_argument("--vocab", type=int, default=152064)
+    ap.add_argument("--ce-tokens", type=int, default=8192, help="rows for the loss (the plain path's logits are "
+                                                                 "ce_tokens x vocab x (2 + 4 + 4) bytes)")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
+    ap.add_argument("--append", default=str(RESULTS), help="results file to append the table to")
+    ap.add_argument("--no-append", action="store_true")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("no CUDA device is visible; timings need a GPU (--device cpu only exercises the script)")
+    dtype = getattr(torch, args.dtype)
+    ours = backend.triton_unavailable_reason(device) is None
+    compile_peers = not args.no_compile
+    torch.manual_seed(0)
+    copy_gbs = copy_bandwidth(device)
+    rows: list[Row] = []
+    builders = {
+        "norm": lambda: norm_case(args.tokens, args.d_model, dtype, device, compile_peers, ours),
+        "rotary": lambda: rotary_case(args.tokens, args.heads, args.kv_heads, args.head_dim, args.rotary_fraction,
+                                      dtype, device, compile_peers, ours),
+        "swiglu": lambda: swiglu_case(args.tokens, args.ffn_hidden, dtype, device, compile_peers, ours),
+        "cross_entropy": lambda: cross_entropy_case(args.ce_tokens, args.d_model, args.vocab, dtype, device,
+                                                    compile_peers, ours),
+    }
+    for op in args.ops:
+        if op == "attention":
+            continue
+        case = builders[op]()
+        if not ours:
+            case.candidates.setdefault(case.ours, f"Triton cannot run here: {backend.triton_unavailable_reason(device)}")
+        rows += run_case(case, device, args.repeats, args.warmup, copy_gbs)
+        del case
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    body = table(rows)
+    lines = verdicts(rows, copy_gbs)
+    if "attention" in args.ops and device.type == "cuda" and ours:
+        from hybridtron.bench import kernels_attention
+
+        att = kernels_attention.bench_attention([4096, 8192], [128, 256], 16, 4, ["none", "many"], 512, dtype,
+                                                args.repeats, device)
+        body += "\n\nGated attention (bench/kernels_attention.py), 16 query / 4 kv heads, one packed row:\n\n"
+        body += kernels_attention.report(att)
+    elif "attention" in args.ops:
+        lines.append("- attention: not timed here (needs CUDA and the Triton kernel; see bench/kernels_attention.py)")
+    bw = f"copy bandwidth {copy_gbs:,.0f} GB/s" if copy_gbs else "copy bandwidth not measured (no GPU)"
+    versions = f"torch {torch.__version__}" + (f", triton {_triton_version()}" if backend.triton_installed() else "")
+    header = f"Fused kernels, {device_name(device)}, {time.strftime('%Y-%m-%d')} ({versions}; {bw})"
+    full = body + ("\n\n" + "\n".join(lines) if lines else "")
+    print(header)
+    print(full)
+    if not args.no_append:
+        cmd = "python -m hybridtron.bench.kernels" + ("" if argv is None else " " + " ".join(argv))
+        append_results(Path(args.append), header, cmd, full)
+        print(f"appended to {args.append}")
+    return rows
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    main()
