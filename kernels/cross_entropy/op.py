@@ -29,7 +29,14 @@ def _(h, weight, labels, ignore_index, z_loss, chunk_size, compute_grad):
     loss = h.new_empty((), dtype=acc)
     if not compute_grad:
         return loss, h.new_empty(0), h.new_empty(0)
-    return loss, torch.empty_like(h), h.new_empty(weight.shape, dtype=acc)
+    return loss, torch.empty_like(h), torch.empty_like(weight)
+
+
+def _scaled(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward's dh, dW times the incoming (scalar) gradient, in place: a backward runs once, and a copy
+    of dW (vocabulary x d) is what the fused op exists to avoid. The usual gradient, 1, costs nothing more."""
+    dh, dw = ctx.saved_tensors
+    return dh.mul_(grad.to(dh.dtype)), dw.mul_(grad.to(dw.dtype))
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
@@ -38,13 +45,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         loss, dh, dw = torch.ops.hybridtron.linear_cross_entropy(h, weight, labels, ignore_index, z_loss, chunk_size,
                                                                  compute_grad)
         ctx.save_for_backward(dh, dw)
-        ctx.w_dtype = weight.dtype
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        dh, dw = ctx.saved_tensors
-        return (dh * grad.to(dh.dtype), (dw * grad.to(dw.dtype)).to(ctx.w_dtype), None, None, None, None, None)
+        dh, dw = _scaled(ctx, grad)
+        return dh, dw, None, None, None, None, None
 
 
 def _autocast(h: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,14 +109,13 @@ class _VocabParallelFunction(torch.autograd.Function):
             h, weight, labels, ignore_index=ignore_index, z_loss=z_loss, chunk_size=chunk_size,
             compute_grad=compute_grad, impl=impl, vocab_start=vocab_start, all_reduce=all_reduce)
         ctx.save_for_backward(dh, dw)
-        ctx.w_dtype = weight.dtype
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        dh, dw = ctx.saved_tensors
-        return (dh * grad.to(dh.dtype), (dw * grad.to(dw.dtype)).to(ctx.w_dtype),
-                None, None, None, None, None, None, None, None)
+        dh, dw = _scaled(ctx, grad)
+        return dh, dw, None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_linear_cross_entropy(

@@ -127,13 +127,14 @@ def test_swiglu(dtype, shape):
 
 # ---- fused linear + cross-entropy --------------------------------------------------------------------------
 # (N, d, V, chunk, z_loss, labels): one row; chunks that do not divide N with masked rows; the default chunk;
-# a vocabulary over two of the kernel's 4096-wide blocks; a single counted row among ignored ones.
+# a vocabulary over two of the kernel's 4096-wide blocks; a single counted row among ignored ones; many chunks.
 CE_CASES = [
     (1, 8, 5, 0, 0.0, "all"),
     (13, 16, 37, 4, 0.0, "some_masked"),
     (20, 12, 70, 0, 1e-3, "some_masked"),
     (3, 8, 4100, 2, 1e-4, "all"),
     (9, 8, 33, 4, 1e-2, "one_counted"),
+    (24, 8, 50, 1, 0.0, "some_masked"),  # one row per chunk: dW rounded to its dtype 24 times
 ]
 
 
