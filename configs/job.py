@@ -223,9 +223,9 @@ class ParallelConfig:
         if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
             raise ConfigError(f"parallel.deepspeed_config={self.deepspeed_config!r} is not a file; give the path of a "
                               f"DeepSpeed JSON")
-        if self.cp > 1:
-            raise ConfigError(f"parallel.cp={self.cp} is not available in this version (data, tensor, pipeline and "
-                              f"expert parallel: parallel.dp, tp, pp, ep, zero_stage); set parallel.cp=1")
+        if self.cp > 1 and self.engine == "deepspeed":
+            raise ConfigError("parallel.cp > 1 works with parallel.engine=torch only; set parallel.engine=torch, or "
+                              "parallel.cp=1 for DeepSpeed")
         if self.ep > 1 and self.engine == "deepspeed":
             raise ConfigError("parallel.ep > 1 works with parallel.engine=torch only; set parallel.engine=torch, or "
                               "parallel.ep=1 for DeepSpeed")

@@ -74,6 +74,7 @@ class GatedAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_backend = cfg.kernels.rotary  # QK-norm + rotary in one kernel on the triton backend
+        self.context_parallel = None  # set from outside under context parallelism (train/context_parallel.py)
 
     def forward(
         self,
@@ -105,7 +106,12 @@ class GatedAttention(nn.Module):
 
         q, k = apply_rotary_qk(q, k, cos, sin, self.q_norm, self.k_norm, backend=self.rotary_backend)
 
+        if self.context_parallel is not None and cache is None:  # x is one piece of the sequence: keys and
+            k, v, attn_mask = self.context_parallel.attention_inputs(k, v, doc_ids)  # values of all, shifted mask
+            doc_ids = None
         backend = pick_for("attention", self.kernel_backend, q, k, v)
+        if self.context_parallel is not None:
+            backend = "reference"  # the fused kernels take square causal problems; a piece's is not
         if backend != "reference" and cache is None:
             gate_in = self.gate_proj(x) if self.gate == "headwise" else gate if self.gate == "elementwise" else None
             if doc_ids is None and attn_mask is not None:

@@ -115,9 +115,11 @@ class GatedDeltaNet(nn.Module):
         cp = self.context_parallel if cache is None else None  # x is one piece of each sequence
         if cp is not None:  # the convolution window reaches into the previous piece
             K = self.conv1d.kernel_size[0]
-            halo, halo_ids = cp.conv_halo(mixed, doc_ids, K - 1)
+            halo, halo_ids, zero = cp.conv_halo(mixed, doc_ids, K - 1)
             ids = None if doc_ids is None else torch.cat([halo_ids, doc_ids], dim=1)
             conv_out = F.silu(causal_conv(torch.cat([halo, mixed], dim=1), self.conv1d.weight, ids)[:, K - 1:])
+            if zero is not None:  # carries the gradient of this piece's tail back from the next rank
+                conv_out = conv_out + zero.to(conv_out.dtype)
         else:
             conv_out = F.silu(causal_conv(mixed, self.conv1d.weight, doc_ids, past))
         if cache is not None:

@@ -25,6 +25,7 @@ from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
 from .checkpoint import DEEPSPEED, SHARDED, STEP_RE, CheckpointError, CheckpointManager, DiskFullError, verify_manifest
+from .context_parallel import apply_context_parallel
 from .distributed import Mesh, launch_world
 from .expert_parallel import apply_expert_parallel
 from .model_hooks import self_guided_end_step, structure_for_step
@@ -278,6 +279,7 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
                 f"{t.grad_accum_steps} micro-batches per step")
         apply_tensor_parallel(model, mesh)  # TP/SP first, then data parallel over the other dimension
         apply_expert_parallel(model, mesh)  # each rank keeps its experts; data parallel leaves them alone
+        apply_context_parallel(model, mesh)  # each rank runs its piece of every sequence
         # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
         apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
                             params_may_leave=self_guided_end_step(cfg) is not None,
@@ -287,7 +289,7 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
         optimizer = build_optimizer(model, t)
     log(f"model: {sizes}, device {device}, {len(train_ds)} train / "
         f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
-        + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}, zero_stage={mesh.zero_stage}"
+        + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}, cp={mesh.cp}, zero_stage={mesh.zero_stage}"
            if mesh.distributed else "")
         + (" (DeepSpeed)" if engine is not None else ""))
     trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,

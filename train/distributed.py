@@ -49,6 +49,8 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
         check_pipeline_parallel(cfg, dp)
     if p.ep > 1:
         check_expert_parallel(cfg, dp)
+    if p.cp > 1:
+        check_context_parallel(cfg)
     if p.tp > 1:
         check_tensor_parallel(cfg)
         if dp > 1 and p.zero_stage == 0:
@@ -106,6 +108,23 @@ def check_expert_parallel(cfg: JobConfig, dp: int) -> None:
                           f"its own batches)")
 
 
+def check_context_parallel(cfg: JobConfig) -> None:
+    """What context parallelism of degree ``parallel.cp`` needs: sequences that split evenly, and (in this
+    version) no other model-splitting dimension and no recomputation."""
+    p = cfg.parallel
+    if cfg.data.seq_len % p.cp:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.cp={p.cp}: every context-"
+                          f"parallel rank takes an equal piece of each sequence; choose a cp that divides it")
+    others = [f"parallel.{n}={getattr(p, n)}" for n in ("tp", "pp", "ep") if getattr(p, n) > 1]
+    if others:
+        raise ConfigError(f"parallel.cp={p.cp} composes with data parallel only in this version, not with "
+                          f"{', '.join(others)}; set those to 1 or parallel.cp=1")
+    if cfg.train.activation_checkpointing:
+        raise ConfigError(f"parallel.cp={p.cp} exchanges keys, values and recurrent states between ranks inside each "
+                          f"layer, which activation checkpointing would repeat in the backward; set "
+                          f"train.activation_checkpointing=false (cp already divides activation memory by {p.cp})")
+
+
 def check_tensor_parallel(cfg: JobConfig) -> None:
     """What tensor parallelism of degree ``parallel.tp`` needs of the model; ConfigError naming the field."""
     m, tp = cfg.model, cfg.parallel.tp
@@ -148,6 +167,19 @@ class Mesh:
     ep: int = 1  # expert parallel: groups of ep neighbouring dp ranks split every MoE layer's experts
     # parallel.ep > 1: a second view of the same ranks, dims ("pp", "dp_replicate", "ep", "tp"), dp = dp_replicate x ep
     expert_mesh: object | None = None
+    cp: int = 1  # context parallel: cp neighbouring ranks of one dp group split each sequence
+    # parallel.cp > 1: the process group of this rank's cp neighbours; the device mesh's "dp" spans dp x cp ranks
+    cp_group: object | None = None
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks over which gradients are averaged and the loss is a mean: data x context parallel."""
+        return self.dp * self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's piece of each sequence (context parallel)."""
+        return (self.rank // self.tp) % self.cp
     owns_group: bool = False  # a one-process group made for DeepSpeed
 
     @property
@@ -161,12 +193,12 @@ class Mesh:
     @property
     def dp_rank(self) -> int:
         """This rank's coordinate along dp: the tp ranks and pipeline stages of one dp group read the same batches."""
-        return (self.rank // self.tp) % self.dp
+        return (self.rank // (self.tp * self.cp)) % self.dp
 
     @property
     def pp_rank(self) -> int:
         """This rank's pipeline coordinate: it holds stage pp_rank (and pp_rank + pp, ... when interleaved)."""
-        return self.rank // (self.dp * self.tp)
+        return self.rank // (self.dp * self.cp * self.tp)
 
     @classmethod
     def setup(cls, cfg: JobConfig, device: torch.device) -> Mesh:
@@ -189,25 +221,35 @@ class Mesh:
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
         from torch.distributed.device_mesh import init_device_mesh
 
-        tp, pp = cfg.parallel.tp, cfg.parallel.pp
+        tp, pp, cp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp
         # tp innermost: the ranks of a tp group are neighbours (one node, fast links); pp outermost: only activations
-        # of stage boundaries cross it, so it can span nodes.
-        dims = [(name, n) for name, n in (("pp", pp), ("dp", dp), ("tp", tp)) if n > 1 or name == "dp"]
+        # of stage boundaries cross it, so it can span nodes. cp sits between dp and tp, and gradients are averaged
+        # over dp x cp ranks: the device mesh's "dp" dimension spans both.
+        dims = [(name, n) for name, n in (("pp", pp), ("dp", dp * cp), ("tp", tp)) if n > 1 or name == "dp"]
         mesh = init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
         ep, expert_mesh = cfg.parallel.ep, None
         if ep > 1:  # the same rank order with dp split in two: experts shard over ep, replicate over dp_replicate
             expert_mesh = init_device_mesh(device.type, (pp, dp // ep, ep, tp),
                                            mesh_dim_names=("pp", "dp_replicate", "ep", "tp"))
-        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp, ep, expert_mesh)
+        cp_group = None
+        if cp > 1:  # groups of their own, even when one spans the world (a device mesh would reuse the default
+            # group there, whose gradient all-reduces the backward interleaves with the cp exchanges differently
+            # on different ranks)
+            grid = torch.arange(world).view(pp, dp, cp, tp).movedim(2, -1).reshape(-1, cp)
+            for ranks in grid.tolist():  # every rank creates every group, in the same order
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    cp_group = group
+        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp, ep, expert_mesh, cp, cp_group)
 
     # ---- collectives (no-ops on one process) -----------------------------------------------------
     def mean(self, value: float) -> float:
-        """The mean of a per-rank scalar over the data-parallel ranks."""
+        """The mean of a per-rank scalar over the data-parallel (x context-parallel) ranks."""
         if not self.distributed:
             return value
         t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t, group=self._group())
-        return float(t.item()) / self.dp
+        return float(t.item()) / self.data_ranks
 
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on any (a stop request, a non-finite value)."""

@@ -148,7 +148,7 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
     ``params_may_leave``: parameters leave the model during the run (self-guided FFN guides), so replication
     must not wait for their gradients (DDP's unused-parameter detection, one graph walk per step).
     ``roots``: the modules that run forward (pipeline stages over ``model``'s blocks); default the model."""
-    if mesh is None or mesh.dp == 1:
+    if mesh is None or mesh.data_ranks == 1:
         return model
     from .expert_parallel import expert_modules, expert_params
 

@@ -78,7 +78,7 @@ def step_peak(cfg: JobConfig, dp: int, zero_stage: int, fake: bool, device_mesh=
 
         sharded = dp > 1 and zero_stage >= 2
         if sharded:  # the fields of a Mesh that apply_data_parallel reads, on the simulated or real group
-            layout = SimpleNamespace(dp=dp, zero_stage=zero_stage, device_mesh=device_mesh)
+            layout = SimpleNamespace(dp=dp, data_ranks=dp, zero_stage=zero_stage, device_mesh=device_mesh)
             apply_data_parallel(model, layout, amp, cfg.parallel.mixed_precision)
         optimizer = build_optimizer(model, cfg.train)
         x = torch.randint(0, vocab, (B, T))

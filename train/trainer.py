@@ -20,6 +20,7 @@ from tqdm import tqdm
 from hybridtron.configs import JobConfig
 
 from .checkpoint import CheckpointManager, TrainerState
+from .context_parallel import local_piece
 from .distributed import Mesh
 from .expert_parallel import sync_expert_grads
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
@@ -93,13 +94,15 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
     loader = val_loader_factory()
     total = 0.0
     for _ in range(n_batches):
-        b = {k: v.to(device) for k, v in next(loader).items()}
+        b = local_piece({k: v.to(device) for k, v in next(loader).items()}, mesh)
         with loss_context(mesh), autocast_context(device, amp_dtype):
             if pipeline is not None:
                 total += pipeline.eval_loss(b)
             else:
                 total += _whole(model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])).float().item()
     model.train(was_training)
+    if mesh is not None and mesh.cp > 1:  # each context-parallel rank saw its piece of the sequences
+        return mesh.mean(total / n_batches)
     return total / n_batches
 
 
@@ -163,11 +166,12 @@ class Trainer:
         # Replicated (DDP) gradients are all-reduced once per step, after the last micro-batch. Sharded ones are
         # reduce-scattered after every micro-batch: holding them unsharded until the last would cost the memory
         # ZeRO-2/3 exists to save.
-        sync_last_only = self.mesh.dp > 1 and self.mesh.zero_stage == 0 and accum > 1  # replicated (DDP) only
+        sync_last_only = self.mesh.data_ranks > 1 and self.mesh.zero_stage == 0 and accum > 1  # replicated (DDP) only
         for i in range(accum):
             if sync_last_only:
                 self.model.set_requires_gradient_sync(i == accum - 1)
             b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
+            b = local_piece(b, self.mesh)  # context parallel: this rank's piece of every sequence
             doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
             with loss_context(self.mesh):
                 with autocast_context(self.device, self.amp_dtype):
@@ -220,7 +224,7 @@ class Trainer:
         if self.pipeline is not None:
             model_metrics = self.pipeline.metrics_from_all_stages(model_metrics)
         self.state.step += 1
-        tokens *= self.mesh.dp  # every data-parallel rank took the same number of tokens
+        tokens *= self.mesh.data_ranks  # every data- (and context-) parallel rank took as many tokens
         self.state.tokens_seen += tokens
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite,
                 "model_metrics": model_metrics}

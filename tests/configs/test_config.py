@@ -48,7 +48,7 @@ def test_list_override_of_sources():
         ([("parallel.zero_stage", "4")], ["parallel.zero_stage=4", "0, 1, 2 or 3"]),
         ([("parallel.zero_stage", "1")], ["parallel.zero_stage=1", "parallel.engine=deepspeed"]),
         ([("parallel.dp", "0")], ["parallel.dp=0", "-1"]),
-        ([("parallel.cp", "2")], ["parallel.cp=2", "not available", "parallel.cp=1"]),
+        ([("parallel.cp", "2"), ("parallel.engine", "deepspeed")], ["parallel.cp > 1", "engine=torch", "parallel.cp=1"]),
         ([("parallel.pp", "0")], ["parallel.pp=0", "positive"]),
         ([("parallel.backend", "mpi")], ["parallel.backend", "'mpi'"]),
     ],

@@ -130,7 +130,7 @@ def test_sharded_checkpoint_layout_and_logs(runs):
     files = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert f"{SHARDED}/__1_0.distcp" in files and "rng.pt" in files
     log = runs["zero3.log"]
-    assert "[hybridtron rank 0/2]" in log and "2 processes, dp=2, tp=1, pp=1, ep=1, zero_stage=3" in log
+    assert "[hybridtron rank 0/2]" in log and "2 processes, dp=2, tp=1, pp=1, ep=1, cp=1, zero_stage=3" in log
     assert "rank 1/2" not in log  # only rank 0 reports
 
 

@@ -169,7 +169,7 @@ def test_moe_statistics_of_every_stage_reach_the_log(runs):
 def test_pipeline_log_and_checkpoint_layout(runs):
     log = runs["pp2_interleaved_hybrid_moe.log"]
     assert "pipeline: 4 stages of layers 0-0, 1-1, 2-2, 3-3, schedule interleaved_1f1b" in log
-    assert "2 processes, dp=1, tp=1, pp=2, ep=1" in log and "rank 1/2" not in log
+    assert "2 processes, dp=1, tp=1, pp=2, ep=1, cp=1" in log and "rank 1/2" not in log
     ckpt = runs["pp2_tp2_gpipe"] / "checkpoints" / "step_00000004"
     assert sorted(p.name for p in (ckpt / SHARDED).glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
 
