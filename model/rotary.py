@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels.rotary.reference import rotate_reference
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, fraction: float, max_seq_len: int, theta: float):
@@ -62,16 +64,9 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x (B, T, H, D) by tables (T, rot/2); channels past rot_dim pass through.
-    Computed in at least fp32 (fp64 stays fp64, for tests), returned in x.dtype."""
-    half = cos.shape[-1]
-    rot = 2 * half
-    dtype = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = cos[:, None, :].to(dtype), sin[:, None, :].to(dtype)  # (T, 1, rot/2): broadcast over B and H
-    xf = x.to(dtype)
-    x1, x2, rest = xf[..., :half], xf[..., half:rot], xf[..., rot:]
-    # Each pair (x1_i, x2_i) turns by the 2x2 rotation [[cos, -sin], [sin, cos]].
-    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
-    return out.to(x.dtype)
+    Computed in at least fp32 (fp64 stays fp64, for tests), returned in x.dtype. The formula lives beside
+    the fused kernel (kernels/rotary/reference.py), which is tested against it."""
+    return rotate_reference(x, cos, sin)
 
 
 def apply_rotary_qk(
