@@ -373,9 +373,10 @@ def cmd_plan(args) -> int:
     from .plan import GIB, format_table, measure, plan_table, simulate
 
     cfg, _ = resolve_job(args)
-    if cfg.parallel.tp > 1:
-        raise ConfigError("hybridtron plan models data parallelism (parallel.zero_stage over dp) only in this "
-                          "version; plan with parallel.tp=1")
+    others = [f"parallel.{n}={getattr(cfg.parallel, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(cfg.parallel, n) > 1]
+    if others:
+        raise ConfigError(f"hybridtron plan models data parallelism (parallel.zero_stage over dp) only in this "
+                          f"version, not {', '.join(others)}; plan the data-parallel part with those set to 1")
     if cfg.parallel.engine != "torch":
         raise ConfigError("hybridtron plan models the torch engine (DDP / FSDP2); for DeepSpeed use its own "
                           "estimators (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live), "

@@ -75,6 +75,14 @@ def test_plan_refuses_the_deepspeed_engine(capsys):
     assert "plan models the torch engine" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dim", ["tp", "pp", "ep", "cp"])
+def test_plan_refuses_the_model_splitting_dimensions_by_name(dim, capsys):
+    over = ["--model.moe.n_experts", "4"] if dim == "ep" else []
+    assert main(["plan", f"--parallel.{dim}", "2", *over]) == 2
+    err = capsys.readouterr().err
+    assert f"not parallel.{dim}=2" in err and "with those set to 1" in err, err
+
+
 def test_plan_with_gradient_accumulation_and_checkpointing():
     # Several micro-batches per step (each module runs more than once per step) with recomputation.
     over = [*SMALL, ("train.grad_accum_steps", "3"), ("train.activation_checkpointing", "true")]
