@@ -39,6 +39,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "swiglu": ("triton", "reference"),
     "attention": ("flash-attn", "triton", "reference"),
     "cross_entropy": ("triton", "reference"),
+    "conv": ("triton", "reference"),  # short causal depthwise convolution + SiLU (Gated DeltaNet)
 }
 OPS = tuple(AUTO_ORDER)
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
+from ..kernels.short_conv import causal_conv, short_conv
 from .delta_rule import delta_rule_chunked, delta_rule_recurrent
 from .linear import make_linear
 from .norm import RMSNorm
@@ -38,27 +39,6 @@ def doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:
     starts = torch.zeros_like(doc_ids, dtype=torch.bool)
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     return starts
-
-
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                past: torch.Tensor | None = None) -> torch.Tensor:
-    """Depthwise causal convolution: out[t, c] = sum_i weight[c, 0, K-1-i] * x[t-i, c] over earlier
-    inputs of the same document. x (B, T, C); weight (C, 1, K) as nn.Conv1d stores it; past (B, K-1, C):
-    the inputs before x (decoding), zeros when absent."""
-    B, T, C = x.shape
-    K = weight.shape[-1]
-    if past is None:
-        past = x.new_zeros(B, K - 1, C)
-    xe = torch.cat([past.to(x.dtype), x], dim=1)  # (B, T + K - 1, C)
-    if doc_ids is None:
-        return F.conv1d(xe.transpose(1, 2), weight, groups=C).transpose(1, 2)
-    # With documents: sum the K shifted inputs, each masked where it belongs to another document.
-    out = x * weight[:, 0, K - 1]
-    for i in range(1, K):
-        same = torch.zeros(B, T, dtype=torch.bool, device=x.device)
-        same[:, i:] = doc_ids[:, i:] == doc_ids[:, :-i]
-        out = out + xe[:, K - 1 - i : K - 1 - i + T] * weight[:, 0, K - 1 - i] * same[..., None]
-    return out
 
 
 class GatedDeltaNet(nn.Module):
@@ -88,6 +68,7 @@ class GatedDeltaNet(nn.Module):
         # every head towards the same forgetting rate (Mamba-2 and GDN exclude both).
         self.param_decay = {"A_log": False, "dt_bias": False}
         self.context_parallel = None  # set from outside under context parallelism (train/context_parallel.py)
+        self.conv_backend = cfg.kernels.conv  # conv + SiLU: kernels/short_conv (the reference is causal_conv)
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -121,7 +102,7 @@ class GatedDeltaNet(nn.Module):
             if zero is not None:  # carries the gradient of this piece's tail back from the next rank
                 conv_out = conv_out + zero.to(conv_out.dtype)
         else:
-            conv_out = F.silu(causal_conv(mixed, self.conv1d.weight, doc_ids, past))
+            conv_out = short_conv(mixed, self.conv1d.weight, doc_ids, past, backend=self.conv_backend)
         if cache is not None:
             K = self.conv1d.kernel_size[0]
             seen = mixed if past is None else torch.cat([past, mixed], dim=1)

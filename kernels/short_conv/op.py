@@ -1,0 +1,83 @@
+"""Short causal depthwise convolution + SiLU as torch custom ops with fake implementations, an
+autograd.Function, and the public `short_conv` that picks the backend (see kernels/norm/op.py for why
+custom ops rather than triton_op)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import pick_for
+from .reference import short_conv_reference
+
+
+@torch.library.custom_op("hybridtron::short_conv_fwd", mutates_args=())
+def _fwd(x: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor | None, past: torch.Tensor | None) -> torch.Tensor:
+    from .triton_kernels import short_conv_fwd
+
+    return short_conv_fwd(x, w, doc_ids, past)
+
+
+@_fwd.register_fake
+def _(x, w, doc_ids, past):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hybridtron::short_conv_bwd", mutates_args=())
+def _bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor | None,
+         past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .triton_kernels import short_conv_bwd
+
+    return short_conv_bwd(dy, x, w, doc_ids, past)
+
+
+@_bwd.register_fake
+def _(dy, x, w, doc_ids, past):
+    return torch.empty_like(x), torch.empty_like(w), torch.empty_like(past) if past is not None else x.new_empty(0)
+
+
+class ShortConvFunction(torch.autograd.Function):
+    """(x (B, T, C), w (C, K), doc_ids (B, T) int64 or None, past (B, K-1, C) or None) -> silu(conv), all
+    contiguous. Saves the inputs only: the backward recomputes the pre-activation."""
+
+    @staticmethod
+    def forward(ctx, x, w, doc_ids, past):
+        ctx.save_for_backward(x, w, doc_ids, past)
+        return torch.ops.hybridtron.short_conv_fwd(x, w, doc_ids, past)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, doc_ids, past = ctx.saved_tensors
+        dx, dw, dpast = torch.ops.hybridtron.short_conv_bwd(dy.contiguous(), x, w, doc_ids, past)
+        return dx, dw, None, dpast if past is not None else None
+
+
+def _check(x, weight, doc_ids, past) -> int:
+    if x.dim() != 3:
+        raise ValueError(f"short_conv: x has shape {tuple(x.shape)}; it must be (B, T, C)")
+    B, T, C = x.shape
+    if weight.dim() != 3 or weight.shape[:2] != (C, 1) or weight.shape[2] < 1:
+        raise ValueError(f"short_conv: weight has shape {tuple(weight.shape)}; it must be ({C}, 1, K) with K >= 1, "
+                         f"as a depthwise nn.Conv1d({C}, {C}, K, groups={C}) stores it")
+    K = weight.shape[2]
+    if doc_ids is not None:
+        if doc_ids.shape != (B, T) or doc_ids.is_floating_point():
+            raise ValueError(f"short_conv: doc_ids is {doc_ids.dtype} {tuple(doc_ids.shape)}; it must be integer "
+                             f"document ids of shape ({B}, {T}), one per position of x")
+    if past is not None and past.shape != (B, K - 1, C):
+        raise ValueError(f"short_conv: past has shape {tuple(past.shape)}; it must be ({B}, {K - 1}, {C}), the "
+                         f"K-1 inputs before x (decoding cache)")
+    return K
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | None = None,
+               past: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+    """``silu(causal_conv(x, weight, doc_ids, past))`` (kernels/short_conv/reference.py): the depthwise causal
+    convolution over earlier inputs of the same document, then SiLU. x (B, T, C); weight (C, 1, K);
+    doc_ids (B, T) or None; past (B, K-1, C) or None. The kernel's output is in x's dtype (a bf16 activation
+    with an fp32 filter under autocast gives bf16, as conv1d does). backend: model.kernels.conv."""
+    K = _check(x, weight, doc_ids, past)
+    if pick_for("conv", backend, x, weight, past) == "reference":
+        return short_conv_reference(x, weight, doc_ids, past)
+    w = weight.reshape(weight.shape[0], K).contiguous()
+    ids = None if doc_ids is None else doc_ids.to(torch.int64).contiguous()
+    return ShortConvFunction.apply(x.contiguous(), w, ids, None if past is None else past.contiguous())

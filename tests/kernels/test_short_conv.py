@@ -1,0 +1,111 @@
+"""Short causal depthwise convolution + SiLU (kernels/short_conv) under the interpreter against the float64
+reference: outputs and the gradients of x, the filter and the decoding inputs (past) at tiny and odd shapes,
+documents included; bad inputs refused by name; and the tiny_hybrid model with the Triton convolution gives
+the reference backend's loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridtron.configs import load_config
+from hybridtron.kernels.short_conv import short_conv, short_conv_reference
+from hybridtron.model.lm import GatedLM
+
+from .helpers import check_against_reference
+
+pytest.importorskip("triton")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def docs(B, T, p, seed=0):
+    """(B, T) document ids with a new document starting at each position with probability p."""
+    return torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) < p, 1)
+
+
+# (B, T, C, K): one position; T not a multiple of the 16-position tile; C over two channel tiles of 128; K = 2
+# and K = 1 (no past rows at all).
+SHAPES = [(1, 1, 3, 4), (2, 19, 5, 4), (1, 37, 130, 4), (3, 17, 6, 2), (2, 5, 3, 1)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T,C,K", SHAPES)
+@pytest.mark.parametrize("mode", ["plain", "docs", "past", "docs+past"])
+def test_short_conv(dtype, B, T, C, K, mode):
+    x, w = randn(B, T, C, seed=1), randn(C, 1, K, seed=2) * 0.5
+    inputs, dts = [x, w], [dtype, dtype]
+    ids = docs(B, T, 0.4, seed=3) if "docs" in mode else None  # many short documents (mean length 2.5)
+    if "past" in mode:
+        inputs.append(randn(B, K - 1, C, seed=4))
+        dts.append(dtype)
+    check_against_reference(
+        f"short_conv[{mode}]",
+        lambda x, w, *p: short_conv(x, w, ids, p[0] if p else None, backend="triton"),
+        lambda x, w, *p: short_conv_reference(x, w, ids, p[0] if p else None),
+        inputs, dts)
+
+
+def test_every_position_its_own_document_reads_only_itself():
+    """doc_ids all different: out[t] = silu(w[K-1] x[t]), nothing from its neighbours or past."""
+    x, w, p = randn(2, 9, 4, seed=5), randn(4, 1, 4, seed=6), randn(2, 3, 4, seed=7)
+    ids = torch.arange(18).view(2, 9)
+    out = short_conv(x, w, ids, p, backend="triton")
+    torch.testing.assert_close(out, torch.nn.functional.silu(x * w[:, 0, -1]))
+
+
+def test_decoding_one_token_at_a_time_equals_the_whole_sequence():
+    """past carries the last K-1 inputs: T=1 steps reproduce one pass over the sequence."""
+    x, w = randn(2, 7, 5, seed=8), randn(5, 1, 4, seed=9)
+    whole = short_conv(x, w, backend="triton")
+    past = x.new_zeros(2, 3, 5)
+    for t in range(7):
+        step = short_conv(x[:, t:t + 1], w, past=past, backend="triton")
+        torch.testing.assert_close(step, whole[:, t:t + 1])
+        past = torch.cat([past, x[:, t:t + 1]], 1)[:, 1:]
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(x=torch.zeros(2, 5)), r"x has shape \(2, 5\); it must be \(B, T, C\)"),
+    (dict(weight=torch.zeros(3, 4)), r"weight has shape \(3, 4\); it must be \(3, 1, K\)"),
+    (dict(doc_ids=torch.zeros(2, 4, dtype=torch.long)), r"doc_ids .* it must be integer document ids of shape \(2, 5\)"),
+    (dict(doc_ids=torch.zeros(2, 5)), r"doc_ids is torch.float32"),
+    (dict(past=torch.zeros(2, 2, 3)), r"past has shape \(2, 2, 3\); it must be \(2, 3, 3\)"),
+])
+def test_bad_inputs_are_refused_by_name(bad, match):
+    args = dict(x=torch.zeros(2, 5, 3), weight=torch.zeros(3, 1, 4), doc_ids=None, past=None) | bad
+    with pytest.raises(ValueError, match=match):
+        short_conv(args["x"], args["weight"], args["doc_ids"], args["past"], backend="triton")
+
+
+def hybrid(conv_backend: str) -> GatedLM:
+    cfg = load_config("tiny_hybrid").model
+    cfg.n_layers, cfg.layer_pattern = 2, "LA"  # one Gated DeltaNet layer and one attention layer suffice
+    cfg.kernels.conv = conv_backend
+    torch.manual_seed(0)
+    model = GatedLM(cfg, 64)
+    model.init_weights()
+    return model
+
+
+def test_tiny_hybrid_with_the_triton_conv_matches_the_reference_backend():
+    ref, tri = hybrid("reference"), hybrid("triton")
+    tri.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 21), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    doc_ids = docs(2, 21, 0.15, seed=2)
+    out = {}
+    for name, m in (("ref", ref), ("tri", tri)):
+        loss = m(ids, doc_ids=doc_ids, labels=labels)
+        loss.backward()
+        out[name] = loss.detach(), {n: p.grad for n, p in m.named_parameters()}
+    (l_ref, g_ref), (l_tri, g_tri) = out["ref"], out["tri"]
+    torch.testing.assert_close(l_tri, l_ref, rtol=1e-5, atol=1e-6)
+    for n, g in g_ref.items():
+        torch.testing.assert_close(g_tri[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    assert g_tri["layers.0.linear_attn.conv1d.weight"].abs().sum() > 0
