@@ -157,15 +157,20 @@ class GatedLM(nn.Module):
             h = layer(h, cos, sin, attn_mask, doc_ids, None if cache is None else cache.layers[i])
         if cache is not None:
             cache.pos = start + T
+        out = self.output(h, labels)
+        return out if labels is None else out + self.aux_loss()
+
+    def output(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The last layer's hidden states -> logits (B, T, V), or with labels the language-model loss (mean
+        cross-entropy, plus the z-loss when model.lm_z_loss > 0) without the MoE auxiliary losses."""
         h = self.norm(h)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         z_loss = self.cfg.lm_z_loss
         if labels is not None and not is_distributed(head):
             # triton: chunked, the (B, T, V) logits never exist; reference: the logits, then the loss (kernels/
             # cross_entropy). Both in fp32: under bf16 autocast the logits alone would be too coarse.
-            loss = linear_cross_entropy(h.flatten(0, 1), head, labels.flatten(), z_loss=z_loss,
+            return linear_cross_entropy(h.flatten(0, 1), head, labels.flatten(), z_loss=z_loss,
                                         backend=self.loss_backend)
-            return loss + self.aux_loss()
         logits = F.linear(h, head)  # (B, T, V)
         if labels is None:
             return logits
@@ -176,8 +181,7 @@ class GatedLM(nn.Module):
                              "DTensor shards); set model.lm_z_loss=0 or parallel.tp=1")
         # fp32 log-softmax: under bf16 autocast the logits arrive in bf16, too coarse for the loss.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return loss + self.aux_loss()
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
 
     def aux_loss(self) -> torch.Tensor | float:
         """Sum of the auxiliary losses (MoE balance, router z-loss) of the last forward, already weighted."""

@@ -51,6 +51,10 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
         check_expert_parallel(cfg, dp)
     if p.cp > 1:
         check_context_parallel(cfg)
+    split = [f"parallel.{n}={getattr(p, n)}" for n in ("pp", "ep", "cp") if getattr(p, n) > 1]
+    if cfg.train.compile and split:
+        raise ConfigError(f"train.compile=true is not yet tested with {', '.join(split)} (their exchanges run inside "
+                          f"the compiled blocks); set train.compile=false for this layout")
     if p.tp > 1:
         check_tensor_parallel(cfg)
         if dp > 1 and p.zero_stage == 0:

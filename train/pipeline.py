@@ -9,8 +9,9 @@ mixer cost) are as equal as the layers allow, with the output layer counted on t
 What each rank keeps is one ``GatedLM`` whose absent layers are ``None``: parameter names stay those of the
 whole model, so the optimizer, the checkpoints (DCP: every stage writes its own tensors) and the export see
 the usual names, and a checkpoint saved at one layout loads at any other. The stages are thin modules over
-that model's blocks (``StageModule``); the schedule sends the hidden states between them and calls the loss on
-the last one.
+that model's blocks (``StageModule``); the schedule sends the hidden states between them, and the last one ends
+with the LM's own output layer and loss (``GatedLM.output``: fused or vocabulary-parallel cross-entropy, z-loss),
+the labels reaching it as a keyword argument.
 
 - Document ids go to every stage with each micro-batch (keyword arguments reach all stages).
 - MoE auxiliary losses are added to the backward of the stage that computed them: their gradient rides on the
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from hybridtron.configs import JobConfig
@@ -104,9 +104,13 @@ class StageModule(nn.Module):
         self.lm_head = model.lm_head if last else None
         # Tied embeddings: the last stage's output layer is its own copy of the embedding (see ``cut``).
         self.tied_head = model.embed_tokens if last and model.lm_head is None else None
+        self._output = model.output  # the LM's own loss (fused kernel, z-loss, vocabulary-parallel) on these modules
         self.aux_seen = []  # detached auxiliary losses of this step's forwards, for the logged loss
 
-    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states out, or on the last stage the micro-batch's language-model loss (``labels`` reach every
+        stage as a keyword argument; the schedule's loss function passes it on)."""
         h = self.embed_tokens(x) if self.first else x
         cos, sin = self.rotary(x.shape[1] if self.first else x.shape[1] * self.seq_split)
         attn_mask = doc_causal_mask(doc_ids) if doc_ids is not None else None
@@ -114,9 +118,7 @@ class StageModule(nn.Module):
             if layer is not None:
                 h = layer(h, cos, sin, attn_mask, doc_ids, None)
         if self.last:
-            h = self.norm(h)
-            head = self.tied_head.weight if self.tied_head is not None else self.lm_head.weight
-            h = F.linear(h, head)
+            h = self._output(h, labels).reshape(1)  # (1,): the schedule concatenates the micro-batches' outputs
         auxes = [m.aux_loss for m in self.layers.modules() if getattr(m, "aux_loss", None) is not None]
         if auxes and torch.is_grad_enabled():
             aux = torch.stack([a.float() for a in auxes]).sum()
@@ -125,10 +127,9 @@ class StageModule(nn.Module):
         return h
 
 
-def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The training loss on the last stage: mean token cross-entropy in fp32, labels -100 ignored (as GatedLM)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+def stage_loss(loss: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss function: the last stage already computed the loss, with the LM's own code."""
+    return loss.sum()
 
 
 def cut(model: nn.Module, keep: set[int], first: bool, last: bool) -> nn.Module:
@@ -184,10 +185,10 @@ class Pipeline:
                 "zero_bubble": ScheduleInterleavedZeroBubble}[self._schedule_name]
         single = len(train_stages) == 1
         self.schedule = kind(train_stages[0] if single else train_stages, n_microbatches=self.n_micro,
-                             loss_fn=cross_entropy, scale_grads=True)
+                             loss_fn=stage_loss, scale_grads=True)
         # Evaluation: one micro-batch at a time, forward only, on stage objects of its own (shapes inferred apart).
-        self._eval_schedule = (ScheduleGPipe(eval_stages[0], n_microbatches=1, loss_fn=cross_entropy) if single else
-                               ScheduleLoopedBFS(eval_stages, n_microbatches=1, loss_fn=cross_entropy))
+        self._eval_schedule = (ScheduleGPipe(eval_stages[0], n_microbatches=1, loss_fn=stage_loss) if single else
+                               ScheduleLoopedBFS(eval_stages, n_microbatches=1, loss_fn=stage_loss))
 
     def _make_tied_group(self):
         """The two-rank groups {first stage, last stage} of every (dp, tp) coordinate; this rank's, or None."""
@@ -201,12 +202,12 @@ class Pipeline:
         return mine
 
     def _run(self, schedule, batch: dict, train: bool) -> list[torch.Tensor]:
-        kwargs = {"doc_ids": batch["doc_ids"]} if "doc_ids" in batch else {}
+        kwargs = {k: batch[k] for k in ("doc_ids", "labels") if k in batch}
         args = (batch["input_ids"],) if self.has_first else ()
         losses: list[torch.Tensor] = []
         target = batch["labels"] if self.has_last else None
         if train:
-            schedule.step(*args, target=target, losses=losses, **kwargs)
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         else:
             schedule.eval(*args, target=target, losses=losses, **kwargs)
         return losses
