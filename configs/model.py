@@ -183,11 +183,12 @@ class KernelConfig:
     attention: KernelBackend = "auto"  # gated flash attention
     cross_entropy: KernelBackend = "auto"  # LM head matmul + loss in chunks (the logits never exist whole)
     conv: KernelBackend = "auto"  # Gated DeltaNet's short causal depthwise convolution + SiLU
+    moe: KernelBackend = "auto"  # MoE token permute (expert-sorted gather) / unpermute (weighted combine)
 
     def validate(self) -> None:
         from ..kernels.backend import BackendError, check_choice
 
-        for op in ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv"):
+        for op in ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv", "moe"):
             try:
                 check_choice(op, getattr(self, op))
             except BackendError as e:
@@ -197,7 +198,7 @@ class KernelConfig:
         """Refuse a backend that cannot run on ``device`` (train.device: auto, cpu, cuda, cuda:N)."""
         from ..kernels.backend import BackendError, resolve
 
-        for op in ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv"):
+        for op in ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv", "moe"):
             try:
                 resolve(op, getattr(self, op), device)
             except BackendError as e:

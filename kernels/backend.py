@@ -40,6 +40,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "attention": ("flash-attn", "triton", "reference"),
     "cross_entropy": ("triton", "reference"),
     "conv": ("triton", "reference"),  # short causal depthwise convolution + SiLU (Gated DeltaNet)
+    "moe": ("triton", "reference"),  # MoE token permute / unpermute
 }
 OPS = tuple(AUTO_ORDER)
 

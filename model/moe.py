@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ConfigError, ModelConfig
+from ..kernels.moe_permute import moe_permute, moe_unpermute, sort_assignments
 from .mlp import SwiGLU
 
 
@@ -84,6 +85,7 @@ class MoE(nn.Module):
         self.router_kind, self.norm_topk_prob = m.router, m.norm_topk_prob
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = m.aux_loss_coef, m.z_loss_coef, m.bias_update_rate
         self.backend = m.backend
+        self.kernel_backend = cfg.kernels.moe  # token permute / unpermute: kernels/moe_permute
         if self.backend == "megablocks":
             try:
                 import grouped_gemm.ops  # noqa: F401  (installed with megablocks)
@@ -157,7 +159,7 @@ class MoE(nn.Module):
         logits, probs, weights, idx = self.route(x)
         self.aux_loss = self._losses(logits, probs, idx) if self.training else None
         flat = idx.flatten()  # assignment a = token * k + j
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        order, pos = sort_assignments(flat)  # assignments grouped by expert, and the inverse
         counts_t = torch.bincount(flat, minlength=self.n_experts)
         counts = counts_t.tolist()
         if self.training:
@@ -165,14 +167,12 @@ class MoE(nn.Module):
                 self._load += counts_t.double()
                 self._stats["dropped"] += N * k - sum(counts)  # 0: dropless
                 self._stats["forwards"] += 1
-        xs = x[order // k]  # (N k, d), expert-sorted
+        xs = moe_permute(x, order, pos, k, backend=self.kernel_backend)  # (N k, d), expert-sorted: x[order // k]
         if self.expert_dispatch is None:
             ys = self.run_experts(xs, counts, self.experts.gate_up_proj, self.experts.down_proj)
         else:
             ys = self.expert_dispatch(self, xs, counts_t)
-        ys = ys * weights.flatten()[order, None].to(ys.dtype)
-        y = torch.empty_like(ys).index_copy(0, order, ys)  # back to assignment order
-        out = y.view(N, k, -1).sum(1)
+        out = moe_unpermute(ys, order, pos, weights, k, backend=self.kernel_backend)  # (N, d): weighted sum per token
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(shape)
