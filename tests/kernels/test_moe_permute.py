@@ -113,3 +113,21 @@ def test_tiny_moe_with_the_triton_permute_matches_the_reference_backend():
     for n, g in g_ref.items():
         torch.testing.assert_close(g_tri[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     assert g_tri["layers.1.mlp.gate.weight"].abs().sum() > 0  # the router learns through the combine weights
+
+
+def test_compiles_without_graph_breaks():
+    """The custom ops' fake implementations let torch.compile(fullgraph=True) trace forward and backward."""
+    flat = top_k_experts(6, 2, 4, seed=8)
+    x, w = randn(6, 5, seed=9).float().requires_grad_(), randn(6, 2, seed=10).float().requires_grad_()
+
+    def f(x, w):
+        order, pos = sort_assignments(flat)
+        xs = moe_permute(x, order, pos, 2, backend="triton")
+        return moe_unpermute(xs * xs, order, pos, w, 2, backend="triton")
+
+    eager = f(x, w)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(torch.autograd.grad(eager.sum(), (x, w)), torch.autograd.grad(compiled.sum(), (x, w)),
+                    strict=True):
+        torch.testing.assert_close(a, b)
