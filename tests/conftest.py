@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Triton decorates its own library functions (tl.zeros, ...) when it is first imported, and importing the model
+# imports it (through torch's custom-op machinery), so the interpreter the CPU kernel tests need must be on before
+# any test module is collected, not only from tests/kernels/conftest.py on.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests are CPU-only and must be reproducible; two intra-op threads match the CI machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
