@@ -11,14 +11,20 @@ norms, validation loss and final weights. A context-parallel checkpoint resumes 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train.cli import main
 from hybridtron.train.distributed import resolve_layout
 from hybridtron.train.metrics import read_metrics
 
-from .test_data_parallel import STEPS, assert_same_steps, resume_from_step_2, rolled_back, steps, torchrun, weights
+from .test_data_parallel import (
+    STEPS,
+    assert_same_steps,
+    assert_same_weights,
+    resume_from_step_2,
+    rolled_back,
+    steps,
+    train_runs,
+)
 
 
 def test_context_layouts_that_cannot_work_are_refused():
@@ -50,17 +56,8 @@ LAYOUTS = {  # name: (processes, extra arguments, the one-process reference)
 
 @pytest.fixture(scope="module")
 def runs(small_data_dir, small_argv, tmp_path_factory):
-    root = tmp_path_factory.mktemp("cp")
-    out = {}
-    for name, extra in (("single", []), ("single_hybrid", HYBRID)):
-        out[name] = root / name
-        assert main(small_argv(small_data_dir, out[name], [*BASE, *extra])) == 0
-    for name, (nproc, extra, _ref) in LAYOUTS.items():
-        out[name] = root / name
-        res = torchrun(small_argv(small_data_dir, out[name], [*BASE, *extra]), nproc=nproc)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        out[name + ".log"] = res.stdout + res.stderr
-    return out
+    return train_runs(tmp_path_factory.mktemp("cp"), lambda run, extra: small_argv(small_data_dir, run, [*BASE, *extra]),
+                      {"single": [], "single_hybrid": HYBRID}, LAYOUTS)
 
 
 @pytest.mark.slow
@@ -70,10 +67,7 @@ def test_context_parallel_trains_like_one_process(layout, runs):
     assert_same_steps(steps(runs[layout]), steps(ref))
     # the validation loss is the mean over the pieces, which is the whole sequences' loss
     assert read_metrics(runs[layout])[-1]["val_loss"] == pytest.approx(read_metrics(ref)[-1]["val_loss"], rel=1e-5)
-    got, want = weights(runs[layout], 4), weights(ref, 4)
-    assert sorted(got) == sorted(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert_same_weights(runs[layout], ref)
 
 
 @pytest.mark.slow

@@ -78,6 +78,35 @@ def assert_same_steps(got, want):
         assert g[2] == pytest.approx(w[2], rel=1e-4, abs=1e-6), (got, want)
 
 
+def assert_same_weights(run, ref, step: int = 4) -> dict[str, torch.Tensor]:
+    """Checkpoint ``step`` of ``run`` holds the same tensors as ``ref``'s: every parameter's gradients matched on the
+    way. Returns them (by name)."""
+    got, want = weights(run, step), weights(ref, step)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        # Summation order differs (per-rank sums, then the reduction, split matmuls): Adam turns that into weight
+        # noise, ~1e-6, up to 2e-5 where a gradient element is near zero (Adam's step is about its sign there). A
+        # wrong gradient moves weights by the learning rate (1e-3) in many elements.
+        torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    return want
+
+
+def train_runs(root, argv_for, singles: dict[str, list[str]], layouts: dict[str, tuple]) -> dict:
+    """One-process runs (name: extra arguments) and torchrun runs (name: (processes, extra arguments, ...)) under
+    ``root``; ``argv_for(run_dir, extra)`` makes the command line. Returns name -> run directory, and
+    name + ".log" -> a torchrun run's output."""
+    out = {}
+    for name, extra in singles.items():
+        out[name] = root / name
+        assert main(argv_for(out[name], extra)) == 0
+    for name, (nproc, extra, *_rest) in layouts.items():
+        out[name] = root / name
+        res = torchrun(argv_for(out[name], extra), nproc=nproc)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        out[name + ".log"] = res.stdout + res.stderr
+    return out
+
+
 def weights(run, step: int) -> dict[str, torch.Tensor]:
     """The model of checkpoint ``step``, loaded whole on this one process (either checkpoint format)."""
     ckpt = run / "checkpoints" / f"step_{step:08d}"
@@ -113,13 +142,7 @@ def test_several_processes_train_like_one(layout, runs):
                else "single"]
     assert_same_steps(steps(runs[layout]), steps(ref))
     # The same weights after 4 optimizer steps: the gradients of every parameter matched on the way.
-    got, want = weights(runs[layout], 4), weights(ref, 4)
-    assert sorted(got) == sorted(want)
-    for k in want:
-        # Summation order differs (per-rank sums, then the reduction, split matmuls): Adam turns that into weight
-        # noise, ~1e-6, up to 2e-5 where a gradient element is near zero (Adam's step is about its sign there). A
-        # wrong gradient moves weights by the learning rate (1e-3) in many elements.
-        torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert_same_weights(runs[layout], ref)
 
 
 def test_sharded_checkpoint_layout_and_logs(runs):

@@ -14,12 +14,10 @@ import itertools
 import random
 
 import pytest
-import torch
 
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.model.flops import layer_flops
 from hybridtron.train.checkpoint import SHARDED
-from hybridtron.train.cli import main
 from hybridtron.train.distributed import resolve_layout
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.pipeline import balance, stage_ranges
@@ -28,11 +26,11 @@ from .test_data_parallel import (
     MOE,
     STEPS,
     assert_same_steps,
+    assert_same_weights,
     resume_from_step_2,
     rolled_back,
     steps,
-    torchrun,
-    weights,
+    train_runs,
 )
 
 
@@ -130,17 +128,8 @@ slow = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(small_data_dir, small_argv, tmp_path_factory):
-    root = tmp_path_factory.mktemp("pp")
-    out = {}
-    for name, extra in (("single", []), ("single_hybrid_moe", HYBRID_MOE)):
-        out[name] = root / name
-        assert main(small_argv(small_data_dir, out[name], [*BASE, *extra])) == 0
-    for name, (nproc, extra, _ref) in LAYOUTS.items():
-        out[name] = root / name
-        res = torchrun(small_argv(small_data_dir, out[name], [*BASE, *extra]), nproc=nproc)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        out[name + ".log"] = res.stdout + res.stderr
-    return out
+    return train_runs(tmp_path_factory.mktemp("pp"), lambda run, extra: small_argv(small_data_dir, run, [*BASE, *extra]),
+                      {"single": [], "single_hybrid_moe": HYBRID_MOE}, LAYOUTS)
 
 
 @slow
@@ -150,10 +139,7 @@ def test_pipeline_trains_like_one_process(layout, runs):
     assert_same_steps(steps(runs[layout]), steps(ref))
     # Every stage's tensors reach the checkpoint (the tied embedding once, from either end), and after 4 steps
     # they are the one-process run's: every stage's gradients were right, the tied copies stayed one.
-    got, want = weights(runs[layout], 4), weights(ref, 4)
-    assert sorted(got) == sorted(want)
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert_same_weights(runs[layout], ref)
 
 
 @slow
