@@ -64,3 +64,14 @@ def cli_args():
 def small_argv():
     """`small_train_argv` for fixtures of wider scope than a test."""
     return small_train_argv
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory):
+    """A small multilingual BPE tokenizer directory (300 ids), for the export tests."""
+    from hybridtron.data_pipeline.tokenizer import train_bpe
+
+    texts = ["hello world, déjà vu. 你好世界 Привет мир " * 20, "def f(x):\n    return x + 1\n" * 30]
+    d = tmp_path_factory.mktemp("tok")
+    train_bpe(iter(texts * 50), 300, 10**6).save(d)
+    return d

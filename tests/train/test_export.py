@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
 
 from hybridtron.configs import DeltaNetConfig, ModelConfig, MoEConfig, ScaleVectorConfig, StructuredFFNConfig
-from hybridtron.data_pipeline.tokenizer import load_tokenizer, train_bpe
+from hybridtron.data_pipeline.tokenizer import load_tokenizer
 from hybridtron.model import GatedLM
 from hybridtron.train.export import ExportError, export_model
 from hybridtron.train.sample import generate
@@ -21,15 +20,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is a dep
 
 V = 320
 TEXT = "Grüße aus Köln! 你好，世界。 Привет, мир. def f(x):\n    return x ** 2  # ünïcödé ✓ <|eos|>"
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    texts = ["hello world, déjà vu. 你好世界 Привет мир " * 20, "def f(x):\n    return x + 1\n" * 30]
-    tok = train_bpe(iter(texts * 50), 300, 10**6)
-    d = tmp_path_factory.mktemp("tok")
-    tok.save(d)
-    return d
 
 
 def tiny(**kw) -> GatedLM:

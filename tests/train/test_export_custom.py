@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hybridtron.configs import DeltaNetConfig, ModelConfig, MoEConfig, load_config
-from hybridtron.data_pipeline.tokenizer import load_tokenizer, train_bpe
+from hybridtron.data_pipeline.tokenizer import load_tokenizer
 from hybridtron.model import GatedLM
 from hybridtron.train.export import ExportError, export_model
 from hybridtron.train.sample import generate
@@ -30,15 +30,6 @@ V = 320
 TEXT = "Grüße aus Köln! 你好，世界。 def f(x):\n    return x ** 2  # ✓"
 PROMPT = [5, 17, 42, 8]
 SMALL_DN = dict(n_k_heads=2, n_v_heads=4, k_head_dim=8, v_head_dim=8)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory) -> Path:
-    texts = ["hello world, déjà vu. 你好世界 Привет мир " * 20, "def f(x):\n    return x + 1\n" * 30]
-    tok = train_bpe(iter(texts * 50), 300, 10**6)
-    d = tmp_path_factory.mktemp("tok")
-    tok.save(d)
-    return d
 
 
 def build(cfg: ModelConfig) -> GatedLM:
