@@ -41,3 +41,23 @@ def check_against_reference(name, kernel_fn, ref_fn, inputs, dtypes, factor=3.0,
     for i, (k, r, h) in enumerate(zip(grad_k, grad_r, grad_64, strict=True)):
         assert k.dtype == r.dtype, f"{name}: gradient {i} is {k.dtype}, the reference gives {r.dtype}"
         assert_within_reference_error(f"{name} grad of input {i}", k, r, h, factor)
+
+
+def lm_loss_and_grads(model, ids, labels, doc_ids=None):
+    """One forward and backward of a language model: its loss and every parameter's gradient by name (the
+    ``_orig_mod.`` prefix of a compiled model dropped)."""
+    model.zero_grad()
+    loss = model(ids, doc_ids=doc_ids, labels=labels)
+    loss.backward()
+    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def assert_same_loss_and_grads(ref, tri, ids, labels, doc_ids=None) -> dict[str, torch.Tensor]:
+    """``tri`` (a kernel backend) gives ``ref``'s loss and gradients on one batch; returns tri's gradients."""
+    l_ref, g_ref = lm_loss_and_grads(ref, ids, labels, doc_ids)
+    l_tri, g_tri = lm_loss_and_grads(tri, ids, labels, doc_ids)
+    torch.testing.assert_close(l_tri, l_ref, rtol=1e-5, atol=1e-6)
+    for n, g in g_ref.items():
+        torch.testing.assert_close(g_tri[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    return g_tri

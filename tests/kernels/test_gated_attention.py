@@ -21,6 +21,8 @@ from hybridtron.kernels.gated_attention import (  # noqa: E402
 )
 from hybridtron.kernels.testing import assert_within_reference_error  # noqa: E402
 
+from .helpers import lm_loss_and_grads  # noqa: E402
+
 needs_interpreter = pytest.mark.skipif(
     not (backend.triton_installed() and backend.interpreter_requested()),
     reason="needs triton and TRITON_INTERPRET=1 (the dev extra installs triton)",
@@ -239,9 +241,7 @@ def _lm_loss_and_grads(attention: str, gate: str, doc_ids: torch.Tensor | None):
     model = GatedLM(cfg, 97)
     model.init_weights()
     ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(1))
-    loss = model(ids, doc_ids, labels=ids)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return lm_loss_and_grads(model, ids, ids, doc_ids)
 
 
 def test_doc_ids_from_mask_inverts_doc_causal_mask():

@@ -9,6 +9,8 @@ import torch
 from hybridtron.configs import ModelConfig
 from hybridtron.model.lm import GatedLM
 
+from .helpers import lm_loss_and_grads
+
 pytest.importorskip("triton")
 
 OPS = ("norm", "rotary", "swiglu", "cross_entropy")
@@ -48,10 +50,7 @@ def batch(seed: int, B: int = 2, T: int = 11):
 
 
 def loss_and_grads(model, ids, labels, docs):
-    model.zero_grad()
-    loss = model(ids, doc_ids=docs if model.cfg.doc_mask else None, labels=labels)
-    loss.backward()
-    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
+    return lm_loss_and_grads(model, ids, labels, docs if model.cfg.doc_mask else None)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -19,7 +19,7 @@ from hybridtron.kernels.moe_permute import (
 )
 from hybridtron.model.lm import GatedLM
 
-from .helpers import check_against_reference
+from .helpers import assert_same_loss_and_grads, check_against_reference
 
 pytest.importorskip("triton")
 
@@ -102,16 +102,7 @@ def test_tiny_moe_with_the_triton_permute_matches_the_reference_backend():
     ref, tri = moe_lm("reference"), moe_lm("triton")
     tri.load_state_dict(ref.state_dict())
     ids = torch.randint(0, 64, (2, 19), generator=torch.Generator().manual_seed(1))
-    labels = torch.roll(ids, -1, 1)
-    out = {}
-    for name, m in (("ref", ref), ("tri", tri)):
-        loss = m(ids, labels=labels)
-        loss.backward()
-        out[name] = loss.detach(), {n: p.grad for n, p in m.named_parameters()}
-    (l_ref, g_ref), (l_tri, g_tri) = out["ref"], out["tri"]
-    torch.testing.assert_close(l_tri, l_ref, rtol=1e-5, atol=1e-6)
-    for n, g in g_ref.items():
-        torch.testing.assert_close(g_tri[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    g_tri = assert_same_loss_and_grads(ref, tri, ids, torch.roll(ids, -1, 1))
     assert g_tri["layers.1.mlp.gate.weight"].abs().sum() > 0  # the router learns through the combine weights
 
 

@@ -12,7 +12,7 @@ from hybridtron.configs import load_config
 from hybridtron.kernels.short_conv import short_conv, short_conv_reference
 from hybridtron.model.lm import GatedLM
 
-from .helpers import check_against_reference
+from .helpers import assert_same_loss_and_grads, check_against_reference
 
 pytest.importorskip("triton")
 
@@ -97,17 +97,7 @@ def test_tiny_hybrid_with_the_triton_conv_matches_the_reference_backend():
     tri.load_state_dict(ref.state_dict())
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (2, 21), generator=g)
-    labels = torch.roll(ids, -1, 1)
-    doc_ids = docs(2, 21, 0.15, seed=2)
-    out = {}
-    for name, m in (("ref", ref), ("tri", tri)):
-        loss = m(ids, doc_ids=doc_ids, labels=labels)
-        loss.backward()
-        out[name] = loss.detach(), {n: p.grad for n, p in m.named_parameters()}
-    (l_ref, g_ref), (l_tri, g_tri) = out["ref"], out["tri"]
-    torch.testing.assert_close(l_tri, l_ref, rtol=1e-5, atol=1e-6)
-    for n, g in g_ref.items():
-        torch.testing.assert_close(g_tri[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    g_tri = assert_same_loss_and_grads(ref, tri, ids, torch.roll(ids, -1, 1), docs(2, 21, 0.15, seed=2))
     assert g_tri["layers.0.linear_attn.conv1d.weight"].abs().sum() > 0
 
 
