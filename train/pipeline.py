@@ -67,11 +67,6 @@ def stage_ranges(cfg: JobConfig, vocab_size: int) -> list[range]:
     return balance(per_layer, cfg.parallel.pp * cfg.parallel.pp_stages_per_rank, last_extra=head)
 
 
-def stage_costs(cfg: JobConfig, vocab_size: int, ranges: list[range]) -> list[float]:
-    per_layer, head = layer_flops(cfg.model, vocab_size, cfg.data.seq_len)
-    return [sum(per_layer[i] for i in r) + (head if k == len(ranges) - 1 else 0.0) for k, r in enumerate(ranges)]
-
-
 class _WithAux(torch.autograd.Function):
     """Identity on ``x`` whose backward also gives ``aux`` the gradient 1: the stage's auxiliary loss joins
     the training loss without leaving the stage."""
@@ -100,11 +95,13 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleList()
         for i in range(len(model.layers)):  # absent layers as None: the names stay layers.<i>
             self.layers._modules[str(i)] = model.layers[i] if i in layers else None
+        # The output layer's modules, registered here so that data parallelism over the stage manages them;
+        # ``_output`` (the LM's own loss: fused kernel, z-loss, vocabulary-parallel) runs them. Tied embeddings: the
+        # last stage's output layer is its own copy of the embedding (see ``cut``).
         self.norm = model.norm if last else None
         self.lm_head = model.lm_head if last else None
-        # Tied embeddings: the last stage's output layer is its own copy of the embedding (see ``cut``).
         self.tied_head = model.embed_tokens if last and model.lm_head is None else None
-        self._output = model.output  # the LM's own loss (fused kernel, z-loss, vocabulary-parallel) on these modules
+        self._output = model.output
         self.aux_seen = []  # detached auxiliary losses of this step's forwards, for the logged loss
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
@@ -242,11 +239,7 @@ class Pipeline:
     def eval_loss(self, batch: dict) -> float:
         """The validation loss of one micro-batch (cross-entropy plus auxiliary losses), on every rank."""
         losses = self._run(self._eval_schedule, batch, train=False)
-        local = float(losses[0].float()) if losses else 0.0
-        for m in self.model.layers.modules():
-            aux = getattr(m, "aux_loss", None)
-            if aux is not None:
-                local += float(aux)
+        local = (float(losses[0].float()) if losses else 0.0) + float(self.model.aux_loss())  # this rank's layers
         return self.mesh.pp_sum(local)
 
     def _sum_tied_grads(self) -> None:
