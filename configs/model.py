@@ -184,11 +184,12 @@ class KernelConfig:
     cross_entropy: KernelBackend = "auto"  # LM head matmul + loss in chunks (the logits never exist whole)
     conv: KernelBackend = "auto"  # Gated DeltaNet's short causal depthwise convolution + SiLU
     moe: KernelBackend = "auto"  # MoE token permute (expert-sorted gather) / unpermute (weighted combine)
+    delta_rule: KernelBackend = "auto"  # Gated DeltaNet's gated delta rule: chunked (WY/UT) and decoding kernels
 
     def validate(self) -> None:
-        from ..kernels.backend import BackendError, check_choice
+        from ..kernels.backend import OPS, BackendError, check_choice
 
-        for op in ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv", "moe"):
+        for op in OPS:
             try:
                 check_choice(op, getattr(self, op))
             except BackendError as e:
@@ -196,9 +197,9 @@ class KernelConfig:
 
     def check_device(self, device: str) -> None:
         """Refuse a backend that cannot run on ``device`` (train.device: auto, cpu, cuda, cuda:N)."""
-        from ..kernels.backend import BackendError, resolve
+        from ..kernels.backend import OPS, BackendError, resolve
 
-        for op in ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv", "moe"):
+        for op in OPS:
             try:
                 resolve(op, getattr(self, op), device)
             except BackendError as e:
@@ -325,6 +326,9 @@ class ModelConfig:
         self.moe.validate(self)
         self.ffn.validate(self)
         self.kernels.validate()
+        if "L" in self.layer_types() and self.kernels.delta_rule == "triton" and self.deltanet.chunk_size not in (16, 32, 64):
+            raise ConfigError(f"model.kernels.delta_rule=triton runs chunks of 16, 32 or 64 steps, not "
+                              f"model.deltanet.chunk_size={self.deltanet.chunk_size}; choose one of those")
         if self.moe.n_experts and self.ffn.kind != "dense":
             # Both replace the same sub-layer; a dense layer under a MoE placement would be structured.
             moe_layers = [i for i in range(self.n_layers) if self.moe.is_moe_layer(i)]

@@ -41,6 +41,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("triton", "reference"),
     "conv": ("triton", "reference"),  # short causal depthwise convolution + SiLU (Gated DeltaNet)
     "moe": ("triton", "reference"),  # MoE token permute / unpermute
+    "delta_rule": ("triton", "reference"),  # chunked gated delta rule (training, prefill); recurrent for decoding
 }
 OPS = tuple(AUTO_ORDER)
 

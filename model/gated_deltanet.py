@@ -4,7 +4,7 @@
     z = x W_z,  b = x W_b,  a = x W_a                       in_proj_z, in_proj_b, in_proj_a
     beta = sigmoid(b)   (2 sigmoid(b) with model.deltanet.neg_eigval: eigenvalues in (-1, 1))
     g = -exp(A_log) * softplus(a + dt_bias)                 per value head, log decay <= 0
-    o = delta_rule(q, k, v, g, beta)                        model/delta_rule.py (q, k L2-normalised inside)
+    o = delta_rule(q, k, v, g, beta)                        kernels/gated_delta_rule (q, k L2-normalised inside)
     y = W_out (RMSNorm(o) * silu(z))                        norm (gain init 1, per value head), out_proj
 
 Heads: n_k_heads query/key heads of k_head_dim, n_v_heads value heads of v_head_dim (a multiple of the
@@ -19,6 +19,7 @@ conv_size - 1 convolution inputs and the recurrent state, so a new token costs O
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -26,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
+from ..kernels.gated_delta_rule import gated_delta_rule
 from ..kernels.short_conv import causal_conv, short_conv
-from .delta_rule import delta_rule_chunked, delta_rule_recurrent
 from .linear import make_linear
 from .norm import RMSNorm
 from .scale import norm_kwargs
@@ -69,6 +70,7 @@ class GatedDeltaNet(nn.Module):
         self.param_decay = {"A_log": False, "dt_bias": False}
         self.context_parallel = None  # set from outside under context parallelism (train/context_parallel.py)
         self.conv_backend = cfg.kernels.conv  # conv + SiLU: kernels/short_conv (the reference is causal_conv)
+        self.delta_rule_backend = cfg.kernels.delta_rule  # kernels/gated_delta_rule (beside its torch reference)
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -118,18 +120,15 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.to(f32).exp() * F.softplus(self.in_proj_a(x).to(f32) + self.dt_bias.to(f32))  # (B, T, Hv)
         resets = doc_starts(doc_ids) if doc_ids is not None else None
         state = None if cache is None else cache.get("recurrent_state")
+        rule = functools.partial(gated_delta_rule, chunk_size=self.chunk_size, backend=self.delta_rule_backend,
+                                 algo="recurrent" if self.algo == "recurrent" or (cache is not None and T == 1)
+                                 else "chunked")
         if cp is not None:  # the state comes from the previous piece and goes on to the next
             if resets is not None:
                 resets[:, 0] = cp.first_is_doc_start(doc_ids)
-            fn, kw = ((delta_rule_recurrent, {}) if self.algo == "recurrent" else
-                      (delta_rule_chunked, {"chunk_size": self.chunk_size}))
-            o = cp.delta_rule(fn, q, k, v, g, beta, resets, **kw)
-        elif self.algo == "recurrent" or (cache is not None and T == 1):
-            o, state = delta_rule_recurrent(q, k, v, g, beta, resets=resets, initial_state=state,
-                                            output_final_state=cache is not None)
+            o = cp.delta_rule(rule, q, k, v, g, beta, resets)
         else:
-            o, state = delta_rule_chunked(q, k, v, g, beta, resets=resets, initial_state=state,
-                                          output_final_state=cache is not None, chunk_size=self.chunk_size)
+            o, state = rule(q, k, v, g, beta, resets=resets, initial_state=state, output_final_state=cache is not None)
         if cache is not None:
             cache["recurrent_state"] = state
         z = self.in_proj_z(x).view(B, T, Hv, Dv)

@@ -1,0 +1,518 @@
+"""Triton kernels of the chunked gated delta rule, forward and backward, and their launchers.
+
+The maths is that of ``delta_rule_chunked`` (reference.py). The sequence of L = T * n_h sub-steps is cut into
+chunks of C; a program sees one chunk of one (batch, value head), rows i = 0 .. C-1. Per chunk, with q and k
+L2-normalised (q also times Dk^-1/2), G the in-chunk cumulative sum of the log decays g, seg_i the number of
+document starts in the chunk up to and including row i, and S the state entering the chunk:
+
+    Gamma_ij = exp(G_i - G_j)  for j <= i and seg_i == seg_j, else 0   decay from step j to step i
+    din_i    = exp(G_i) if seg_i == 0 else 0                          what reaches step i of the carried state
+    dout_i   = exp(G_end - G_i) if seg_i == seg_end else 0            decay from step i to the chunk's end
+    dall     = din_end                                                the carried state's decay over the chunk
+
+    A     = strictly_lower(beta_i Gamma_ij k_i.k_j)       Tinv = (I + A)^-1 (forward substitution)
+    U     = Tinv (beta v)                                  W = Tinv (beta din k)            (C, Dv), (C, Dk)
+    delta = U - W S                                        the writes, as the recurrence makes them
+    o     = (din q) S + ((q k^T) * Gamma) delta
+    S'    = dall S + (dout k)^T delta
+
+Forward, three kernels: ``_wy_fwd`` (chunk-parallel: Tinv, U, W), ``_state_fwd`` (one program per (batch,
+head, Dv tile) walks the chunks in order, S in registers; it writes every chunk's entering state and turns U
+into delta in place), ``_output_fwd`` (chunk-parallel: o). Only Tinv and the entering states are kept for
+the backward; W and delta are recomputed from them.
+
+Backward, with dO the output's cotangent and dS' the cotangent of the state leaving a chunk:
+
+    d delta = ((q k^T) * Gamma)^T dO + (dout k) dS'        dS = (din q)^T dO + dall dS' - W^T d delta
+    dU = d delta      dW = -d delta S^T      dX = Tinv^T dU      dY = Tinv^T dW      (X = beta v, Y = beta din k)
+    dA = -strictly_lower(dX U^T + dY W^T)                  (the gradient through a matrix inverse)
+
+and for every product with Gamma_ij (or din, dout, dall) the log-decay gradient dG_i gains (d Gamma_ij)
+Gamma_ij and dG_j loses it; dg is the reverse in-chunk cumulative sum of dG. Three kernels again:
+``_output_bwd`` (chunk-parallel: recomputes W and delta; the local part ((q k^T) * Gamma)^T dO of d delta,
+dq, and the parts of dk and dG that come through q k^T), ``_state_bwd`` (the chunks in reverse order, dS in
+registers, from the final state's cotangent to the initial state's gradient; it completes d delta in place
+and writes each chunk's dS'), ``_wy_bwd`` (chunk-parallel: everything through Tinv, U, W and the state
+update: dv, dbeta, the rest of dk and dG, and dg).
+
+Layout. The kernels read the caller's tensors as they are: q (B, T, Hk, Dk), k (B, L, Hk, Dk) (the
+(B, T, n_h, ...) layout is already a sequence of sub-steps), v (B, L, Hv, Dv), g (B, T, Hv), beta (B, L, Hv),
+resets (B, T). Sub-step row l belongs to token l // n_h; the query (and the output) sits at a token's last
+sub-step, the decay and the reset at its first, so masked loads do what the reference's zero-padded
+expansion does. Value head h reads key head h // r (grouped value attention); q's and k's gradients come
+out per value head and the caller sums each group of r. q and k are normalised where they are loaded (the
+whole head dim is one tile), and their gradients go through the normalisation's backward in the kernel
+that finishes them. Intermediates live in (B, Hv, N * C, ...) buffers (N chunks; rows past L are padding:
+k = v = beta = q = g = 0 there, so they write nothing and decay nothing).
+
+Precision: everything is computed in fp32 (fp64 for fp64 inputs) with IEEE dot products: no TF32 and no
+bf16 operands, so the kernels round like the fp32 reference. Tiles: C in {16, 32, 64}; the head dims are
+padded to powers of two >= 16 (what tl.dot needs on a GPU) and masked; Dv is split into tiles of at most 64
+columns.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..backend import check_interpreted
+from ..triton_utils import next_pow2
+
+EPS = 1e-6  # the L2 norm's eps, where the reference puts it: x / sqrt(sum(x^2) + eps)
+MAX_BV = 64  # value columns per tile
+
+
+# ----------------------------------------------------------------------------------------------------------
+# helpers
+
+
+@triton.jit
+def _dot(a, b):
+    """Matrix product in IEEE fp32 (or fp64): TF32 operands keep 10 mantissa bits, errors far above the fp32
+    reference's."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _sub_steps(rows, L, NH: tl.constexpr):
+    """Flat sub-step rows -> token index, and whether the row is its token's first / last sub-step / real."""
+    real = rows < L
+    sub = rows % NH
+    return rows // NH, real & (sub == 0), real & (sub == NH - 1), real
+
+
+@triton.jit
+def _load_unit_rows(ptr, row_offs, rmask, DK: tl.constexpr, BK: tl.constexpr, COMPUTE: tl.constexpr):
+    """Rows of q or k, L2-normalised: (C, BK) and their 1 / norm (C,). Masked rows are zero."""
+    ck = tl.arange(0, BK)
+    x = tl.load(ptr + row_offs[:, None] + ck[None, :], mask=rmask[:, None] & (ck < DK)[None, :], other=0.0)
+    x = x.to(COMPUTE)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) + EPS)
+    return x * rstd[:, None], rstd
+
+
+@triton.jit
+def _q_scale(DK: tl.constexpr, COMPUTE: tl.constexpr):
+    """Dk^-1/2, the queries' scale, in the compute dtype (a float argument would reach the kernel as fp32)."""
+    return 1.0 / tl.sqrt(tl.full([], DK, dtype=COMPUTE))
+
+
+@triton.jit
+def _unit_rows_bwd(y, rstd, dy):
+    """Gradient through y = x / sqrt(|x|^2 + eps), given y and 1 / sqrt(|x|^2 + eps): rstd (dy - y (y . dy))."""
+    return rstd[:, None] * (dy - y * tl.sum(y * dy, 1)[:, None])
+
+
+@triton.jit
+def _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS: tl.constexpr, COMPUTE: tl.constexpr,
+           C: tl.constexpr):
+    """Per-chunk gates: the in-chunk cumulative log decay Gc (C,) and segment ids seg (C,), and their values at
+    the chunk's end (padding rows decay nothing and start nothing, so the end is also the last real row's)."""
+    g = tl.load(G + (b * T + tok) * HV + h, mask=first, other=0.0).to(COMPUTE)
+    if HAS_RESETS:
+        r = tl.load(RESETS + b * T + tok, mask=first, other=0).to(tl.int32)
+        seg = tl.cumsum(r, 0)
+        seg_end = tl.sum(r, 0)
+    else:
+        seg = tl.zeros([C], dtype=tl.int32)
+        seg_end = 0
+    return tl.cumsum(g, 0), tl.sum(g, 0), seg, seg_end
+
+
+@triton.jit
+def _decay_matrix(Gc, seg, C: tl.constexpr):
+    """Gamma (C, C): exp(G_i - G_j) for j <= i within one document segment, else 0 (masked before the exp, so
+    nothing above the diagonal can overflow)."""
+    i = tl.arange(0, C)
+    ok = (i[:, None] >= i[None, :]) & (seg[:, None] == seg[None, :])
+    return tl.exp(tl.where(ok, Gc[:, None] - Gc[None, :], float("-inf")))
+
+
+@triton.jit
+def _state_decays(Gc, G_end, seg, seg_end):
+    """din (C,): the carried-in state's decay at each row (0 after a reset); dout (C,): each row's decay to the
+    chunk's end (0 before the chunk's last reset); dall: the carried-in state's decay over the whole chunk."""
+    din = tl.where(seg == 0, tl.exp(Gc), 0.0)
+    dout = tl.where(seg == seg_end, tl.exp(G_end - Gc), 0.0)
+    dall = tl.where(seg_end == 0, tl.exp(G_end), 0.0)
+    return din, dout, dall
+
+
+@triton.jit
+def _unit_lower_inverse(a, C: tl.constexpr):
+    """(I + a)^-1 for a strictly lower triangular a (C, C), by forward substitution: row r of the inverse is
+    e_r - a[r, :r] @ inv[:r, :], and rows above r are final by then. (Not a power series in a: with beta
+    near 2 its terms grow large before they cancel.)"""
+    i = tl.arange(0, C)
+    inv = tl.where(i[:, None] == i[None, :], 1.0, 0.0).to(a.dtype)
+    for r in range(1, C):
+        a_r = tl.sum(tl.where(i[:, None] == r, a, 0.0), 0)  # row r of a as a vector over columns (0 from r on)
+        inv = tl.where(i[:, None] == r, inv - tl.sum(a_r[:, None] * inv, 0)[None, :], inv)
+    return inv
+
+
+@triton.jit
+def _chunk_setup(n, bh, L, T, HV, R: tl.constexpr, NH: tl.constexpr, C: tl.constexpr):
+    """Indices of chunk n of program row bh = b * HV + h: batch, value head, key head, rows (C,) of the
+    sub-step sequence, their tokens, and the first / last / real row masks."""
+    b = bh // HV
+    h = bh % HV
+    rows = n * C + tl.arange(0, C)
+    tok, first, last, real = _sub_steps(rows, L, NH)
+    return b, h, h // R, rows, tok, first, last, real
+
+
+# ----------------------------------------------------------------------------------------------------------
+# forward
+
+
+@triton.jit
+def _wy_fwd_kernel(
+    K, V, G, BETA, RESETS, TINV, U, W,
+    T, L, LP, HK, HV,
+    R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
+    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid (N, B * HV): Tinv, U = Tinv (beta v), W = Tinv (beta din k) of one chunk."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
+    Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
+    din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
+    k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
+    beta = tl.load(BETA + (b * L + rows) * HV + h, mask=real, other=0.0).to(COMPUTE)
+
+    i = tl.arange(0, C)
+    a = tl.where(i[:, None] > i[None, :], _dot(k, tl.trans(k)) * _decay_matrix(Gc, seg, C), 0.0) * beta[:, None]
+    tinv = _unit_lower_inverse(a, C)
+    srow = bh * LP + rows  # rows of the (B, HV, LP, ...) buffers
+    tl.store(TINV + srow[:, None] * C + i[None, :], tinv)
+    ck = tl.arange(0, BK)
+    tl.store(W + srow[:, None] * DK + ck[None, :], _dot(tinv, k * (beta * din)[:, None]), mask=(ck < DK)[None, :])
+    for v0 in range(0, DV, BV):
+        cv = v0 + tl.arange(0, BV)
+        v = tl.load(V + ((b * L + rows) * HV + h)[:, None] * DV + cv[None, :],
+                    mask=real[:, None] & (cv < DV)[None, :], other=0.0).to(COMPUTE)
+        tl.store(U + srow[:, None] * DV + cv[None, :], _dot(tinv, v * beta[:, None]), mask=(cv < DV)[None, :])
+
+
+@triton.jit
+def _state_fwd_kernel(
+    K, G, RESETS, W, U, S0, STATES, FINAL,
+    T, L, LP, HK, HV, N,
+    R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
+    HAS_S0: tl.constexpr, COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid (B * HV, Dv tiles): the chunks in order, state columns cv in registers. Writes the state entering
+    each chunk to STATES (B, HV, N, DK, DV), delta over U in place, and the final state."""
+    bh = tl.program_id(0).to(tl.int64)
+    cv = tl.program_id(1) * BV + tl.arange(0, BV)
+    ck = tl.arange(0, BK)
+    s_offs = ck[:, None] * DV + cv[None, :]
+    s_mask = (ck < DK)[:, None] & (cv < DV)[None, :]
+    if HAS_S0:
+        S = tl.load(S0 + bh * DK * DV + s_offs, mask=s_mask, other=0.0).to(COMPUTE)
+    else:
+        S = tl.zeros([BK, BV], dtype=COMPUTE)
+    for n in range(N):
+        tl.store(STATES + (bh * N + n) * DK * DV + s_offs, S, mask=s_mask)
+        b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
+        Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
+        din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
+        srow = bh * LP + rows
+        w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=(ck < DK)[None, :], other=0.0)
+        u_ptrs = U + srow[:, None] * DV + cv[None, :]
+        delta = tl.load(u_ptrs, mask=(cv < DV)[None, :], other=0.0) - _dot(w, S)
+        tl.store(u_ptrs, delta, mask=(cv < DV)[None, :])
+        k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
+        S = S * dall + _dot(tl.trans(k * dout[:, None]), delta)
+    tl.store(FINAL + bh * DK * DV + s_offs, S, mask=s_mask)
+
+
+@triton.jit
+def _output_fwd_kernel(
+    Q, K, G, RESETS, STATES, DELTA, OUT,
+    T, L, LP, HK, HV, N,
+    R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
+    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid (N, B * HV, Dv tiles): o = (din q) S + ((q k^T) * Gamma) delta at each token's last sub-step."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    cv = tl.program_id(2) * BV + tl.arange(0, BV)
+    b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
+    Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
+    din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
+    q, _ = _load_unit_rows(Q, ((b * T + tok) * HK + hk) * DK, last, DK, BK, COMPUTE)
+    q = q * _q_scale(DK, COMPUTE)
+    k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
+    p = _dot(q, tl.trans(k)) * _decay_matrix(Gc, seg, C)
+
+    ck = tl.arange(0, BK)
+    S = tl.load(STATES + (bh * N + n) * DK * DV + ck[:, None] * DV + cv[None, :],
+                mask=(ck < DK)[:, None] & (cv < DV)[None, :], other=0.0)
+    delta = tl.load(DELTA + (bh * LP + rows)[:, None] * DV + cv[None, :], mask=(cv < DV)[None, :], other=0.0)
+    o = _dot(q * din[:, None], S) + _dot(p, delta)
+    tl.store(OUT + ((b * T + tok) * HV + h)[:, None] * DV + cv[None, :], o.to(OUT.dtype.element_ty),
+             mask=last[:, None] & (cv < DV)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# backward
+
+
+@triton.jit
+def _output_bwd_kernel(
+    Q, K, V, G, BETA, RESETS, DO, TINV, STATES, W, DELTA, DDELTA, DK_PART, DG_PART, DQ,
+    T, L, LP, HK, HV, N,
+    R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
+    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid (N, B * HV). Recomputes W and delta (written for the next two kernels) and takes o's gradient
+    back to q (finished here: dq of this value head, through the L2 norm), to delta locally (DDELTA =
+    ((q k^T) * Gamma)^T dO, completed by _state_bwd), to k through q k^T (DK_PART) and to the in-chunk
+    log decays through Gamma and din (DG_PART)."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
+    Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
+    din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
+    gamma = _decay_matrix(Gc, seg, C)
+    qn, q_rstd = _load_unit_rows(Q, ((b * T + tok) * HK + hk) * DK, last, DK, BK, COMPUTE)
+    scale = _q_scale(DK, COMPUTE)
+    q = qn * scale
+    k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
+    beta = tl.load(BETA + (b * L + rows) * HV + h, mask=real, other=0.0).to(COMPUTE)
+
+    i = tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    srow = bh * LP + rows
+    tinv = tl.load(TINV + srow[:, None] * C + i[None, :])
+    w = _dot(tinv, k * (beta * din)[:, None])
+    tl.store(W + srow[:, None] * DK + ck[None, :], w, mask=(ck < DK)[None, :])
+    p = _dot(q, tl.trans(k)) * gamma
+
+    dq_in = tl.zeros([C, BK], dtype=COMPUTE)  # d(din q) = dO S^T
+    dp = tl.zeros([C, C], dtype=COMPUTE)  # d((q k^T) * Gamma) = dO delta^T
+    for v0 in range(0, DV, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = (cv < DV)[None, :]
+        S = tl.load(STATES + (bh * N + n) * DK * DV + ck[:, None] * DV + cv[None, :],
+                    mask=(ck < DK)[:, None] & mv, other=0.0)
+        v = tl.load(V + ((b * L + rows) * HV + h)[:, None] * DV + cv[None, :], mask=real[:, None] & mv,
+                    other=0.0).to(COMPUTE)
+        delta = _dot(tinv, v * beta[:, None]) - _dot(w, S)
+        tl.store(DELTA + srow[:, None] * DV + cv[None, :], delta, mask=mv)
+        do = tl.load(DO + ((b * T + tok) * HV + h)[:, None] * DV + cv[None, :], mask=last[:, None] & mv,
+                     other=0.0).to(COMPUTE)
+        dq_in += _dot(do, tl.trans(S))
+        dp += _dot(do, tl.trans(delta))
+        tl.store(DDELTA + srow[:, None] * DV + cv[None, :], _dot(tl.trans(p), do), mask=mv)
+
+    dqk = dp * gamma  # gradient of q k^T
+    dq = din[:, None] * dq_in + _dot(dqk, k)
+    tl.store(DK_PART + srow[:, None] * BK + ck[None, :], _dot(tl.trans(dqk), q))
+    z = dp * p  # d Gamma_ij * Gamma_ij
+    tl.store(DG_PART + srow, din * tl.sum(q * dq_in, 1) + tl.sum(z, 1) - tl.sum(z, 0))
+    dq = _unit_rows_bwd(qn, q_rstd, dq * scale)
+    tl.store(DQ + ((b * T + tok) * HV + h)[:, None] * DK + ck[None, :], dq.to(DQ.dtype.element_ty),
+             mask=last[:, None] & (ck < DK)[None, :])
+
+
+@triton.jit
+def _state_bwd_kernel(
+    Q, K, G, RESETS, DO, W, DDELTA, DHT, DSTATES, DH0,
+    T, L, LP, HK, HV, N,
+    R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
+    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid (B * HV, Dv tiles): the chunks in reverse order, dS (the cotangent of the state leaving the chunk)
+    in registers, starting from the final state's cotangent. Writes each chunk's dS' to DSTATES, completes
+    d delta = DDELTA + (dout k) dS' in place, and ends with the initial state's gradient."""
+    bh = tl.program_id(0).to(tl.int64)
+    cv = tl.program_id(1) * BV + tl.arange(0, BV)
+    ck = tl.arange(0, BK)
+    mv = (cv < DV)[None, :]
+    s_offs = ck[:, None] * DV + cv[None, :]
+    s_mask = (ck < DK)[:, None] & mv
+    dS = tl.load(DHT + bh * DK * DV + s_offs, mask=s_mask, other=0.0).to(COMPUTE)
+    for j in range(N):
+        n = N - 1 - j
+        tl.store(DSTATES + (bh * N + n) * DK * DV + s_offs, dS, mask=s_mask)
+        b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
+        Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
+        din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
+        srow = bh * LP + rows
+        k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
+        dd_ptrs = DDELTA + srow[:, None] * DV + cv[None, :]
+        dd = tl.load(dd_ptrs, mask=mv, other=0.0) + _dot(k * dout[:, None], dS)
+        tl.store(dd_ptrs, dd, mask=mv)
+        q, _ = _load_unit_rows(Q, ((b * T + tok) * HK + hk) * DK, last, DK, BK, COMPUTE)
+        q = q * _q_scale(DK, COMPUTE)
+        do = tl.load(DO + ((b * T + tok) * HV + h)[:, None] * DV + cv[None, :], mask=last[:, None] & mv,
+                     other=0.0).to(COMPUTE)
+        w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=(ck < DK)[None, :], other=0.0)
+        dS = dS * dall + _dot(tl.trans(q * din[:, None]), do) - _dot(tl.trans(w), dd)
+    tl.store(DH0 + bh * DK * DV + s_offs, dS, mask=s_mask)
+
+
+@triton.jit
+def _wy_bwd_kernel(
+    K, V, G, BETA, RESETS, TINV, STATES, DSTATES, W, DELTA, DDELTA, DK_PART, DG_PART, DK_OUT, DV_OUT, DG, DBETA,
+    T, L, LP, HK, HV, N,
+    R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
+    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """Grid (N, B * HV). From d delta (= dU) and the chunk's dS': dv, dbeta, dk (this value head's, through the
+    L2 norm, DK_PART included) and dg (DG_PART included, summed back from the end of the chunk)."""
+    n = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
+    Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
+    din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
+    gamma = _decay_matrix(Gc, seg, C)
+    k, k_rstd = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
+    beta = tl.load(BETA + (b * L + rows) * HV + h, mask=real, other=0.0).to(COMPUTE)
+
+    i = tl.arange(0, C)
+    ck = tl.arange(0, BK)
+    mk = (ck < DK)[None, :]
+    srow = bh * LP + rows
+    tinv = tl.load(TINV + srow[:, None] * C + i[None, :])
+    w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=mk, other=0.0)
+
+    dw = tl.zeros([C, BK], dtype=COMPUTE)  # -d delta S^T
+    dk_out = tl.zeros([C, BK], dtype=COMPUTE)  # d(dout k) = delta dS'^T
+    dxu = tl.zeros([C, C], dtype=COMPUTE)  # dX U^T, the U half of -dA
+    dall_k = tl.zeros([BK], dtype=COMPUTE)  # sum(S * dS') by state row: d dall
+    dbeta = tl.zeros([C], dtype=COMPUTE)
+    for v0 in range(0, DV, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = (cv < DV)[None, :]
+        s_offs = (bh * N + n) * DK * DV + ck[:, None] * DV + cv[None, :]
+        S = tl.load(STATES + s_offs, mask=(ck < DK)[:, None] & mv, other=0.0)
+        dS = tl.load(DSTATES + s_offs, mask=(ck < DK)[:, None] & mv, other=0.0)
+        dd = tl.load(DDELTA + srow[:, None] * DV + cv[None, :], mask=mv, other=0.0)
+        delta = tl.load(DELTA + srow[:, None] * DV + cv[None, :], mask=mv, other=0.0)
+        v_offs = ((b * L + rows) * HV + h)[:, None] * DV + cv[None, :]
+        v = tl.load(V + v_offs, mask=real[:, None] & mv, other=0.0).to(COMPUTE)
+        dw -= _dot(dd, tl.trans(S))
+        dk_out += _dot(delta, tl.trans(dS))
+        dall_k += tl.sum(S * dS, 1)
+        dx = _dot(tl.trans(tinv), dd)  # gradient of X = beta v
+        tl.store(DV_OUT + v_offs, (dx * beta[:, None]).to(DV_OUT.dtype.element_ty), mask=real[:, None] & mv)
+        dbeta += tl.sum(v * dx, 1)
+        dxu += _dot(dx, tl.trans(_dot(tinv, v * beta[:, None])))
+
+    dy = _dot(tl.trans(tinv), dw)  # gradient of Y = beta din k
+    # m = dA * Gamma on A's support, with dA = -(dX U^T + dY W^T); A = beta_i Gamma_ij (k k^T)_ij.
+    m = tl.where(i[:, None] > i[None, :], -(dxu + _dot(dy, tl.trans(w))) * gamma, 0.0)
+    kk = _dot(k, tl.trans(k))
+    ky = tl.sum(k * dy, 1)
+    d_dout = tl.sum(k * dk_out, 1)
+    dk = ((beta * din)[:, None] * dy + dout[:, None] * dk_out + beta[:, None] * _dot(m, k)
+          + _dot(tl.trans(m), k * beta[:, None]))
+    dbeta += din * ky + tl.sum(m * kk, 1)
+    z = m * kk * beta[:, None]  # d Gamma_ij * Gamma_ij through A
+    dG = din * beta * ky - dout * d_dout + tl.sum(z, 1) - tl.sum(z, 0) + tl.load(DG_PART + srow)
+    # G_end enters dout (exp(G_end - G_i)) and dall (exp(G_end)).
+    dG += tl.where(i == C - 1, tl.sum(dout * d_dout, 0) + dall * tl.sum(dall_k, 0), 0.0)
+    tl.store(DG + (b * T + tok) * HV + h, tl.cumsum(dG, 0, reverse=True).to(DG.dtype.element_ty), mask=first)
+    tl.store(DBETA + (b * L + rows) * HV + h, dbeta.to(DBETA.dtype.element_ty), mask=real)
+    dk += tl.load(DK_PART + srow[:, None] * BK + ck[None, :])
+    dk = _unit_rows_bwd(k, k_rstd, dk)
+    tl.store(DK_OUT + ((b * L + rows) * HV + h)[:, None] * DK + ck[None, :], dk.to(DK_OUT.dtype.element_ty),
+             mask=real[:, None] & mk)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, resets, chunk_size: int) -> dict:
+    B, T, n_h, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    C = chunk_size
+    N = triton.cdiv(T * n_h, C)
+    BK = max(16, next_pow2(Dk))
+    return dict(
+        shapes=(B, T, n_h, Hk, Hv, Dk, Dv, N),
+        scalars=dict(T=T, L=T * n_h, LP=N * C, HK=Hk, HV=Hv),
+        consts=dict(R=Hv // Hk, NH=n_h, DK=Dk, DV=Dv, HAS_RESETS=resets is not None,
+                    COMPUTE=tl.float64 if q.dtype == torch.float64 else tl.float32, C=C, BK=BK,
+                    BV=min(MAX_BV, max(16, next_pow2(Dv))), num_warps=4 if C * BK <= 4096 else 8),
+        acc=torch.promote_types(q.dtype, torch.float32),
+    )
+
+
+def _resets_u8(resets: torch.Tensor | None) -> torch.Tensor | None:
+    return None if resets is None else resets.view(torch.uint8)
+
+
+def chunk_gdr_fwd(q, k, v, g, beta, resets, initial_state, chunk_size: int):
+    """q (B, T, Hk, Dk), k (B, T, n_h, Hk, Dk), v (B, T, n_h, Hv, Dv), g (B, T, Hv), beta (B, T, n_h, Hv),
+    resets (B, T) bool or None, initial_state (B, Hv, Dk, Dv) or None; all contiguous. Returns o (B, T, Hv, Dv)
+    in q's dtype, the final state (B, Hv, Dk, Dv) in fp32 (fp64 for fp64 q), and for the backward Tinv
+    (B, Hv, N * C, C) and the state entering each chunk (B, Hv, N, Dk, Dv)."""
+    m = _meta(q, k, v, resets, chunk_size)
+    B, T, n_h, Hk, Hv, Dk, Dv, N = m["shapes"]
+    C, acc = chunk_size, m["acc"]
+    o = q.new_empty(B, T, Hv, Dv)
+    tinv = torch.empty(B, Hv, N * C, C, dtype=acc, device=q.device)
+    states = torch.empty(B, Hv, N, Dk, Dv, dtype=acc, device=q.device)
+    if o.numel() == 0 or Dk == 0:
+        final = q.new_zeros(B, Hv, Dk, Dv, dtype=acc) if initial_state is None else initial_state.to(acc, copy=True)
+        return o.zero_(), final, tinv, states
+    check_interpreted(_wy_fwd_kernel, q.device)
+    final = torch.empty(B, Hv, Dk, Dv, dtype=acc, device=q.device)
+    w = torch.empty(B, Hv, N * C, Dk, dtype=acc, device=q.device)
+    u = torch.empty(B, Hv, N * C, Dv, dtype=acc, device=q.device)  # U, then delta
+    rs = _resets_u8(resets)
+    sc, cs = m["scalars"], m["consts"]
+    n_v = triton.cdiv(Dv, cs["BV"])
+    _wy_fwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, u, w, **sc, **cs)
+    _state_fwd_kernel[(B * Hv, n_v)](k, g, rs, w, u, initial_state, states, final, **sc, N=N,
+                                     HAS_S0=initial_state is not None, **cs)
+    _output_fwd_kernel[(N, B * Hv, n_v)](q, k, g, rs, states, u, o, **sc, N=N, **cs)
+    return o, final, tinv, states
+
+
+def chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, states, chunk_size: int):
+    """Gradients of `chunk_gdr_fwd` from do (B, T, Hv, Dv) and dht (B, Hv, Dk, Dv), the final state's
+    cotangent (contiguous): dq, dk, dv, dg, dbeta in their inputs' dtypes and the initial state's gradient
+    in the state's dtype. dq and dk are summed over each key head's r value heads here."""
+    m = _meta(q, k, v, resets, chunk_size)
+    B, T, n_h, Hk, Hv, Dk, Dv, N = m["shapes"]
+    C, acc = chunk_size, m["acc"]
+    r = Hv // Hk
+    if do.numel() == 0 or Dk == 0:
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), dht.to(acc, copy=True))
+    check_interpreted(_output_bwd_kernel, q.device)
+    dev = q.device
+
+    def scratch(*shape):
+        return torch.empty(B, Hv, *shape, dtype=acc, device=dev)
+
+    w, delta, ddelta = scratch(N * C, Dk), scratch(N * C, Dv), scratch(N * C, Dv)
+    # dk_part keeps the padded BK columns (zeros past Dk): _wy_bwd adds it to a BK-wide tile unmasked.
+    dk_part, dg_part, dstates = scratch(N * C, m["consts"]["BK"]), scratch(N * C), scratch(N, Dk, Dv)
+    dh0 = torch.empty(B, Hv, Dk, Dv, dtype=acc, device=dev)
+    # Per value head; with r > 1 kept in fp32 until the group sum.
+    dq_h = torch.empty(B, T, Hv, Dk, dtype=q.dtype if r == 1 else acc, device=dev)
+    dk_h = torch.empty(B, T, n_h, Hv, Dk, dtype=k.dtype if r == 1 else acc, device=dev)
+    dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
+    rs = _resets_u8(resets)
+    sc, cs = m["scalars"], m["consts"]
+    n_v = triton.cdiv(Dv, cs["BV"])
+    _output_bwd_kernel[(N, B * Hv)](q, k, v, g, beta, rs, do, tinv, states, w, delta, ddelta, dk_part, dg_part,
+                                    dq_h, **sc, N=N, **cs)
+    _state_bwd_kernel[(B * Hv, n_v)](q, k, g, rs, do, w, ddelta, dht, dstates, dh0, **sc, N=N, **cs)
+    _wy_bwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, states, dstates, w, delta, ddelta, dk_part, dg_part,
+                                dk_h, dv, dg, dbeta, **sc, N=N, **cs)
+    if r > 1:
+        dq_h = dq_h.view(B, T, Hk, r, Dk).sum(3).to(q.dtype)
+        dk_h = dk_h.view(B, T, n_h, Hk, r, Dk).sum(4).to(k.dtype)
+    return dq_h, dk_h, dv, dg, dbeta, dh0

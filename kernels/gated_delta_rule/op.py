@@ -1,0 +1,42 @@
+"""The gated delta rule through the backend switch (``model.kernels.delta_rule``): one entry point for the
+mixer, which picks the reference or the Triton kernels.
+
+- ``reference``: `delta_rule_chunked` (training, prefill) or `delta_rule_recurrent` (``algo="recurrent"``: the
+  mixer asks for it when decoding one token), pure torch.
+- ``triton``: `chunk_gated_delta_rule` (chunk.py: forward and backward), except when no gradient is wanted and
+  only a few tokens come (decoding): `recurrent_gated_delta_rule` (recurrent.py: forward only, the state kept in
+  registers over the tokens). The kernel modules import triton on first use, so this one needs none.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..backend import pick_for
+from .reference import delta_rule_chunked, delta_rule_recurrent
+
+DECODE_TOKENS = 16  # up to this many tokens without gradients: the recurrent kernel (one pass, no chunk systems)
+
+
+def gated_delta_rule(q, k, v, g, beta, *, resets=None, initial_state=None, output_final_state=False,
+                     chunk_size: int = 64, algo: str = "chunked", backend: str = "auto"):
+    """``(o, final_state or None)`` of the gated delta rule; shapes, dtypes and meaning as the reference
+    (reference.py's module docstring). algo: the reference's form (model.deltanet.algo); backend:
+    model.kernels.delta_rule."""
+    if pick_for("delta_rule", backend, q, k, v) == "reference":
+        if algo == "recurrent":
+            return delta_rule_recurrent(q, k, v, g, beta, resets=resets, initial_state=initial_state,
+                                        output_final_state=output_final_state)
+        return delta_rule_chunked(q, k, v, g, beta, resets=resets, initial_state=initial_state,
+                                  output_final_state=output_final_state, chunk_size=chunk_size)
+    inputs = (q, k, v, g, beta, initial_state)
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if not wants_grad and q.shape[1] <= DECODE_TOKENS:
+        from .recurrent import recurrent_gated_delta_rule
+
+        return recurrent_gated_delta_rule(q, k, v, g, beta, resets=resets, initial_state=initial_state,
+                                          output_final_state=output_final_state)
+    from .chunk import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(q, k, v, g, beta, resets=resets, initial_state=initial_state,
+                                  output_final_state=output_final_state, chunk_size=chunk_size)
