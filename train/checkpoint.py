@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
 
+from .tensor_parallel import canonical_state_dicts, to_row_order
+
 STEP_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -288,7 +290,7 @@ class CheckpointManager:
                 from torch.distributed.checkpoint.state_dict import get_state_dict
 
                 writing[0] = tmp / SHARDED
-                msd, osd = get_state_dict(model, optimizer)
+                msd, osd = canonical_state_dicts(model, *get_state_dict(model, optimizer))
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(writing[0]))
                 return
             writing[0] = tmp / "model.safetensors"
@@ -539,15 +541,16 @@ def _load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
     with warnings.catch_warnings():  # one process, no process group: DCP says it loads alone, which is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         try:
+            # (tensor-parallel fused weights are read in the model's row order, straight into these tensors)
             if optimizer is None:
-                sd = {"model": get_model_state_dict(model)}
-                dcp.load(sd, checkpoint_id=str(path / SHARDED))
-                set_model_state_dict(model, sd["model"])
+                msd = get_model_state_dict(model)
+                dcp.load({"model": canonical_state_dicts(model, msd, None)[0]}, checkpoint_id=str(path / SHARDED))
+                set_model_state_dict(model, msd)
             else:
                 msd, osd = get_state_dict(model, optimizer)
-                sd = {"model": msd, "optim": osd}
-                dcp.load(sd, checkpoint_id=str(path / SHARDED))
-                set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+                cmsd, cosd = canonical_state_dicts(model, msd, osd)
+                dcp.load({"model": cmsd, "optim": cosd}, checkpoint_id=str(path / SHARDED))
+                set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
         except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's own type is a BaseException)
             lines = [ln.strip() for ln in str(e).splitlines()
                      if any(s in ln for s in ("Missing key", "Unexpected key", "size mismatch", "shape"))]
@@ -582,6 +585,7 @@ def _load_full_into_sharded(path: Path, model: torch.nn.Module, optimizer) -> No
         raise CheckpointError(
             f"checkpoint {path} does not fit this model: missing {sorted(set(want) - set(full))[:5]}, unexpected "
             f"{sorted(set(full) - set(want))[:5]}; use the model config in {path / 'config.yaml'} or a new --run-dir")
+    full = {k: to_row_order(model, k, v) for k, v in full.items()}  # tensor parallel's order of fused weights
     try:
         set_model_state_dict(model, full, options=opts)
     except (RuntimeError, ValueError) as e:
@@ -595,7 +599,9 @@ def _load_full_into_sharded(path: Path, model: torch.nn.Module, optimizer) -> No
         if _is_pipeline_part(model):  # positions in the saving run's optimizer, which held the whole model
             order = _whole_model_param_order(path, model)
         keep = set(names.values())
-        by_name = {"state": {order[int(i)]: v for i, v in osd["state"].items() if order[int(i)] in keep},
+        by_name = {"state": {order[int(i)]: {n: to_row_order(model, order[int(i)], t) if torch.is_tensor(t) else t
+                                             for n, t in v.items()}
+                             for i, v in osd["state"].items() if order[int(i)] in keep},
                    "param_groups": [{**g, "params": [order[int(i)] for i in g["params"] if order[int(i)] in keep]}
                                     for g in osd["param_groups"]]}
         set_optimizer_state_dict(model, optimizer, by_name, options=opts)

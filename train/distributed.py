@@ -133,19 +133,31 @@ def check_tensor_parallel(cfg: JobConfig) -> None:
     """What tensor parallelism of degree ``parallel.tp`` needs of the model; ConfigError naming the field."""
     m, tp = cfg.model, cfg.parallel.tp
     unsupported = []
-    if "L" in m.layer_types():
-        unsupported.append("Gated DeltaNet layers (model.layer_pattern with L)")
-    if m.moe.n_experts:
-        unsupported.append("mixture-of-experts layers (model.moe.n_experts)")
     if m.ffn.kind != "dense":
         unsupported.append(f"structured feed-forwards (model.ffn.kind={m.ffn.kind})")
     if m.scale.any:
         unsupported.append("scale vectors (model.scale)")
     if unsupported:
-        raise ConfigError(f"parallel.tp={tp} shards gated attention and dense SwiGLU layers only in this version, "
-                          f"not {', '.join(unsupported)}; set parallel.tp=1 (data parallel covers every model)")
-    for name, value in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                        ("model.ffn_hidden", m.resolved_ffn_hidden()), ("data.seq_len", cfg.data.seq_len)):
+        raise ConfigError(f"parallel.tp={tp} shards gated attention, Gated DeltaNet, SwiGLU and MoE layers in this "
+                          f"version, not {', '.join(unsupported)}; set parallel.tp=1 (data parallel covers every model)")
+    if cfg.parallel.ep > 1 and m.moe.n_experts:
+        raise ConfigError(f"parallel.tp={tp} with parallel.ep={cfg.parallel.ep}: experts split by both is not "
+                          f"supported yet; use tp (every expert's hidden units split) or ep (whole experts split)")
+    sizes = [("data.seq_len", cfg.data.seq_len)]
+    if "A" in m.layer_types():
+        sizes += [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)]
+    if any(not m.moe.is_moe_layer(i) for i in range(m.n_layers)):
+        sizes.append(("model.ffn_hidden", m.resolved_ffn_hidden()))
+    if "L" in m.layer_types():
+        hk, hv, _, _ = m.deltanet.resolved(m)
+        sizes += [("model.deltanet.n_k_heads (Gated DeltaNet key heads)", hk),
+                  ("model.deltanet.n_v_heads (Gated DeltaNet value heads)", hv)]
+    if m.moe.n_experts:
+        hidden = m.moe.expert_hidden or m.resolved_ffn_hidden()
+        sizes.append(("model.moe.expert_hidden (each expert's hidden units)", hidden))
+        if m.moe.shared_expert_hidden:
+            sizes.append(("model.moe.shared_expert_hidden", m.moe.shared_expert_hidden))
+    for name, value in sizes:
         if value % tp:
             raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}: every tensor-parallel rank "
                               f"takes an equal share; choose a tp that divides it")

@@ -84,6 +84,8 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     sequence. QK-norm gains are replicated and applied to each rank's heads. The embedding is split by
     vocabulary rows and the output layer by vocabulary columns, so the logits stay split over the vocabulary
     and the cross-entropy runs on the shards (``loss_context``): the full logits never exist on one rank.
+    Gated DeltaNet layers are split by heads and MoE layers by every expert's hidden units, each as a smaller copy
+    of itself between the same all-gather and reduce-scatter (``train/tensor_parallel.py``).
     Parameters become DTensors; torch's DTensor sends every collective.
     """
     if mesh is None or mesh.tp == 1:
@@ -97,6 +99,8 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
         parallelize_module,
     )
 
+    from .tensor_parallel import ROW_ORDERS, parallelize_gated_deltanet, parallelize_moe
+
     tp_mesh = mesh.device_mesh["tp"]
     root = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
             "norm": SequenceParallel(),
@@ -104,32 +108,41 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
     # A pipeline stage holds some of these only (``train/pipeline.py``); absent parts are None.
     parallelize_module(model, tp_mesh, {k: v for k, v in root.items() if getattr(model, k) is not None})
-    for block in model.layers:
+    orders = getattr(model, ROW_ORDERS, None) or {}
+    for i, block in enumerate(model.layers):
         if block is None:
             continue
         block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing wraps blocks
-        attn = block.self_attn
-        plan = {
-            "input_layernorm": SequenceParallel(),
-            # the layer's inputs: the normed hidden states, gathered along the sequence; cos, sin, mask as they are
-            "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
-                                            desired_input_layouts=(Replicate(), None, None, None)),
-            "self_attn.q_proj": ColwiseParallel(),
-            "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(),
-            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            "post_attention_layernorm": SequenceParallel(),
-            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "mlp.gate_proj": ColwiseParallel(),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        }
-        if getattr(attn, "gate_proj", None) is not None:  # headwise gate: one output per head
-            plan["self_attn.gate_proj"] = ColwiseParallel()
-        if attn.q_norm is not None:  # over head_dim of (B, T, heads, D): the heads are the split dimension
-            plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+        if block.mixer_type == "A":
+            attn = block.self_attn
+            plan.update({
+                # the layer's inputs: the normed hidden states, gathered along the sequence; cos, sin, mask as they are
+                "self_attn": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                desired_input_layouts=(Replicate(), None, None, None)),
+                "self_attn.q_proj": ColwiseParallel(),
+                "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(),
+                "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            })
+            if getattr(attn, "gate_proj", None) is not None:  # headwise gate: one output per head
+                plan["self_attn.gate_proj"] = ColwiseParallel()
+            if attn.q_norm is not None:  # over head_dim of (B, T, heads, D): the heads are the split dimension
+                plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+                plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        else:  # Gated DeltaNet: a head-sharded copy on local tensors (train/tensor_parallel.py)
+            parallelize_gated_deltanet(block.linear_attn, tp_mesh, orders, f"layers.{i}.linear_attn.")
+        if hasattr(block.mlp, "experts"):  # mixture of experts: hidden units of every expert sharded
+            parallelize_moe(block.mlp, tp_mesh, orders, f"layers.{i}.mlp.")
+        else:
+            plan.update({
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.gate_proj": ColwiseParallel(),
+                "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+            })
         parallelize_module(block, tp_mesh, plan)
+    setattr(model, ROW_ORDERS, orders)  # reordered fused weights: checkpoints put them back in the model's order
     return model
 
 

@@ -90,8 +90,10 @@ def test_deepspeed_settings_are_refused_where_they_cannot_work(over, needle):
 
 
 @pytest.mark.parametrize("over, world, needle", [
-    ([("model.layer_pattern", "LA")], 2, "not Gated DeltaNet layers"),
-    ([("model.moe.n_experts", "4")], 2, "not mixture-of-experts"),
+    ([("model.ffn.kind", "lowrank"), ("model.ffn.rank", "16")], 2, "not structured feed-forwards"),
+    ([("model.layer_pattern", "LA"), ("model.deltanet.n_k_heads", "1")], 2,
+     r"n_k_heads \(Gated DeltaNet key heads\)=1 is not divisible"),
+    ([("model.moe.n_experts", "4"), ("model.moe.expert_hidden", "33")], 2, "expert_hidden .*=33 is not divisible"),
     ([("model.scale.two_sided", "true")], 2, "scale vectors"),
     ([("model.n_kv_heads", "1")], 2, "model.n_kv_heads=1 is not divisible by parallel.tp=2"),
     ([("data.seq_len", "127")], 2, "data.seq_len=127 is not divisible"),

@@ -1,0 +1,287 @@
+"""Tensor parallelism for the layers torch's Linear styles do not cover: Gated DeltaNet and mixture of experts.
+
+``train/parallelize.py`` shards attention and dense SwiGLU with torch's ``ColwiseParallel``/``RowwiseParallel``.
+A Gated DeltaNet or an MoE layer is more than a chain of linears (a depthwise convolution, per-head gates, a
+recurrence, routing), so each runs on its tp rank as a smaller copy of itself on plain local tensors, Megatron
+style, with one all-gather of the sequence-parallel input before it and one reduce-scatter of its partial output
+after it (the communication of a ColwiseParallel/RowwiseParallel pair):
+
+- **Gated DeltaNet**: rank r holds key heads r*Hk/tp ... and their value heads (the grouping of GVA keeps a key
+  head's value heads on its rank): its rows of the q, each k_j and each v_j projection and of the convolution
+  channels, of z, b, a, A_log and dt_bias, and the matching columns of out_proj. The gated norm's gain (per head
+  dim, shared by all heads) is replicated.
+- **MoE**: every rank routes all tokens of the micro-batch (the router is replicated, so the choice is the same
+  everywhere) and holds 1/tp of every expert's hidden units (gate and up rows, down columns) and of the shared
+  expert. Its output is a partial sum over the hidden units, reduced with the sequence scatter.
+
+Parameters stay DTensors over the tp mesh (sharded: whole-model shapes in checkpoints, the grad norm taken over
+all ranks; replicated gains and routers get partial gradients, which DTensor sums). The fused projections hold
+several segments in one weight (``in_proj_qkv`` = [q | k_1.. | v_1..], ``gate_up_proj`` = [gate | up]), and a
+rank needs a slice of each segment: such a weight is stored in a **row order** where each rank's rows are
+contiguous (rank 0's q, k, v rows, then rank 1's, ...), which a plain ``Shard`` then splits right. The model
+records every reordered weight (``ROW_ORDERS``); checkpoints are written and read in the model's own order
+(`canonical_state_dicts`, `to_row_order`), so they load at any other layout.
+
+Gradient bookkeeping of the replicated routing: the MoE auxiliary losses are computed whole on every tp rank, but
+the router's gradient is summed over the ranks (its main-loss part is partial there), so the auxiliary part of the
+gradient is scaled by 1/tp (the logged value is unchanged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+from torch import nn
+
+ROW_ORDERS = "_tp_row_orders"  # attribute of the root model: {parameter name: (dim, live-to-model index)}
+
+
+# ---- sequence all-gather / reduce-scatter ----------------------------------------------------------------------
+
+def gather_sequence(x: torch.Tensor, mesh) -> torch.Tensor:
+    """(B, T/tp, d) sequence shard (plain or DTensor Shard(1)) -> (B, T, d) plain. Backward: the ranks' partial
+    input gradients are summed and scattered back along the sequence."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+    return x.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+
+def scatter_sequence(y: torch.Tensor, mesh) -> torch.Tensor:
+    """(B, T, d) partial sums (each rank's heads or hidden units) -> (B, T/tp, d) summed sequence shard, plain.
+    Backward: the shard gradients are all-gathered."""
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
+# ---- parameters ------------------------------------------------------------------------------------------------
+
+def segment_row_order(widths: list[int], tp: int) -> torch.Tensor:
+    """The live row order of a weight made of segments of ``widths`` rows: rank 0's share of every segment, then
+    rank 1's, ... (entry i: the model row that live row i holds)."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return torch.cat([torch.arange(s + r * w // tp, s + (r + 1) * w // tp)
+                      for r in range(tp) for s, w in zip(starts, widths, strict=True)])
+
+
+def _shard(module: nn.Module, name: str, mesh, dim: int | None, order: torch.Tensor | None = None,
+           orders: dict | None = None, fqn: str = "") -> None:
+    """Replace ``module.<name>`` by a DTensor parameter over ``mesh``: Shard(dim) (after reordering ``dim`` by
+    ``order``, recorded in ``orders[fqn]``) or, with dim None, Replicate."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    p = getattr(module, name)
+    full = p.detach()
+    if dim is None:
+        local, placement = full.clone(), Replicate()
+    else:
+        if order is not None:
+            full = full.index_select(dim, order.to(full.device))
+            orders[fqn] = (dim, order)
+        tp, rank = mesh.size(), mesh.get_local_rank()
+        local, placement = full.chunk(tp, dim)[rank].clone(), Shard(dim)
+    setattr(module, name, nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False),
+                                       requires_grad=p.requires_grad))
+
+
+def _locals(module: nn.Module, replicated: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Every DTensor parameter of ``module`` as its local tensor; the ``replicated`` ones get partial gradients."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    out = {}
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            out[name] = p.to_local(grad_placements=[Partial()]) if name in replicated else p.to_local()
+    return out
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]):
+    """Run ``module`` with some parameters replaced by plain tensors (restored on exit)."""
+    saved = []
+    for name, t in tensors.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        saved.append((owner, attr, owner._parameters[attr]))
+        owner._parameters[attr] = t
+    try:
+        yield
+    finally:
+        for owner, attr, p in saved:
+            owner._parameters[attr] = p
+
+
+# ---- Gated DeltaNet ------------------------------------------------------------------------------------------
+
+def parallelize_gated_deltanet(gdn: nn.Module, mesh, orders: dict, prefix: str) -> None:
+    """Shard one GatedDeltaNet over the tp ``mesh`` by heads (module docstring); its forward then takes and
+    returns sequence shards."""
+    tp = mesh.size()
+    n_h, kd, vd, hv = gdn.n_h, gdn.key_dim, gdn.value_dim, gdn.n_v_heads
+    qkv = segment_row_order([kd] * (1 + n_h) + [vd] * n_h, tp)
+    _shard(gdn.in_proj_qkv, "weight", mesh, 0, qkv, orders, prefix + "in_proj_qkv.weight")
+    _shard(gdn.conv1d, "weight", mesh, 0, qkv, orders, prefix + "conv1d.weight")  # depthwise: one filter per row
+    b = segment_row_order([hv] * n_h, tp) if n_h > 1 else None  # (n_h, Hv) rows, sub-step major
+    _shard(gdn.in_proj_b, "weight", mesh, 0, b, orders, prefix + "in_proj_b.weight")
+    for module, name in ((gdn.in_proj_z, "weight"), (gdn.in_proj_a, "weight"), (gdn, "A_log"), (gdn, "dt_bias")):
+        _shard(module, name, mesh, 0)
+    _shard(gdn.out_proj, "weight", mesh, 1)
+    _shard(gdn.norm, "weight", mesh, None)
+    # The forward reads its sizes from these: each rank is a GatedDeltaNet of 1/tp of the heads.
+    gdn.n_k_heads, gdn.n_v_heads = gdn.n_k_heads // tp, hv // tp
+    gdn.key_dim, gdn.value_dim, gdn.conv_dim = kd // tp, vd // tp, gdn.conv_dim // tp
+    forward = type(gdn).forward
+
+    def tp_forward(self, x, doc_ids=None, cache=None):
+        if cache is not None:
+            raise RuntimeError("decoding with a cache runs on one process; tensor parallelism trains only")
+        x = gather_sequence(x, mesh)
+        with _swapped(self, _locals(self, replicated=("norm.weight",))):
+            y = forward(self, x, doc_ids)
+        return scatter_sequence(y, mesh)
+
+    gdn.forward = types.MethodType(tp_forward, gdn)
+
+
+# ---- mixture of experts ----------------------------------------------------------------------------------------
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def parallelize_moe(moe: nn.Module, mesh, orders: dict, prefix: str) -> None:
+    """Shard one MoE layer's experts (and shared expert) over the tp ``mesh`` by hidden units (module docstring)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    tp = mesh.size()
+    experts = moe.experts
+    gate_up = segment_row_order([experts.hidden, experts.hidden], tp)  # [gate | up] rows of every expert
+    _shard(experts, "gate_up_proj", mesh, 1, gate_up, orders, prefix + "experts.gate_up_proj")
+    _shard(experts, "down_proj", mesh, 2)
+    replicated = ["gate.weight"]
+    _shard(moe.gate, "weight", mesh, None)
+    if moe.shared_expert is not None:
+        se = moe.shared_expert
+        _shard(se.gate_proj, "weight", mesh, 0)
+        _shard(se.up_proj, "weight", mesh, 0)
+        _shard(se.down_proj, "weight", mesh, 1)
+        _shard(moe.shared_expert_gate, "weight", mesh, None)
+        replicated.append("shared_expert_gate.weight")
+    experts.hidden //= tp
+    forward = type(moe).forward
+
+    def tp_forward(self, x):
+        x = gather_sequence(x, mesh)
+        with _swapped(self, _locals(self, replicated=tuple(replicated))):
+            y = forward(self, x)
+        if self.aux_loss is not None:  # whole on every rank, its router gradient summed over them: count it once;
+            # a replicated DTensor, as the vocabulary-parallel loss it is added to
+            self.aux_loss = DTensor.from_local(_ScaleGrad.apply(self.aux_loss, 1.0 / tp), mesh, [Replicate()],
+                                               run_check=False)
+        return scatter_sequence(y, mesh)
+
+    moe.forward = types.MethodType(tp_forward, moe)
+
+
+# ---- checkpoints in the model's row order ----------------------------------------------------------------------
+
+def _plain(name: str) -> str:
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def row_orders(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+    return getattr(model, ROW_ORDERS, None) or {}
+
+
+def to_row_order(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A whole tensor in the model's order -> the live order of parameter ``name`` (unchanged if not reordered)."""
+    entry = row_orders(model).get(_plain(name))
+    if entry is None or tensor.dim() == 0:
+        return tensor
+    dim, order = entry
+    return tensor.index_select(dim, order.to(tensor.device))
+
+
+class _ModelOrderChunks(torch.Tensor):
+    """A DTensor's local shard of a reordered parameter, presented to torch.distributed.checkpoint as the chunks
+    of the whole tensor in the model's order that it holds (runs of consecutive model rows). The chunks are views
+    of the local shard, so a load writes straight into the parameter or optimizer state."""
+
+    @staticmethod
+    def __new__(cls, dtensor, dim: int, order: torch.Tensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = dtensor.to_local()
+        out = torch.Tensor._make_wrapper_subclass(cls, dtensor.shape, dtype=local.dtype, device=local.device)
+        sizes, offsets = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh,
+                                                               dtensor.placements)
+        rows = order[offsets[dim]:offsets[dim] + sizes[dim]].tolist()  # model row of each local row along dim
+        out._chunks = []
+        start = 0
+        for i in range(1, len(rows) + 1):
+            if i == len(rows) or rows[i] != rows[i - 1] + 1:
+                off = list(offsets)
+                off[dim] = rows[start]
+                out._chunks.append((torch.Size(off), local.narrow(dim, start, i - start)))
+                start = i
+        out._local = local
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(f"{func} on a checkpoint view of a tensor-parallel parameter")
+
+    # torch.distributed.checkpoint's protocol (as DTensor implements it)
+    def __create_write_items__(self, fqn, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=view.shape),
+                                                      properties=TensorProperties.create_from_tensor(self._local),
+                                                      size=self.shape))
+                for off, view in self._chunks]
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=off, sizes=view.shape) for off, view in self._chunks]
+
+    def __get_tensor_shard__(self, index):
+        for off, view in self._chunks:
+            if index.offset is None or off == torch.Size(index.offset):
+                return view
+        raise ValueError(f"no chunk at offset {index.offset} of {index.fqn}")
+
+
+def canonical_state_dicts(model: nn.Module, msd: dict, osd: dict | None) -> tuple[dict, dict | None]:
+    """Copies of the model and optimizer state dicts (of ``get_state_dict``) in which every reordered parameter
+    and its optimizer state appear in the model's order, for ``dcp.save`` / ``dcp.load`` (the load writes into
+    the tensors of the originals, which then go to ``set_state_dict``)."""
+    orders = {_plain(k): v for k, v in row_orders(model).items()}
+    if not orders:
+        return msd, osd
+
+    def wrap(name, t):
+        entry = orders.get(_plain(name))
+        if entry is None or not hasattr(t, "to_local") or t.dim() == 0:
+            return t
+        return _ModelOrderChunks(t, *entry)
+
+    msd = {k: wrap(k, v) for k, v in msd.items()}
+    if osd is not None:
+        state = {k: ({n: wrap(k, t) for n, t in v.items()} if isinstance(v, dict) else v)
+                 for k, v in osd.get("state", {}).items()}
+        osd = {**osd, "state": state}
+    return msd, osd
