@@ -267,12 +267,11 @@ class JobConfig:
         if self.train.compile and self.parallel.engine == "deepspeed":
             raise ConfigError("train.compile=true works with parallel.engine=torch only (DeepSpeed wraps the model "
                               "itself); set train.compile=false or parallel.engine=torch")
-        for op in ("norm", "cross_entropy"):
-            if self.parallel.tp > 1 and getattr(self.model.kernels, op) == "triton":
-                raise ConfigError(
-                    f"model.kernels.{op}=triton with parallel.tp={self.parallel.tp}: tensor parallelism hands the "
-                    f"{'norms' if op == 'norm' else 'loss'} DTensors, which the Triton {op} kernel does not take; set "
-                    f"model.kernels.{op}=auto (the reference under tensor parallelism) or parallel.tp=1")
+        if self.parallel.tp > 1 and self.model.kernels.norm == "triton":
+            raise ConfigError(
+                f"model.kernels.norm=triton with parallel.tp={self.parallel.tp}: tensor parallelism hands the norms "
+                f"DTensors, which the Triton norm kernel does not take; set model.kernels.norm=auto (the reference "
+                f"under tensor parallelism) or parallel.tp=1")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds the rotary table model.max_seq_len="

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
-from ..kernels.backend import is_distributed, pick_for
+from ..kernels.backend import is_distributed
 from ..kernels.cross_entropy import linear_cross_entropy
 from .attention import GatedAttention, doc_causal_mask
 from .ffn import build_ffn
@@ -109,6 +109,9 @@ class GatedLM(nn.Module):
         # Context parallel (set from outside, train/context_parallel.py): input_ids are then one piece of each
         # sequence, and its positions start where the hooks say.
         self.context_parallel = None
+        # Tensor parallel (set from outside, train/tensor_parallel.py): the loss over a head split by vocabulary
+        # rows, (normed h, head shard, labels, z_loss, backend) -> loss.
+        self.vocab_parallel_loss = None
         self.loss_backend = cfg.kernels.cross_entropy
         for m in self.modules():
             if getattr(m, "kernel_op", None) == "norm":
@@ -166,22 +169,14 @@ class GatedLM(nn.Module):
         h = self.norm(h)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         z_loss = self.cfg.lm_z_loss
-        if labels is not None and not is_distributed(head):
+        if labels is not None and is_distributed(head):  # tensor parallel: the vocabulary split over ranks
+            return self.vocab_parallel_loss(h, head, labels, z_loss, self.loss_backend)
+        if labels is not None:
             # triton: chunked, the (B, T, V) logits never exist; reference: the logits, then the loss (kernels/
             # cross_entropy). Both in fp32: under bf16 autocast the logits alone would be too coarse.
             return linear_cross_entropy(h.flatten(0, 1), head, labels.flatten(), z_loss=z_loss,
                                         backend=self.loss_backend)
-        logits = F.linear(h, head)  # (B, T, V)
-        if labels is None:
-            return logits
-        # Tensor parallel: vocabulary-sharded DTensor logits, the loss under loss_parallel (train/parallelize.py).
-        pick_for("cross_entropy", self.loss_backend, head)  # refuses an explicit triton request by name
-        if z_loss:
-            raise ValueError("model.lm_z_loss > 0 is not available with tensor parallelism yet (its loss runs on "
-                             "DTensor shards); set model.lm_z_loss=0 or parallel.tp=1")
-        # fp32 log-softmax: under bf16 autocast the logits arrive in bf16, too coarse for the loss.
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return F.linear(h, head)  # (B, T, V)
 
     def aux_loss(self) -> torch.Tensor | float:
         """Sum of the auxiliary losses (MoE balance, router z-loss) of the last forward, already weighted."""

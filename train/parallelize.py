@@ -81,9 +81,9 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     so are the RMSNorms that read it. A layer's input is all-gathered along the sequence; q/k/v and gate/up
     are split by output columns (whole heads, whole kv groups: the fused [query | gate] rows of a head stay
     together), o_proj and down_proj by input rows, and their outputs are reduce-scattered back along the
-    sequence. QK-norm gains are replicated and applied to each rank's heads. The embedding is split by
-    vocabulary rows and the output layer by vocabulary columns, so the logits stay split over the vocabulary
-    and the cross-entropy runs on the shards (``loss_context``): the full logits never exist on one rank.
+    sequence. QK-norm gains are replicated and applied to each rank's heads. The embedding and the output layer
+    are split by vocabulary rows, and the loss is the fused linear + cross-entropy over the shards
+    (``vocab_parallel_loss``): the logits never exist, whole or split.
     Gated DeltaNet layers are split by heads and MoE layers by every expert's hidden units, each as a smaller copy
     of itself between the same all-gather and reduce-scatter (``train/tensor_parallel.py``).
     Parameters become DTensors; torch's DTensor sends every collective.
@@ -99,7 +99,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
         parallelize_module,
     )
 
-    from .tensor_parallel import ROW_ORDERS, parallelize_gated_deltanet, parallelize_moe
+    from .tensor_parallel import ROW_ORDERS, parallelize_gated_deltanet, parallelize_moe, vocab_parallel_loss
 
     tp_mesh = mesh.device_mesh["tp"]
     root = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -108,6 +108,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
     # A pipeline stage holds some of these only (``train/pipeline.py``); absent parts are None.
     parallelize_module(model, tp_mesh, {k: v for k, v in root.items() if getattr(model, k) is not None})
+    model.vocab_parallel_loss = vocab_parallel_loss(tp_mesh)
     orders = getattr(model, ROW_ORDERS, None) or {}
     for i, block in enumerate(model.layers):
         if block is None:

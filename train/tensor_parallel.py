@@ -162,8 +162,6 @@ class _ScaleGrad(torch.autograd.Function):
 
 def parallelize_moe(moe: nn.Module, mesh, orders: dict, prefix: str) -> None:
     """Shard one MoE layer's experts (and shared expert) over the tp ``mesh`` by hidden units (module docstring)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
     tp = mesh.size()
     experts = moe.experts
     gate_up = segment_row_order([experts.hidden, experts.hidden], tp)  # [gate | up] rows of every expert
@@ -185,13 +183,44 @@ def parallelize_moe(moe: nn.Module, mesh, orders: dict, prefix: str) -> None:
         x = gather_sequence(x, mesh)
         with _swapped(self, _locals(self, replicated=tuple(replicated))):
             y = forward(self, x)
-        if self.aux_loss is not None:  # whole on every rank, its router gradient summed over them: count it once;
-            # a replicated DTensor, as the vocabulary-parallel loss it is added to
-            self.aux_loss = DTensor.from_local(_ScaleGrad.apply(self.aux_loss, 1.0 / tp), mesh, [Replicate()],
-                                               run_check=False)
+        if self.aux_loss is not None:  # whole on every rank, its router gradient summed over them: count it once
+            self.aux_loss = _ScaleGrad.apply(self.aux_loss, 1.0 / tp)
         return scatter_sequence(y, mesh)
 
     moe.forward = types.MethodType(tp_forward, moe)
+
+
+# ---- the loss over a vocabulary-split head -----------------------------------------------------------------
+
+def vocab_parallel_loss(mesh):
+    """``GatedLM.vocab_parallel_loss`` over the tp ``mesh``: the fused linear + cross-entropy of
+    kernels/cross_entropy on each rank's rows of the head (ColwiseParallel lm_head or RowwiseParallel tied
+    embedding: Shard(0) over the vocabulary), with the ranks' softmax statistics combined, z-loss included. The
+    (B, T, V) logits exist nowhere, not even split: they are made and consumed in chunks."""
+    import torch.distributed as dist
+
+    from hybridtron.kernels.cross_entropy import vocab_parallel_linear_cross_entropy
+
+    group = mesh.get_group()
+
+    def all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+        return t
+
+    def loss(h, head, labels, z_loss, backend):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        if not isinstance(h, DTensor):
+            h = DTensor.from_local(h, mesh, [Shard(1)], run_check=False)
+        # the whole sequence on every rank; the loss's backward gives every rank the whole dh already (summed
+        # over the vocabulary shards), so the gather's backward only takes this rank's part of it
+        h = h.redistribute(mesh, [Replicate()]).to_local()
+        shard = head.to_local()
+        return vocab_parallel_linear_cross_entropy(h.flatten(0, 1), shard, labels.flatten(),
+                                                   vocab_start=mesh.get_local_rank() * shard.shape[0],
+                                                   all_reduce=all_reduce, z_loss=z_loss, backend=backend)
+
+    return loss
 
 
 # ---- checkpoints in the model's row order ----------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 A hybrid stack with every kind of reordered weight -- DeltaProduct (two Householder steps, so in_proj_qkv holds
 [q | k_1 k_2 | v_1 v_2] and in_proj_b two segments), grouped value heads, MoE with a shared expert, auxiliary and
-z losses and router biases on every layer, document masks -- trains 4 steps at tp2 and at dp2 x tp2 (FSDP2) and is
+z losses and router biases on every layer, document masks, the LM's z-loss on the vocabulary-split head -- trains 4 steps at tp2 and at dp2 x tp2 (FSDP2) and is
 compared with one process: the same losses and gradient norms, and the checkpoint holds the same tensors in the
 model's own order. Checkpoints cross between tp2 and one process both ways, sharded and whole. The row orders
 themselves are checked against a brute-force definition.
@@ -32,7 +32,8 @@ HYBRID = ["--model.layer_pattern", "LLLA", "--model.n_layers", "4", "--model.doc
           "--model.deltanet.neg_eigval", "true",
           "--model.moe.n_experts", "4", "--model.moe.top_k", "2", "--model.moe.expert_hidden", "32",
           "--model.moe.shared_expert_hidden", "32", "--model.moe.aux_loss_coef", "0.01",
-          "--model.moe.z_loss_coef", "0.001", "--model.moe.bias_update_rate", "0.01"]
+          "--model.moe.z_loss_coef", "0.001", "--model.moe.bias_update_rate", "0.01",
+          "--model.lm_z_loss", "0.001"]  # the vocabulary-parallel loss with its z-loss
 BASE = [*STEPS, *HYBRID]
 LAYOUTS = {  # name: (processes, extra arguments)
     "tp2": (2, ["--parallel.tp", "2", "--train.grad_accum_steps", "2"]),
