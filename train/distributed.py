@@ -140,9 +140,6 @@ def check_tensor_parallel(cfg: JobConfig) -> None:
     if unsupported:
         raise ConfigError(f"parallel.tp={tp} shards gated attention, Gated DeltaNet, SwiGLU and MoE layers in this "
                           f"version, not {', '.join(unsupported)}; set parallel.tp=1 (data parallel covers every model)")
-    if cfg.parallel.ep > 1 and m.moe.n_experts:
-        raise ConfigError(f"parallel.tp={tp} with parallel.ep={cfg.parallel.ep}: experts split by both is not "
-                          f"supported yet; use tp (every expert's hidden units split) or ep (whole experts split)")
     sizes = [("data.seq_len", cfg.data.seq_len)]
     if "A" in m.layer_types():
         sizes += [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)]

@@ -2,10 +2,11 @@
 
 A hybrid stack with every kind of reordered weight -- DeltaProduct (two Householder steps, so in_proj_qkv holds
 [q | k_1 k_2 | v_1 v_2] and in_proj_b two segments), grouped value heads, MoE with a shared expert, auxiliary and
-z losses and router biases on every layer, document masks, the LM's z-loss on the vocabulary-split head -- trains 4 steps at tp2 and at dp2 x tp2 (FSDP2) and is
-compared with one process: the same losses and gradient norms, and the checkpoint holds the same tensors in the
-model's own order. Checkpoints cross between tp2 and one process both ways, sharded and whole. The row orders
-themselves are checked against a brute-force definition.
+z losses and router biases on every layer, document masks, the LM's z-loss on the vocabulary-split head -- trains
+4 steps at tp2, at dp2 x tp2 (FSDP2) and at dp2 x tp2 with the experts also split over ep2, and is compared with
+one process: the same losses and gradient norms, and the checkpoint holds the same tensors in the model's own
+order. Checkpoints cross between these layouts and one process, sharded and whole. The row orders themselves
+are checked against a brute-force definition.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ LAYOUTS = {  # name: (processes, extra arguments)
     # each dp rank one micro-batch of 4: the reference's two accumulated micro-batches, so the per-micro-batch
     # MoE auxiliary losses see the same tokens
     "tp2_dp2_zero3": (4, ["--parallel.tp", "2", "--parallel.zero_stage", "3"]),
+    # experts split both ways: each rank holds 2 of the 4 experts (ep2) and half of their hidden units (tp2)
+    "tp2_dp2_ep2": (4, ["--parallel.tp", "2", "--parallel.zero_stage", "3", "--parallel.ep", "2"]),
 }
 
 pytestmark = pytest.mark.slow
@@ -76,9 +79,11 @@ def test_tensor_parallel_hybrid_moe_trains_like_one_process(layout, runs):
     # 1e-7 may pick the other (seen once at step 4: one expert's weights then differ in 3% of their elements).
     want = assert_same_weights_but_adam_noise(runs[layout], runs["single"])
     assert any("in_proj_qkv" in k for k in want) and any("gate_up_proj" in k for k in want)
+    assert f"dp={1 if layout == 'tp2' else 2}, tp=2, pp=1, ep={2 if 'ep2' in layout else 1}" in runs[layout + ".log"]
 
 
-@pytest.mark.parametrize("src, dst", [("tp2", "single"), ("single", "tp2"), ("tp2_dp2_zero3", "tp2")])
+@pytest.mark.parametrize("src, dst", [("tp2", "single"), ("single", "tp2"), ("tp2_dp2_zero3", "tp2"),
+                                      ("tp2_dp2_ep2", "single")])
 def test_tensor_parallel_checkpoint_resumes_at_another_layout(src, dst, runs, small_data_dir, small_argv, tmp_path):
     # single -> tp2 reads whole files into reordered shards; tp2 -> single and -> dp2 x tp2 read the sharded
     # checkpoint in the model's order
@@ -107,8 +112,7 @@ def test_tensor_parallel_layouts_that_cannot_work_are_refused():
                ("model.n_kv_heads", "2"))
     with pytest.raises(ConfigError, match=r"model.moe.expert_hidden .*=33 is not divisible by parallel.tp=2"):
         layout(("model.moe.n_experts", "4"), ("model.moe.expert_hidden", "33"))
-    with pytest.raises(ConfigError, match=r"parallel.tp=2 with parallel.ep=2: experts split by both"):
-        layout(("model.moe.n_experts", "4"), ("parallel.ep", "2"), ("parallel.zero_stage", "3"), world=4)
+    assert layout(("model.moe.n_experts", "4"), ("parallel.ep", "2"), ("parallel.zero_stage", "3"), world=4) == 2
     with pytest.raises(ConfigError, match=r"not structured feed-forwards"):
         layout(("model.ffn.kind", "lowrank"), ("model.ffn.rank", "16"))
 
