@@ -22,6 +22,7 @@ nn.Linear / nn.Embedding is N(0, std) (output projections N(0, out_std)), norms 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 
 import torch
@@ -122,18 +123,28 @@ class GatedLM(nn.Module):
         """Initialise every parameter and buffer in place (after `to_empty` from meta, too).
 
         Matrices and the embedding ~ N(0, init_std); projections into the residual stream ~ N(0, init_std /
-        sqrt(2 n_layers)) so its variance does not grow with depth (GPT-2). Modules are visited in
-        registration order, so the result is a function of the torch seed only.
+        sqrt(2 n_layers)) so its variance does not grow with depth (GPT-2). Each part (the embedding, every
+        layer, the final norm, the head) draws from its own random stream, seeded from the torch seed and the
+        part's name: a part's weights do not depend on which other parts exist, so a pipeline rank that builds
+        only its stages gets the weights the whole model would have (and a tied head's copy equals the
+        embedding). Within a part, modules are visited in registration order.
         """
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, module in self.named_modules():
-            if module is not self and hasattr(module, "init_weights"):
-                module.init_weights(std=std, out_std=out_std)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=out_std if name.endswith(OUT_PROJ_NAMES) else std)
-            elif isinstance(module, (RMSNorm, RotaryEmbedding)):
-                module.reset_parameters()
+        base = torch.initial_seed()
+        parts = [(name, m) for name, m in self.named_children() if name != "layers" and m is not None]
+        parts += [(f"layers.{i}", m) for i, m in enumerate(self.layers) if m is not None]
+        cuda = sorted({p.device.index or 0 for p in self.parameters() if p.device.type == "cuda"})
+        for part_name, part in parts:
+            with torch.random.fork_rng(devices=cuda):
+                torch.manual_seed((base + zlib.crc32(part_name.encode())) % 2**63)
+                for name, module in part.named_modules(prefix=part_name):
+                    if hasattr(module, "init_weights"):
+                        module.init_weights(std=std, out_std=out_std)
+                    elif isinstance(module, (nn.Linear, nn.Embedding)):
+                        nn.init.normal_(module.weight, mean=0.0, std=out_std if name.endswith(OUT_PROJ_NAMES) else std)
+                    elif isinstance(module, (RMSNorm, RotaryEmbedding)):
+                        module.reset_parameters()
 
     def forward(
         self,

@@ -155,11 +155,14 @@ def check_resume_tokenizer(ckpt: Path | None, tokenizer, tokenizer_dir: Path) ->
 
 
 # ---- builders shared by the subcommands ---------------------------------------------------------
-def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int = 0):
+def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int = 0, cut=None):
     """The model as it is at training step ``step`` (structure that changes with the step, such as
-    self-guided FFN weights leaving the model, is applied), ready for a checkpoint of that step."""
+    self-guided FFN weights leaving the model, is applied), ready for a checkpoint of that step. ``cut``: drops
+    the parts another rank holds (pipeline parallel) before any weight is allocated."""
     with torch.device("meta"):
         model = GatedLM(cfg.model, vocab_size)
+    if cut is not None:
+        cut(model)
     model = parallelize(model, cfg.train)
     model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
@@ -253,14 +256,23 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
     latest = CheckpointManager(run_dir).latest()
     check_resume_tokenizer(latest, prepared.tokenizer, prepared.tokenizer_dir)
     resume_step = checkpoint_step(latest)
-    model = build_model(cfg, cfg.model.vocab_size, device, resume_step)  # 3. model, parallelized, initialised
+    stages_only = None
+    if mesh.pp > 1 and cfg.parallel.engine == "torch":  # a pipeline rank builds the parts of its stages only
+        from .pipeline import rank_cut
+
+        stages_only = rank_cut(cfg, mesh, cfg.model.vocab_size)
+    model = build_model(cfg, cfg.model.vocab_size, device, resume_step, cut=stages_only)  # 3. model, initialised
     if init_from is not None and resume_step == 0:
         from .hf_import import load_hf_weights
 
         load_hf_weights(model, init_from)
         log(f"initialised from Hugging Face weights in {init_from}")
-    sizes = (f"{model.num_params() / 1e6:.2f}M parameters ({model.num_params(exclude_embeddings=True) / 1e6:.2f}M "
-             f"non-embedding, {model.num_active_params() / 1e6:.2f}M active)")  # before ZeRO-3 partitions them
+    whole = model
+    if stages_only is not None:  # this rank holds some stages: count the whole model (shapes only)
+        with torch.device("meta"):
+            whole = GatedLM(cfg.model, cfg.model.vocab_size)
+    sizes = (f"{whole.num_params() / 1e6:.2f}M parameters ({whole.num_params(exclude_embeddings=True) / 1e6:.2f}M "
+             f"non-embedding, {whole.num_active_params() / 1e6:.2f}M active)")  # before ZeRO-3 partitions them
     amp_dtype = autocast_dtype(t, device)
     engine = pipeline = None
     if cfg.parallel.engine == "deepspeed":

@@ -149,6 +149,8 @@ def apply_init_from(cfg: JobConfig, spec: str) -> Path:
 def load_hf_weights(model, hf_dir: Path) -> None:
     state = state_from_hf(read_hf_state(hf_dir), model.cfg)
     own = model.state_dict()
+    if any(layer is None for layer in model.layers):  # a pipeline rank's part: the tensors of its stages
+        state = {k: v for k, v in state.items() if k in own}
     missing = [k for k in own if k not in state and not k.endswith(".expert_bias")]
     unexpected = [k for k in state if k not in own]
     if missing or unexpected:

@@ -129,8 +129,23 @@ def stage_loss(loss: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
     return loss.sum()
 
 
+def stage_ids(cfg: JobConfig, mesh) -> list[int]:
+    """The pipeline stages rank ``mesh.pp_rank`` runs (several when interleaved: every pp-th stage)."""
+    return [mesh.pp_rank + k * cfg.parallel.pp for k in range(cfg.parallel.pp_stages_per_rank)]
+
+
+def rank_cut(cfg: JobConfig, mesh, vocab_size: int):
+    """``cut`` to the parts this rank's stages hold: applied to the model on the meta device, before its weights
+    exist, so a rank materialises and initialises its stages only (``GatedLM.init_weights`` gives each part the
+    weights it has in the whole model)."""
+    ranges, ids = stage_ranges(cfg, vocab_size), stage_ids(cfg, mesh)
+    keep = {i for s in ids for i in ranges[s]}
+    return lambda model: cut(model, keep, 0 in ids, len(ranges) - 1 in ids)
+
+
 def cut(model: nn.Module, keep: set[int], first: bool, last: bool) -> nn.Module:
-    """Drop, in place, every part of ``model`` this rank's stages do not hold; absent layers become None."""
+    """Drop, in place, every part of ``model`` this rank's stages do not hold; absent layers become None.
+    Cutting a cut model again changes nothing."""
     for i in range(len(model.layers)):
         if i not in keep:
             model.layers._modules[str(i)] = None
@@ -154,9 +169,9 @@ class Pipeline:
         self.n_micro = cfg.train.grad_accum_steps
         self.ranges = stage_ranges(cfg, vocab_size)
         n_stages = len(self.ranges)
-        self.stage_ids = [mesh.pp_rank + k * p.pp for k in range(p.pp_stages_per_rank)]
+        self.stage_ids = stage_ids(cfg, mesh)
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
-        self.tied = model.lm_head is None
+        self.tied = cfg.model.tie_embeddings
         self.model = cut(model, {i for s in self.stage_ids for i in self.ranges[s]}, self.has_first, self.has_last)
         self.stages = [StageModule(model, self.ranges[s], s == 0, s == n_stages - 1, mesh.tp) for s in self.stage_ids]
         self._pp_group = mesh.device_mesh.get_group("pp")

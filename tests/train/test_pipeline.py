@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.model.flops import layer_flops
 from hybridtron.train.checkpoint import SHARDED
+from hybridtron.train.cli import build_model
 from hybridtron.train.distributed import resolve_layout
 from hybridtron.train.metrics import read_metrics
-from hybridtron.train.pipeline import balance, stage_ranges
+from hybridtron.train.pipeline import balance, rank_cut, stage_ranges
 
 from .test_data_parallel import (
     MOE,
@@ -73,6 +76,25 @@ def test_cuts_count_layer_kinds_and_the_output_layer():
     even_cost = [sum(per_layer[i] for i in r) + (head if k == 3 else 0) for k, r in enumerate(even)]
     assert max(cost) <= max(even_cost)
     assert len(ranges[-1]) < len(ranges[0])  # the head's FLOPs take layers off the last stage
+
+
+def test_a_pipeline_rank_builds_and_initialises_only_its_stages():
+    # The model is cut on the meta device, so a rank allocates its stages' weights only; each part of the model
+    # draws its initial weights from its own stream, so they equal the whole model's (the tied head's copy on the
+    # last stage equals the first stage's embedding).
+    cfg = load_config("tiny", [("parallel.pp", "2"), ("train.grad_accum_steps", "2"), ("model.n_layers", "4")])
+    vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
+    whole = build_model(cfg, vocab, torch.device("cpu")).state_dict()
+    held = set()
+    for pp_rank in (0, 1):
+        part = build_model(cfg, vocab, torch.device("cpu"), cut=rank_cut(cfg, SimpleNamespace(pp_rank=pp_rank), vocab))
+        own = part.state_dict()
+        layers = {k for k in whole if k.startswith("layers.")}
+        assert {k for k in own if k.startswith("layers.")} < layers  # some of the layers only
+        for k, v in own.items():
+            assert torch.equal(v, whole[k]), k
+        held |= set(own)
+    assert held == set(whole)
 
 
 def test_pipeline_layouts_that_cannot_work_are_refused():
