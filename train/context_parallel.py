@@ -6,12 +6,11 @@ Only the sequence mixers need the other pieces:
 - **Attention**: keys and values are all-gathered along the sequence (a differentiable all-gather: the
   backward reduce-scatters their gradients), and each rank's queries attend over the whole sequence with the
   causal (and document) mask shifted to the piece's position. Rotary positions are the global ones.
-- **Gated DeltaNet**: the short convolution reads the last conv_size - 1 inputs of the previous piece (a
-  differentiable all-gather of those few rows), and the recurrent state passes from piece to piece: rank r
-  receives the state rank r - 1 ended with, starts its chunked delta rule from it and sends its own final
-  state on; in the backward the state's gradient goes the other way. A document boundary between two pieces
-  resets the state as it would on one device. The state passing makes the delta-rule layers sequential over
-  the cp ranks (the attention layers are not).
+- **Gated DeltaNet**: the short convolution reads the last conv_size - 1 inputs of the previous piece (sent
+  point to point; the gradient goes back the same way). The delta rule's state is affine in the state a piece
+  starts from, so every rank runs its piece at once and learns that map (one run, ``delta_rule``); the maps
+  are all-gathered, and each rank composes the state its piece starts from and corrects its outputs. A
+  document boundary between two pieces resets the state as it would on one device.
 
 The loss of each rank is the mean over its own positions, so gradients are averaged over dp x cp ranks (the
 data-parallel wrapper runs over both) and the logged loss is the mean over them, which is the one-device loss
@@ -33,13 +32,13 @@ def local_piece(batch: dict, mesh) -> dict:
     return {k: v.chunk(n, dim=1)[r].contiguous() for k, v in batch.items()}
 
 
-STATE, HALO = 1, 2  # message tags: the recurrent state and the convolution halo travel apart
+HALO = 2  # message tag of the convolution halo
 
 
 class ContextParallel:
     """The hooks the LM and its sequence mixers call under context parallelism (``context_parallel`` attribute).
 
-    The delta-rule exchanges form a chain (rank r - 1 -> r forward, r -> r - 1 backward). Every send is
+    The convolution halos form a chain (rank r - 1 -> r forward, r -> r - 1 backward). Every send is
     non-blocking and only receives wait, so no rank waits on one that is itself waiting, whatever order
     autograd runs a rank's backward nodes in; the exchanges use a process group of their own."""
 
@@ -129,16 +128,34 @@ class ContextParallel:
         return doc_ids[:, 0] != self.whole_ids[:, self.rank * doc_ids.shape[1] - 1]
 
     def delta_rule(self, fn, q, k, v, g, beta, resets, **kw):
-        """``fn`` (the chunked or recurrent delta rule) on this piece, starting from the state the previous piece
-        ended with; the final state goes on to the next piece. Returns the piece's output."""
+        """``fn`` (a delta rule: reference or kernel) on this piece as if the pieces before it had run first, with
+        every rank computing at once.
+
+        The piece's state is affine in the state it starts from, S_end = A S_0 + B, and so is every output,
+        o_t = o_t(0) + S_0^T Q_t. The state's columns evolve independently, so one run of ``fn`` from the
+        state [I | 0] with the values [0 | v] gives both at once: the first Dk output columns are Q, the others
+        o(0), and its final state is [A | B]. The ranks all-gather (A, B) (Dk x (Dk + Dv) per head: small),
+        each composes the state its piece starts from, S_r = A_{r-1} S_{r-1} + B_{r-1} with S_0 = 0, and adds
+        S_r^T Q. The all-gather is differentiable: its backward returns each (A, B) its gradient from the
+        later pieces that used it."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        B, T, n_h, Hv, Dv = v.shape
+        Dk = k.shape[-1]
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        eye = torch.eye(Dk, dtype=dtype, device=q.device).expand(B, Hv, Dk, Dk)
+        start = torch.cat([eye, eye.new_zeros(B, Hv, Dk, Dv)], dim=-1)  # (B, Hv, Dk, Dk + Dv)
+        values = torch.cat([v.new_zeros(B, T, n_h, Hv, Dk), v], dim=-1)
+        out, final = fn(q, k, values, g, beta, resets=resets, initial_state=start, output_final_state=True, **kw)
+        q_eff, o = out.split([Dk, Dv], dim=-1)  # (B, T, Hv, Dk): Q; (B, T, Hv, Dv): the output from a zero state
+        pieces = all_gather_tensor_autograd(final.unsqueeze(0).contiguous(), gather_dim=0, group=self.group)
+        if self.rank == 0:  # starts from zero; the zero term keeps the gather in its graph, so that its backward
+            return o + (pieces.sum() * 0).to(o.dtype)  # (a collective) runs here as on the ranks that use it
         state = None
-        if self.rank > 0:
-            dtype = torch.promote_types(q.dtype, torch.float32)
-            state = self.from_previous((q.shape[0], v.shape[-2], k.shape[-1], v.shape[-1]), dtype, q.device, STATE)
-        o, final = fn(q, k, v, g, beta, resets=resets, initial_state=state, output_final_state=True, **kw)
-        if self.rank < self.n - 1:
-            o = o + self.to_next(final, STATE).to(o.dtype)
-        return o
+        for j in range(self.rank):  # (B, Hv, Dk, Dk) A_j and (B, Hv, Dk, Dv) B_j of the pieces before this one
+            a, b = pieces[j].split([Dk, Dv], dim=-1)
+            state = b if state is None else a @ state + b
+        return o + torch.einsum("bthk,bhkv->bthv", q_eff.to(state.dtype), state).to(o.dtype)
 
 
 class _FromPrevious(torch.autograd.Function):

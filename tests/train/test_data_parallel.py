@@ -80,14 +80,20 @@ def assert_same_steps(got, want):
 
 def assert_same_weights(run, ref, step: int = 4) -> dict[str, torch.Tensor]:
     """Checkpoint ``step`` of ``run`` holds the same tensors as ``ref``'s: every parameter's gradients matched on the
-    way. Returns them (by name)."""
+    way. Returns them (by name).
+
+    A parallel layout sums the same terms in another order (per-rank sums, then the reduction; split matmuls;
+    context parallel's composed states): ~1e-7 relative. Adam turns that into weight noise of ~1e-6, but into a
+    whole learning-rate step of the other sign wherever a gradient element is within that noise of zero, so a few
+    isolated elements per tensor may differ by up to a few learning rates (seen: 1 element in 12288 by 1.1e-4 at
+    cp4, 1 in 14336 by 3.5e-4 at tp2). A wrong gradient, a shard in the wrong place or a lost update moves whole
+    rows or tensors by that much."""
     got, want = weights(run, step), weights(ref, step)
     assert sorted(got) == sorted(want)
     for k in want:
-        # Summation order differs (per-rank sums, then the reduction, split matmuls): Adam turns that into weight
-        # noise, ~1e-6, up to 2e-5 where a gradient element is near zero (Adam's step is about its sign there). A
-        # wrong gradient moves weights by the learning rate (1e-3) in many elements.
-        torch.testing.assert_close(got[k], want[k], rtol=1e-3, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+        off = ((got[k] - want[k]).abs() > 1e-4 + 1e-3 * want[k].abs()).sum().item()
+        assert off <= max(2, want[k].numel() // 1000), f"{k}: {off} of {want[k].numel()} elements differ"
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=step * 3e-3, msg=lambda m, k=k: f"{k}: {m}")
     return want
 
 

@@ -21,11 +21,11 @@ from hybridtron.train.tensor_parallel import segment_row_order
 from .test_data_parallel import (
     STEPS,
     assert_same_steps,
+    assert_same_weights,
     resume_from_step_2,
     rolled_back,
     steps,
     train_runs,
-    weights,
 )
 
 HYBRID = ["--model.layer_pattern", "LLLA", "--model.n_layers", "4", "--model.doc_mask", "true",
@@ -54,22 +54,6 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
                       {"single": ["--train.grad_accum_steps", "2"]}, LAYOUTS)
 
 
-def assert_same_weights_but_adam_noise(run, ref, step: int = 2) -> dict[str, torch.Tensor]:
-    """Checkpoint ``step`` of ``run`` holds ``ref``'s tensors, in the model's order. Tensor parallel sums the heads'
-    and hidden units' partial results in another order than one process (~1e-7 relative), and Adam turns that into
-    a full learning-rate step of the other sign wherever a gradient element is within noise of zero: so a few
-    isolated elements per tensor may differ by up to a few learning rates (measured: one element in 14336, by
-    3.5e-4, the same ones at tp2 and dp2 x tp2). A wrong gradient, a wrong row order or a shard in the wrong place
-    moves whole rows or tensors by that much."""
-    got, want = weights(run, step), weights(ref, step)
-    assert sorted(got) == sorted(want)
-    for k in want:
-        off = ((got[k] - want[k]).abs() > 1e-4 + 1e-3 * want[k].abs()).sum().item()
-        assert off <= max(2, want[k].numel() // 1000), f"{k}: {off} of {want[k].numel()} elements differ"
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=step * 3e-3, msg=lambda m, k=k: f"{k}: {m}")
-    return want
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_tensor_parallel_hybrid_moe_trains_like_one_process(layout, runs):
     assert_same_steps(steps(runs[layout]), steps(runs["single"]))
@@ -77,7 +61,7 @@ def test_tensor_parallel_hybrid_moe_trains_like_one_process(layout, runs):
     # one-process run's (router biases too: the buffers are in the state dict). Step 2, not 4: the router's input
     # carries the same summation noise, and over more steps a token whose second and third expert are tied to
     # 1e-7 may pick the other (seen once at step 4: one expert's weights then differ in 3% of their elements).
-    want = assert_same_weights_but_adam_noise(runs[layout], runs["single"])
+    want = assert_same_weights(runs[layout], runs["single"], step=2)
     assert any("in_proj_qkv" in k for k in want) and any("gate_up_proj" in k for k in want)
     assert f"dp={1 if layout == 'tp2' else 2}, tp=2, pp=1, ep={2 if 'ep2' in layout else 1}" in runs[layout + ".log"]
 
