@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .inputs import check_inputs
+
 CHUNK_SIZES = (16, 32, 64)
 MAX_DK = 256  # the kernels keep a whole key row (the L2 norm needs it) in one register tile
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,43 +82,12 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, None, dh0, None
 
 
-def _shape_error(name: str, t: torch.Tensor, want: str) -> ValueError:
-    return ValueError(f"chunk_gated_delta_rule: {name} has shape {tuple(t.shape)}; it must be {want}")
-
-
 def _check(q, k, v, g, beta, resets, initial_state, chunk_size) -> None:
-    """Shapes, dtypes, devices and sizes the kernels take, refused by the argument's name."""
-    if q.dim() != 4:
-        raise _shape_error("q", q, "(B, T, Hk, Dk)")
-    B, T, Hk, Dk = q.shape
-    if k.dim() != 5 or k.shape[:2] != (B, T) or k.shape[3:] != (Hk, Dk):
-        raise _shape_error("k", k, f"(B, T, n_h, Hk, Dk) = ({B}, {T}, n_h, {Hk}, {Dk}), q's B, T, Hk, Dk with "
-                                   f"n_h keys per token (DeltaProduct; 1 for Gated DeltaNet)")
-    n_h = k.shape[2]
-    if v.dim() != 5 or v.shape[:3] != (B, T, n_h) or Hk == 0 or v.shape[3] % Hk or v.shape[3] == 0:
-        raise _shape_error("v", v, f"(B, T, n_h, Hv, Dv) = ({B}, {T}, {n_h}, Hv, Dv) with Hv a positive multiple "
-                                   f"of the {Hk} key heads (grouped value attention)")
-    Hv, Dv = v.shape[3:]
-    if g.shape != (B, T, Hv):
-        raise _shape_error("g", g, f"(B, T, Hv) = ({B}, {T}, {Hv}): one log decay per token and value head")
-    if beta.shape != (B, T, n_h, Hv):
-        raise _shape_error("beta", beta, f"(B, T, n_h, Hv) = ({B}, {T}, {n_h}, {Hv})")
-    if resets is not None and (resets.shape != (B, T) or resets.is_floating_point() or resets.is_complex()):
-        raise ValueError(f"chunk_gated_delta_rule: resets is {resets.dtype} of shape {tuple(resets.shape)}; it must "
-                         f"be bool of shape (B, T) = ({B}, {T}), True where a document starts")
-    if initial_state is not None and initial_state.shape != (B, Hv, Dk, Dv):
-        raise _shape_error("initial_state", initial_state, f"(B, Hv, Dk, Dv) = ({B}, {Hv}, {Dk}, {Dv})")
-    named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state))
-    for name, t in named:
-        if t is not None and t.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"chunk_gated_delta_rule: {name} is {t.dtype}; it must be one of float16, bfloat16, "
-                             f"float32, float64")
-    for name, t in (*named[1:], ("resets", resets)):
-        if t is not None and t.device != q.device:
-            raise ValueError(f"chunk_gated_delta_rule: {name} is on {t.device}, q on {q.device}; move them to one "
-                             f"device")
+    """The reference's shapes (inputs.py), and the sizes the kernels take, refused by the argument's name."""
+    check_inputs("chunk_gated_delta_rule", q, k, v, g, beta, resets, initial_state)
     if chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_gated_delta_rule: chunk_size={chunk_size}; the kernels take one of {CHUNK_SIZES}")
+    Dk = q.shape[-1]
     if not 0 < Dk <= MAX_DK:
         raise ValueError(f"chunk_gated_delta_rule: the key head dim Dk={Dk} (q's last dim) must be in 1 .. "
                          f"{MAX_DK}: the kernels keep a whole key row in registers")
@@ -145,7 +116,7 @@ def chunk_gated_delta_rule(
     On the CPU the kernels run only under TRITON_INTERPRET=1 (set before starting Python)."""
     _check(q, k, v, g, beta, resets, initial_state, chunk_size)
     if resets is not None:
-        resets = resets.bool().contiguous()
+        resets = resets.contiguous()
     if initial_state is not None:
         initial_state = initial_state.contiguous()
     o, final = ChunkGatedDeltaRuleFunction.apply(q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),

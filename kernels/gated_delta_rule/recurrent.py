@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..backend import check_interpreted
 from ..triton_utils import next_pow2, warps
+from .inputs import check_inputs
 
 EPS = 1e-6  # the L2 norm's eps, placed as the reference does: x / sqrt(sum(x^2) + eps)
 MAX_BV = 16  # value columns per program: more programs for the small batches of decoding
@@ -137,42 +138,6 @@ def _(q, k, v, g, beta, resets, initial_state, output_final_state):
             q.new_empty((B, HV, DK, DV) if output_final_state else (0,), dtype=state_dtype(q)))
 
 
-def _check(q, k, v, g, beta, resets, initial_state) -> None:
-    """Shapes (and dtypes where they matter) of the inputs, each refused by its argument's name."""
-    name = "recurrent_gated_delta_rule"
-    for arg, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("initial_state", initial_state)):
-        if x is not None and not x.is_floating_point():
-            raise ValueError(f"{name}: {arg} is {x.dtype}; it must be a floating-point tensor")
-    if q.dim() != 4:
-        raise ValueError(f"{name}: q has shape {tuple(q.shape)}; it must be (B, T, Hk, Dk)")
-    B, T, Hk, Dk = q.shape
-    if k.dim() != 5 or k.shape[:2] != (B, T) or k.shape[3:] != (Hk, Dk) or k.shape[2] < 1:
-        raise ValueError(f"{name}: k has shape {tuple(k.shape)}; it must be ({B}, {T}, n_h, {Hk}, {Dk}) with "
-                         f"n_h >= 1 (DeltaProduct's sub-steps per token), matching q {tuple(q.shape)}")
-    n_h = k.shape[2]
-    if v.dim() != 5 or v.shape[:3] != (B, T, n_h):
-        raise ValueError(f"{name}: v has shape {tuple(v.shape)}; it must be ({B}, {T}, {n_h}, Hv, Dv)")
-    Hv, Dv = v.shape[3:]
-    if Hk == 0 or Hv % Hk:
-        raise ValueError(f"{name}: v has {Hv} value heads and q and k {Hk} key heads; the value heads must be a "
-                         f"multiple of the key heads (key head h serves value heads h*r .. h*r + r - 1)")
-    if g.shape != (B, T, Hv):
-        raise ValueError(f"{name}: g has shape {tuple(g.shape)}; it must be ({B}, {T}, {Hv}), one log decay per "
-                         f"token and value head")
-    if beta.shape != (B, T, n_h, Hv):
-        raise ValueError(f"{name}: beta has shape {tuple(beta.shape)}; it must be ({B}, {T}, {n_h}, {Hv}), one "
-                         f"write strength per sub-step and value head")
-    if resets is not None and (resets.shape != (B, T) or resets.dtype != torch.bool):
-        raise ValueError(f"{name}: resets is {resets.dtype} {tuple(resets.shape)}; it must be bool of shape "
-                         f"({B}, {T}), True where a token starts a new document")
-    if initial_state is not None and initial_state.shape != (B, Hv, Dk, Dv):
-        raise ValueError(f"{name}: initial_state has shape {tuple(initial_state.shape)}; it must be ({B}, {Hv}, "
-                         f"{Dk}, {Dv}), the state after the previous tokens")
-    devices = {x.device for x in (q, k, v, g, beta, resets, initial_state) if x is not None}
-    if len(devices) > 1:
-        raise ValueError(f"{name}: the inputs are on several devices {sorted(map(str, devices))}; put them on one")
-
-
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -196,7 +161,7 @@ def recurrent_gated_delta_rule(
             "requires grad; for training use the chunked gated delta rule kernel or the reference "
             "(delta_rule_recurrent / delta_rule_chunked), or call this under torch.no_grad() / torch.inference_mode()"
         )
-    _check(q, k, v, g, beta, resets, initial_state)
+    check_inputs("recurrent_gated_delta_rule", q, k, v, g, beta, resets, initial_state)
     o, final = torch.ops.hybridtron.recurrent_gated_delta_rule_fwd(q, k, v, g, beta, resets, initial_state,
                                                                    output_final_state)
     return o, (final if output_final_state else None)
