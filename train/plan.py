@@ -1,36 +1,95 @@
 """``hybridtron plan``: per-GPU memory and per-step communication of a config on a cluster shape, before a launch.
 
-Memory is not guessed from formulas: one training step (forward, backward, optimizer) of one rank runs on fake
-tensors (``FakeTensorMode``: shapes and dtypes, no storage), with the data-parallel layout applied as it would
-be on the cluster (FSDP2 over a fake process group of ``dp`` ranks), and torch's memory trackers record the peak
-by category: sharded and gathered weights, gradients, optimizer state, activations and temporaries. So the plan
-follows the model code as it is, MoE, delta-rule and structured layers included. Bytes are those of the CPU
-run: fp32, or bf16 where CPU autocast casts (matmuls) when the run trains in bf16; flash attention on a GPU
-keeps no more than the CPU kernel does.
+Memory is not guessed from formulas: two training steps (forward, backward, optimizer) of one rank run on fake
+tensors (``FakeTensorMode``: shapes and dtypes, no storage) over a fake process group of the whole world size
+(``FakeStore``, backend "fake": DTensor and device meshes work on it, collectives move nothing), and over the
+second (the steady state: optimizer state exists) torch's memory trackers record the peak by category: sharded and gathered weights, gradients, optimizer state,
+activations and temporaries. The rank is built by the trainer's own code, in the trainer's order: the layout
+checks and the device mesh (``Mesh.setup``), the pipeline cut (``train/pipeline.py``), tensor parallelism
+(``apply_tensor_parallel``: the model's own DTensor plan), expert parallelism (``apply_expert_parallel``: this
+rank's experts), context parallelism (``apply_context_parallel``: the rank runs T/cp positions; attention
+all-gathers keys and values, delta-rule layers gather each piece's state map), FSDP2 (``apply_data_parallel``), then the
+optimizer. So the plan follows the model code as it is: MoE, delta-rule and structured layers and activation
+checkpointing included. Bytes are those of the CPU kernels: fp32, or bf16 where CPU autocast casts (matmuls)
+when the run trains in bf16; flash attention on a GPU keeps no more than the CPU kernel does.
 
-``--measure`` runs the same step on real tensors, in the job's real layout (under torchrun, every rank), and
-prints the prediction beside the measured peak of rank 0: the check that the plan is right.
+Where fake tensors cannot follow the real run, this is what the plan assumes instead:
 
-Communication per step and GPU (ring algorithms; bytes sent, equal to bytes received), with P parameters,
-c bytes per gathered parameter (2 in bf16, else 4) and gradients reduced in fp32:
-  ZeRO-0 (DDP)  all-reduce of the gradients once per step:                 2 (dp-1)/dp * 4P
-  ZeRO-2        all-gather of the weights once per micro-batch (forward),    (dp-1)/dp * cP
-                reduce-scatter of the gradients once per micro-batch:      (dp-1)/dp * 4P
-  ZeRO-3        all-gather in forward and again in backward per micro-batch: 2 (dp-1)/dp * cP, plus the same
-                reduce-scatter
+- MoE routing is balanced: every expert gets N k / E of a micro-batch's N k token assignments (so under ep every
+  rank receives as many rows as it sends). A fake tensor has no values, and the routing counts set shapes
+  (``_KnownValues`` below). An unbalanced router holds more rows on the ranks of its busiest experts.
+- Pipeline schedules run their own action order for the planned rank: torch's ``pipeline_order`` of the
+  configured schedule (gpipe: all forwards, then all backwards, so every micro-batch's activations are held at
+  once; 1f1b: stage s runs pp - s forwards first, so it holds up to pp - s micro-batches; interleaved schedules
+  as torch orders them). torch's runtime itself cannot run on one process (it exchanges shapes and votes with
+  the other stages), so the replay keeps what it keeps: one receive buffer per micro-batch for the activations
+  and one for their gradients, allocated once, and the received activations' gradients until the next step.
+  Under FSDP the gradients stay unsharded until the last micro-batch, as torch's stages arrange it. zero_bubble
+  splits each backward in an input half (I) and a weight half (W): a micro-batch's activations are held from its
+  forward to its W (the I half keeps the graph for the W half); the gradients the I half keeps for W are not
+  counted.
+- The tokens are uniformly random (drawn for real: what is computed from them alone, such as which labels fall in
+  a rank's vocabulary shard, is as in a real step). Text is skewed towards frequent tokens.
+- ZeRO-0 is planned without DDP's wrapper (its C++ reducer cannot run on fake tensors): with
+  ``gradient_as_bucket_view`` its buckets are the gradients, so the replicated model holds what the plain one does.
+
+Every pipeline stage is planned (the first rank of each): stages differ in layers, embeddings and in-flight
+micro-batches; ranks of one stage differ only by their shard. ``--measure`` runs the same two steps on real
+tensors in the job's real layout (under torchrun, every rank; a pipeline through torch's real schedule) and
+prints the prediction beside the measured peak of the rank the plan found heaviest: the check that the plan is
+right.
+
+Communication per optimizer step and GPU, in bytes sent (ring algorithms: as many are received). m micro-batches
+per step of B sequences of T tokens, d = model.d_model, f(n) = (n - 1) / n; s = 4 (the residual stream and the
+norm outputs stay fp32 under autocast), c = 2 in bf16 runs, else 4 (projection outputs); the parameters P and
+the layer counts L are those of the planned rank (its tp shard, its pipeline stages):
+
+  dp  n = dp x cp ranks average the gradients; P without the experts sharded over ep; g = 2 when FSDP gathers
+      bf16 weights (parallel.mixed_precision), else 4
+      ZeRO-0 (DDP): all-reduce of the gradients once per step:                 2 f(n) 4 P
+      ZeRO-2: all-gather of the weights (forward) and reduce-scatter of the gradients, per micro-batch:
+                                                                               m (f(n) g P + f(n) 4 P)
+      ZeRO-3: the all-gather again in backward:                                m (2 f(n) g P + f(n) 4 P)
+      (under pp torch's stages reduce-scatter once per step: m = 1 in the reduce-scatter term)
+      ep > 1: the expert gradients all-reduced over their dp / ep copies:      2 f(dp / ep) 4 P_experts
+  tp  per layer: all-gather of the two norm outputs and reduce-scatter of the two projection outputs in forward,
+      the reverse in backward:                                                 m L 4 f(tp) B T d (s + c)
+      activation checkpointing repeats the forward ones in backward:           + m L 2 f(tp) B T d (s + c)
+      the embedding (reduce-scatter, then all-gather in backward) and the output layer (the reverse), on the
+      stages that hold them:                                                   m 2 f(tp) B T d s each
+  pp  the stage's output and its input's gradient, (B, T/tp, d) fp32 each (the first stage sends no gradient,
+      the last no output), per stage of the rank:                              m 2 B (T / tp) d 4
+      tied embeddings: first and last stage all-reduce the embedding's gradient once per step: V d 4 / tp
+  ep  per MoE layer, balanced routing: the routed copies of the tokens (k per token) to their experts' ranks
+      and back, and their gradients:                                           m L_moe 2 f(ep) B T k d (s + c)
+  cp  per attention layer: all-gather of keys and values, reduce-scatter of their gradients:
+                                                                               m L_attn 4 (cp - 1) B (T / cp) H_kv D c
+      per delta-rule layer: all-gather of every piece's state map (A | B), fp32, and the reduce-scatter of its
+      gradient; the convolution halo to the next rank and its gradient back:
+                                                     m L_delta 2 B ((cp - 1) H_v D_k (D_k + D_v) 4 + (K - 1) C c)
+      document ids (int64) gathered per micro-batch when masked:               m (cp - 1) B (T / cp) 8
 """
 
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
+import dataclasses
+import os
+import warnings
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from hybridtron.configs import ConfigError, JobConfig
 
-from .distributed import resolve_layout
-from .parallelize import autocast_dtype
+from .context_parallel import local_piece
+from .distributed import Mesh, resolve_layout
+from .parallelize import autocast_context, autocast_dtype, clip_grad_norm, loss_context
 
 GIB = 1 << 30
 CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
@@ -40,6 +99,7 @@ CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
     "OPT": "optimizer",
     "ACT": "activations", "TEMP": "activations", "INP": "activations", "OTH": "activations",
 }
+DIMS = ("dp", "tp", "pp", "ep", "cp")
 
 
 def _compute_dtype(cfg: JobConfig) -> torch.dtype | None:
@@ -47,59 +107,401 @@ def _compute_dtype(cfg: JobConfig) -> torch.dtype | None:
     return autocast_dtype(cfg.train, torch.device("cuda"))
 
 
-def step_peak(cfg: JobConfig, dp: int, zero_stage: int, fake: bool, device_mesh=None,
-              device: torch.device | None = None) -> dict[str, float]:
-    """Peak bytes of one rank over two training steps (the second has optimizer state), by plan category. ``fake``: on fake tensors; else real, on ``device`` (default CPU), in the
-    process group already set up. On CUDA the allocator's own peak is added as ``cuda_max_allocated``."""
-    device = device or torch.device("cpu")
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
+# ---- values fake tensors cannot do without -------------------------------------------------------------------
+aten = torch.ops.aten
+# Tensors made from nothing whose values are known: index ranges, and random token ids (drawn for real).
+_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.randint.default, aten.randint.low,
+              aten.randint.generator, aten.randint.low_generator}
+_KNOWN_LIMIT = 1 << 22  # elements: index tensors up to a vocabulary's length, not activations
 
+
+class _KnownValues(TorchDispatchMode):
+    """Values computed for real inside a fake-tensor step, where a shape depends on them.
+
+    A fake tensor has a shape but no values, and a few shapes in a training step come from values: how many token
+    assignments each expert gets (``torch.bincount`` of the router's choices, then ``.tolist()``; under expert
+    parallelism the all-to-all splits and ``repeat_interleave`` of those counts), which labels fall in a rank's
+    vocabulary shard (``torch.nonzero`` in the vocabulary-parallel loss), and DTensor's index arithmetic
+    (``torch.arange(n)...tolist()``). Such tensors are *known* here: a real tensor, or a fake one that carries its
+    real value (``_known``). Index ranges and the random token ids of the batches are drawn for real, and an op
+    whose tensor inputs are all known (and small) also runs on the real values, so its result is known too: what
+    is computed from the tokens alone is what a real step computes. The routing counts, which depend on the
+    weights too, are the assumption of the plan: balanced (module docstring).
+    A scalar read from an unknown floating tensor (a loss, a gradient norm, a logged statistic) reads as 0.0:
+    none of them sets a shape. Values of tensors changed in place are forgotten.
+
+    Also: torch 2.13's fake kernel of ``torch._grouped_mm`` accepts bf16 only while the CPU kernel also runs fp32,
+    so fp32 grouped matmuls get their output from the same shape rule without the dtype check.
+    """
+
+    def __init__(self, fake_mode):
+        super().__init__()
+        self.fake_mode = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor unwraps to its local tensors first, which come back here
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        fakes = [t for t in tensors if isinstance(t, FakeTensor)]
+        if tensors and not fakes and func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
+            with _disable_current_modes():  # real tensors only (device-mesh bookkeeping): as without fake tensors
+                return func(*args, **kwargs)
+        if func is aten.bincount.default:
+            return self._balanced_counts(*args, **kwargs)
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            return _create_grouped_mm_output_tensor(args[0], args[1], offs, kwargs.get("out_dtype"))
+        if func in (aten._local_scalar_dense.default, aten.item.default):
+            value = _known(args[0])
+            if value is not None:
+                with _disable_current_modes():
+                    return value.item()
+            try:
+                return func(*args, **kwargs)  # fake constants (an optimizer's step count) know their value
+            except DataDependentOutputException:
+                if args[0].dtype.is_floating_point:
+                    return 0.0
+                raise ConfigError("hybridtron plan cannot simulate this model: a shape depends on a value it cannot "
+                                  "know without the data") from None
+        known = all(_known(t) is not None for t in tensors) and bool(tensors or func in _FACTORIES)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            if not known:
+                raise
+            out = None
+        if func._schema.is_mutable:
+            for t in fakes:
+                t.__dict__.pop("_known", None)
+            if func is torch.ops.c10d.alltoall_base_.default and _known(args[1]) is not None:
+                args[0]._known = _known(args[1])  # balanced: every rank sends each rank what this one sends
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if known and all(t.numel() <= _KNOWN_LIMIT for t in outs):
+            real_args, real_kwargs = tree_map_only(torch.Tensor, _known, (args, kwargs))
+            with _disable_current_modes():
+                value = func(*real_args, **real_kwargs)
+            if out is None:  # a shape only the values give (repeat_interleave of known counts)
+                out = tree_map_only(torch.Tensor, self.fake_mode.from_tensor, value)
+            for fake, real in zip(tree_flatten(out)[0], tree_flatten(value)[0], strict=True):
+                if isinstance(fake, FakeTensor):
+                    fake._known = real
+        return out
+
+    def _balanced_counts(self, x, weights=None, minlength=0):
+        if weights is not None or not minlength:
+            raise ConfigError("hybridtron plan simulates torch.bincount only as MoE routing counts (minlength set)")
+        n = x.numel()
+        with _disable_current_modes():
+            value = torch.full((minlength,), n // minlength, dtype=torch.int64)
+            value[:n % minlength] += 1
+        out = self.fake_mode.from_tensor(value)
+        out._known = value
+        return out
+
+
+def _own_fake_mode_for_dtensor_shapes():
+    """DTensor computes each op's output shape on fake tensors of the global shape, in the active fake mode when
+    there is one. In the fake run that is the plan's own, and the trackers would count those whole-size tensors as
+    if the rank held them; with a fake mode of its own (as in a real run) they stay apart."""
+    from unittest import mock
+
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    return mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_args, **_kwargs: None)
+
+
+def _known(t: torch.Tensor) -> torch.Tensor | None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.__dict__.get("_known") if isinstance(t, FakeTensor) else t
+
+
+# ---- the simulated (or real) rank ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_world(cfg: JobConfig, world: int, rank: int):
+    """The ``Mesh`` rank ``rank`` of a ``world``-process job would get, over a fake process group in this
+    process: ``Mesh.setup`` itself builds it (checks, device mesh, expert mesh, context-parallel groups), reading
+    the launcher's variables, which are set for it meanwhile."""
+    if dist.is_initialized():
+        raise ConfigError("hybridtron plan simulates other layouts in one process: run it without torchrun "
+                          "(torchrun is for --measure)")
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    # DTensor caches each op's output layout by device mesh, and meshes of one shape compare equal: this rank would
+    # get the process groups of a rank simulated (or measured) before, destroyed by now.
+    _clear_sharding_prop_cache()
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="auto"))  # no NCCL check
+    try:
+        if world > 1:
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        with Mesh.setup(cfg, torch.device("cpu")) as mesh:
+            yield mesh
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp: torch.dtype | None):
+    """(model, pipeline or None, optimizer, the modules that run forward, ``rank_facts``) of ``mesh``'s rank,
+    built as ``cli._train_run`` builds them, in its order. ZeRO-0 stays unwrapped (module docstring); ``amp``:
+    the autocast dtype FSDP's mixed precision follows."""
     from hybridtron.model import GatedLM
 
+    from .context_parallel import apply_context_parallel
+    from .expert_parallel import apply_expert_parallel
     from .optim import build_optimizer
-    from .parallelize import apply_data_parallel, parallelize
+    from .parallelize import apply_data_parallel, apply_tensor_parallel, parallelize
 
-    amp = _compute_dtype(cfg)
-    vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
-    B, T, accum = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.train.grad_accum_steps
-    if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        mode = FakeTensorMode()
-    else:
-        mode = contextlib.nullcontext()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    with mode, torch.device(device):
-        torch.manual_seed(cfg.train.seed)
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(device):
         model = parallelize(GatedLM(cfg.model, vocab), cfg.train)
         model.init_weights()
+    pipeline = None
+    if mesh.pp > 1:
+        from .pipeline import Pipeline
 
-        sharded = dp > 1 and zero_stage >= 2
-        if sharded:  # the fields of a Mesh that apply_data_parallel reads, on the simulated or real group
-            layout = SimpleNamespace(dp=dp, data_ranks=dp, zero_stage=zero_stage, device_mesh=device_mesh)
-            apply_data_parallel(model, layout, amp, cfg.parallel.mixed_precision)
-        optimizer = build_optimizer(model, cfg.train)
+        pipeline = Pipeline(cfg, model, mesh, device, vocab)
+    apply_tensor_parallel(model, mesh)
+    apply_expert_parallel(model, mesh)
+    apply_context_parallel(model, mesh)
+    facts = rank_facts(cfg, model, pipeline)  # before FSDP shards what data parallelism exchanges
+    roots = pipeline.stages if pipeline is not None else [model]
+    if mesh.zero_stage >= 2:
+        apply_data_parallel(model, mesh, amp, cfg.parallel.mixed_precision,
+                            roots=roots if pipeline is not None else None)
+    if pipeline is not None:
+        pipeline.finish()
+    return model, pipeline, build_optimizer(model, cfg.train), roots, facts
+
+
+class ReplayedSchedule:
+    """The configured torch schedule for one pipeline rank, run on fake tensors in this process: its own action
+    order (``pipeline_order``) replayed on the rank's stage modules (see the module docstring). Forwards and
+    backwards of one stage pair up first in, first out, as every torch schedule orders them."""
+
+    def __init__(self, pipeline, device: torch.device):
+        self.pipeline, self.device = pipeline, device
+        self.order = [a for a in pipeline.schedule.pipeline_order[pipeline.mesh.pp_rank] if a is not None]
+        self.n_stages, self.n_micro = len(pipeline.ranges), pipeline.n_micro
+        self.modules = dict(zip(pipeline.stage_ids, pipeline.stages, strict=True))
+        self.recv: dict[tuple[str, int, int], torch.Tensor] = {}  # torch's per-micro-batch receive buffers
+
+    def _buffer(self, kind: str, stage: int, mb: int, like: torch.Tensor) -> torch.Tensor:
+        """The receive buffer ``kind`` ("act" or "grad") of ``stage`` for micro-batch ``mb``; ``like``: a (B, T)
+        tensor of the micro-batch (its labels, which reach every stage)."""
+        key = (kind, stage, mb)
+        if key not in self.recv:
+            # Between stages the residual stream: (B, T / tp, d) fp32 (it stays fp32 under autocast)
+            shape = (like.shape[0], like.shape[1] // self.pipeline.mesh.tp, self.pipeline.model.cfg.d_model)
+            self.recv[key] = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self.recv[key]
+
+    def step(self, *args, target=None, losses=None, return_outputs=False, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        from .pipeline import stage_loss
+
+        ids = args[0].chunk(self.n_micro) if args else None
+        labels = target.chunk(self.n_micro) if target is not None else None
+        kw = [{k: v.chunk(self.n_micro)[m] for k, v in kwargs.items()} for m in range(self.n_micro)]
+        for key, buf in self.recv.items():
+            if key[0] == "act":
+                buf.grad = None  # torch clears the received activations' gradients at the start of a step
+        held = {s: [] for s in self.modules}
+        started = {s: 0 for s in self.modules}
+        backwards = {s: 0 for s in self.modules}
+        for action in self.order:
+            s, kind = action.stage_index, action.computation_type.value
+            module = self.modules[s]
+            if kind == "F":
+                m = started[s]
+                started[s] += 1
+                if s == 0:
+                    x = ids[m]
+                else:
+                    x = self._buffer("act", s, m, kw[m]["labels"]).requires_grad_(True)
+                out = module(x, **kw[m])
+                if s == self.n_stages - 1:
+                    out = stage_loss(out, labels[m] if labels is not None else None)
+                    if losses is not None:
+                        losses.append(out.detach())
+                held[s].append((m, out))
+            elif kind in ("B", "W"):  # W: the weight half of zero_bubble's backward (I holds the graph until it)
+                m, out = held[s].pop(0)
+                backwards[s] += 1
+                if isinstance(module, FSDPModule):  # as torch's stages: reduce after the last micro-batch only
+                    last = backwards[s] == self.n_micro
+                    module.set_is_last_backward(last)
+                    module.set_reshard_after_backward(last)
+                    module.set_requires_gradient_sync(last)
+                if s == self.n_stages - 1:
+                    out.backward()
+                else:
+                    out.backward(self._buffer("grad", s, m, kw[m]["labels"]))
+        return None
+
+
+def _batches(cfg: JobConfig, vocab: int, n: int):
+    """``n`` micro-batches of random tokens (and one document each when the model masks documents)."""
+    B, T = cfg.train.micro_batch_size, cfg.data.seq_len
+    for _ in range(n):
         x = torch.randint(0, vocab, (B, T))
-        tracker = FSDPMemTracker(model, optimizer) if sharded else MemTracker()
-        if not sharded:
-            tracker.track_external(model, optimizer)
-        autocast = torch.autocast(device.type, dtype=amp) if amp is not None else contextlib.nullcontext()
-        with tracker:
-            # Step 1 creates the optimizer state; step 2 is the steady state. Its second micro-batch already holds
-            # the accumulated gradients beside a micro-batch's activations, so later ones change nothing.
-            calls = 0
-            for micro_batches in (1, min(accum, 2)):
-                for _ in range(micro_batches):
-                    if calls:  # the trackers follow one call per module: start each micro-batch afresh (the
-                        tracker.reset_mod_stats()  # peak over all of them is kept)
-                    calls += 1
-                    with autocast:
-                        loss = model(x, labels=x)
-                    (loss / micro_batches).backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+        batch = {"input_ids": x, "labels": x}
+        if cfg.model.doc_mask:
+            batch["doc_ids"] = torch.zeros_like(x)
+        yield batch
+
+
+def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n_micro: int, vocab: int) -> None:
+    """One optimizer step over ``n_micro`` micro-batches, as ``Trainer._torch_micro_batches`` and
+    ``_pipeline_micro_batches`` take it (without the scalars they log)."""
+    from .expert_parallel import sync_expert_grads
+
+    if pipeline is not None:
+        parts = list(_batches(cfg, vocab, n_micro))
+        batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        with loss_context(mesh), autocast_context(device, amp):
+            pipeline.step(batch)
+        sync_expert_grads(model, mesh)
+        pipeline.clip_grad_norm(cfg.train.grad_clip)
+    else:
+        for batch in _batches(cfg, vocab, n_micro):
+            b = local_piece(batch, mesh)
+            with loss_context(mesh):
+                with autocast_context(device, amp):
+                    loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])
+                (loss / n_micro).backward()
+        sync_expert_grads(model, mesh)
+        clip_grad_norm(model.parameters(), cfg.train.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _tracker(roots: list[nn.Module], model, optimizer, pipeline):
+    """torch's memory tracker for the rank, told of what already exists: weights, optimizer state and (pipeline)
+    the receive buffers of the first step, which later steps reuse. FSDP2's own tracker when FSDP wraps the
+    roots (it tells sharded from gathered weights), else the plain one."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    buffers = _receive_buffers(pipeline) if pipeline is not None else []
+    if isinstance(roots[0], FSDPModule):
+        tracker = FSDPMemTracker(roots[0], optimizer)
+        if len(roots) > 1:  # several stages per rank: the tracker walks the modules of all (it takes one root)
+            tracker._root_mod = nn.ModuleList(roots)
+        tracker.track_inputs(buffers)
+        return tracker
+    tracker = _MemTracker()
+    tracker.track_external(model, optimizer, *buffers)
+    return tracker
+
+
+class _MemTracker(MemTracker):
+    """torch's plain tracker, which hooks the gradient of every parameter of a module when the module first runs.
+    Tensor-parallel layers that run on their parameters' local shards (``train/tensor_parallel.py``) lend their
+    submodules those shards, non-leaf views, as parameters for the call: their gradients reach the DTensor
+    parameters, hooked already, so such submodules get no hooks (torch refuses hooks on non-leaf tensors)."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        lent = any(not p.is_leaf for p in module.parameters())
+        with warnings.catch_warnings():  # it reads the .grad of each: a warning for the lent views
+            warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and not lent)
+
+
+def _receive_buffers(pipeline) -> list[torch.Tensor]:
+    """The tensors a pipeline's stages receive into (activations and their gradients, one per micro-batch),
+    allocated by the first step: the replay's, or those of torch's stages."""
+    schedule = pipeline.schedule
+    if isinstance(schedule, ReplayedSchedule):
+        return list(schedule.recv.values())
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    infos = [i for st in stages for recv in (st.args_recv_info, st.grad_recv_info) for group in recv.values()
+             for i in (group or ())]
+    return [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+
+
+def rank_facts(cfg: JobConfig, model, pipeline) -> dict:
+    """What the communication of the rank depends on: its parameters (without the ep-sharded experts, and those)
+    and the layers and pipeline stages it holds."""
+    from .expert_parallel import expert_params
+
+    def local(p):
+        return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+    experts = {id(p) for p in expert_params(model)}
+    layers = [i for i, block in enumerate(model.layers) if block is not None]
+    types = cfg.model.layer_types()
+    stages = pipeline.stage_ids if pipeline is not None else [0]
+    n_stages = len(pipeline.ranges) if pipeline is not None else 1
+    return {"params": sum(local(p) for p in model.parameters() if id(p) not in experts),
+            "expert_params": sum(local(p) for p in model.parameters() if id(p) in experts),
+            "layers": len(layers), "attention_layers": sum(types[i] == "A" for i in layers),
+            "delta_layers": sum(types[i] == "L" for i in layers),
+            "moe_layers": sum(cfg.model.moe.is_moe_layer(i) for i in layers) if cfg.model.moe.n_experts else 0,
+            "stages": list(stages), "n_stages": n_stages,
+            "embedding": 0 in stages, "head": n_stages - 1 in stages}
+
+
+def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | None = None) -> dict:
+    """Peak bytes of ``mesh``'s rank over a training step that has optimizer state (the second), by plan category,
+    and its ``rank_facts``. ``fake``: on fake tensors (over a fake process group); else real, on ``device``
+    (default CPU), in the process group already set up. On CUDA the allocator's own peak is added as
+    ``cuda_max_allocated``."""
+    device = device or torch.device("cpu")
+    vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
+    amp = _compute_dtype(cfg)  # the GPUs' autocast, applied to the CPU run alike (module docstring)
+    with contextlib.ExitStack() as stack:
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            fake_mode = stack.enter_context(FakeTensorMode())
+            stack.enter_context(_KnownValues(fake_mode))
+            stack.enter_context(_own_fake_mode_for_dtensor_shapes())
+        model, pipeline, optimizer, roots, facts = build_rank(cfg, mesh, device, vocab, amp)
+        if fake and pipeline is not None:
+            pipeline.schedule = ReplayedSchedule(pipeline, device)
+        # Step 1 creates the optimizer state (and, in a pipeline, torch's stages learn their shapes from it, by an
+        # autograd.grad that torch's module tracker cannot follow); step 2, tracked, is the steady state. A
+        # non-pipeline step runs two micro-batches: the second already holds the accumulated gradients beside a
+        # micro-batch's activations, so later ones change nothing. A pipeline step runs them all: how many are in
+        # flight is what its schedule decides.
+        accum = cfg.train.grad_accum_steps
+        n_micro = accum if pipeline is not None else min(accum, 2)
+        _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, 1 if pipeline is None else n_micro, vocab)
+        tracker = _tracker(roots, model, optimizer, pipeline)
+
+        # The trackers follow one call per module: a step calls the model (or a stage) once per micro-batch, so
+        # each call starts the statistics of its modules afresh (those of a rank's other pipeline stages are still
+        # awaited by their backward); the peak over all of them is kept. A global hook, registered before the
+        # trackers' own, runs first.
+        def fresh_module_stats(module, _args):
+            if any(module is r for r in roots):
+                for m in module.modules():
+                    tracker.memory_tracking.pop(m, None)
+
+        handle = nn.modules.module.register_module_forward_pre_hook(fresh_module_stats)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            with tracker:
+                _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, n_micro, vocab)
+        finally:
+            handle.remove()
         snap = tracker.get_tracker_snapshot("peak")
     per_dev = snap[device] if device in snap else next(iter(snap.values()))
     out = {"weights": 0.0, "gathered": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
@@ -111,40 +513,77 @@ def step_peak(cfg: JobConfig, dp: int, zero_stage: int, fake: bool, device_mesh=
             out[CATEGORIES[name]] += float(val)
     if device.type == "cuda":
         out["cuda_max_allocated"] = float(torch.cuda.max_memory_allocated(device))
+    return {"memory": out, "facts": facts}
+
+
+def planned_ranks(cfg: JobConfig, world: int) -> list[int]:
+    """The ranks the plan simulates: the first of every pipeline stage (``Mesh.pp_rank``: pp outermost)."""
+    return [s * (world // cfg.parallel.pp) for s in range(cfg.parallel.pp)]
+
+
+def simulate(cfg: JobConfig, world: int) -> dict[int, dict]:
+    """``step_peak`` on fake tensors of every planned rank of ``cfg`` on ``world`` processes: {rank: result}."""
+    results = {}
+    for rank in planned_ranks(cfg, world):
+        with fake_world(cfg, world, rank) as mesh:
+            results[rank] = step_peak(cfg, mesh, fake=True)
+    return results
+
+
+# ---- communication ---------------------------------------------------------------------------------------------
+def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
+    """Bytes each GPU sends per optimizer step in every parallel dimension (formulas: module docstring)."""
+    p, m = cfg.parallel, cfg.model
+    dp = resolve_layout(cfg, world)
+    mb, B, T, d = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.data.seq_len, m.d_model
+    amp = _compute_dtype(cfg)
+    s, c = 4, (2 if amp is not None else 4)
+    g = 2 if amp is not None and p.mixed_precision == "auto" else 4
+
+    def f(n):
+        return (n - 1) / n
+
+    out = dict.fromkeys(DIMS, 0.0)
+    n, P = dp * p.cp, facts["params"]
+    if n > 1:
+        if p.zero_stage == 0:
+            out["dp"] = 2 * f(n) * 4 * P
+        else:
+            gathers = 1 if p.zero_stage == 2 else 2
+            reduces = 1 if p.pp > 1 else mb
+            out["dp"] = mb * gathers * f(n) * g * P + reduces * f(n) * 4 * P
+    if p.ep > 1 and dp > p.ep:
+        out["dp"] += 2 * f(dp // p.ep) * 4 * facts["expert_params"]
+    if p.tp > 1:
+        per_layer = (4 + (2 if cfg.train.activation_checkpointing else 0)) * f(p.tp) * B * T * d * (s + c)
+        ends = (facts["embedding"] + facts["head"]) * 2 * f(p.tp) * B * T * d * s
+        out["tp"] = mb * (facts["layers"] * per_layer + ends)
+    if p.pp > 1:
+        boundary = B * (T // p.tp) * d * 4
+        for stage in facts["stages"]:
+            out["pp"] += mb * boundary * ((stage < facts["n_stages"] - 1) + (stage > 0))
+        vocab = m.resolve_vocab(cfg.data.tokenizer.vocab_size)
+        if m.tie_embeddings and (facts["embedding"] or facts["head"]):
+            out["pp"] += vocab * d * 4 / p.tp
+    if p.ep > 1:
+        out["ep"] = mb * facts["moe_layers"] * 2 * f(p.ep) * B * T * m.moe.top_k * d * (s + c)
+    if p.cp > 1:
+        t = T // p.cp
+        D = m.resolved_head_dim()
+        out["cp"] = mb * facts["attention_layers"] * 4 * (p.cp - 1) * B * t * m.n_kv_heads * D * c
+        if facts["delta_layers"]:
+            n_k, n_v, d_k, d_v = m.deltanet.resolved(m)
+            n_h = m.deltanet.n_householder
+            conv_dim = n_k * d_k * (1 + n_h) + n_v * d_v * n_h
+            maps = (p.cp - 1) * B * n_v * d_k * (d_k + d_v) * 4  # train/context_parallel.py's (A | B), fp32
+            halo = B * (m.deltanet.conv_size - 1) * conv_dim * c
+            out["cp"] += mb * facts["delta_layers"] * 2 * (maps + halo)
+        if m.doc_mask:
+            out["cp"] += mb * (p.cp - 1) * B * t * 8
     return out
 
 
-def comm_bytes(n_params: int, dp: int, zero_stage: int, accum: int, c: int) -> float:
-    """Bytes each GPU sends per optimizer step for data parallelism (module docstring)."""
-    if dp == 1:
-        return 0.0
-    f = (dp - 1) / dp
-    if zero_stage == 0:
-        return 2 * f * 4 * n_params
-    gathers = 1 if zero_stage == 2 else 2
-    return accum * (gathers * f * c * n_params + f * 4 * n_params)
-
-
-def simulate(cfg: JobConfig, dp: int, zero_stage: int) -> dict[str, float]:
-    """``step_peak`` on fake tensors; ZeRO-2/3 over a fake process group of ``dp`` ranks in this process."""
-    import torch.distributed as dist
-
-    if dp == 1 or zero_stage == 0:
-        return step_peak(cfg, dp, zero_stage, fake=True)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    if dist.is_initialized():
-        raise ConfigError("hybridtron plan simulates other layouts in one process: run it without torchrun "
-                          "(torchrun is for --measure)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
-    try:
-        mesh = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
-        return step_peak(cfg, dp, zero_stage, fake=True, device_mesh=mesh)
-    finally:
-        dist.destroy_process_group()
-
-
+# ---- the table -------------------------------------------------------------------------------------------------
 def n_params(cfg: JobConfig) -> int:
     from hybridtron.model import GatedLM
 
@@ -153,35 +592,100 @@ def n_params(cfg: JobConfig) -> int:
     return model.num_params()
 
 
+def with_zero_stage(cfg: JobConfig, zero_stage: int) -> JobConfig:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=zero_stage))
+
+
 def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 3)) -> list[dict]:
-    """One row per ZeRO stage: predicted per-GPU memory by category (GiB), whether it fits, and GB sent per step."""
-    dp = resolve_layout(cfg, world)
+    """One row per ZeRO stage the layout accepts (one row when nothing is data parallel): the heaviest planned
+    rank's memory by category (GiB), whether it fits, GB it sends per step in every dimension (and in all), and
+    every planned rank's peak (pipeline stages). A stage the layout refuses is a row with its reason."""
+    refusals = {}
+    for z in stages:
+        try:
+            dp = resolve_layout(with_zero_stage(cfg, z), world)  # the same for every stage the layout accepts
+        except ConfigError as e:
+            refusals[z] = e
+    if len(refusals) == len(stages):
+        raise refusals[stages[0]]
+    if dp * cfg.parallel.cp == 1:  # nothing to shard over: every ZeRO stage is the same layout
+        stages, refusals = (cfg.parallel.zero_stage,), {}
     P = n_params(cfg)
-    c = 2 if _compute_dtype(cfg) is not None else 4
     rows = []
     for z in stages:
-        mem = simulate(cfg, dp, z)
-        rows.append({"zero_stage": z, "dp": dp, "params": P, **{k: v / GIB for k, v in mem.items()},
-                     "fits": mem["total"] / GIB <= gpu_memory_gib,
-                     "comm_gb_per_step": comm_bytes(P, dp, z, cfg.train.grad_accum_steps, c) / 1e9})
+        if z in refusals:
+            rows.append({"zero_stage": z, "refused": str(refusals[z])})
+            continue
+        cz = with_zero_stage(cfg, z)
+        per_rank = simulate(cz, world)
+        rank = max(per_rank, key=lambda r: per_rank[r]["memory"]["total"])
+        mem, facts = per_rank[rank]["memory"], per_rank[rank]["facts"]
+        comm = comm_bytes(cz, world, facts)
+        rows.append({"zero_stage": z, "dp": dp, "params": P, "rank": rank, "stages": facts["stages"],
+                     **{k: v / GIB for k, v in mem.items()}, "fits": mem["total"] / GIB <= gpu_memory_gib,
+                     "comm_gb": {k: v / 1e9 for k, v in comm.items()}, "comm_gb_per_step": sum(comm.values()) / 1e9,
+                     "rank_peaks_gib": {r: v["memory"]["total"] / GIB for r, v in per_rank.items()}})
     return rows
 
 
 def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: float) -> str:
-    head = (f"{rows[0]['params'] / 1e6:.1f}M parameters; {world} GPUs, dp={rows[0]['dp']}; micro-batch "
+    p = cfg.parallel
+    dp = next(r["dp"] for r in rows if "refused" not in r)
+    dims = ["dp"] + [k for k in DIMS[1:] if getattr(p, k) > 1]
+    layout = ", ".join(f"{k}={dp if k == 'dp' else getattr(p, k)}" for k in DIMS if k == "dp" or getattr(p, k) > 1)
+    head = (f"{n_params(cfg) / 1e6:.1f}M parameters; {world} GPUs, {layout}; micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.train.grad_accum_steps} per step; "
             f"{'bf16' if _compute_dtype(cfg) is not None else 'fp32'} compute; activation checkpointing "
             f"{'on' if cfg.train.activation_checkpointing else 'off'}; per-GPU peak in GiB of {gpu_memory_gib:g}")
-    lines = [head, "| zero_stage | weights | gathered | grads | optimizer | activations | peak | fits | comm GB/step |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    if p.pp > 1:
+        notes.append(f"pipeline schedule {p.pp_schedule}: each row is the heaviest stage's first rank (all stages "
+                     f"are planned: see 'stage peaks')")
+    if cfg.model.moe.n_experts:
+        notes.append("MoE routing assumed balanced (every expert gets an equal share of the token assignments)")
+    lines = [head, *notes,
+             "| zero_stage | rank (stage) | weights | gathered | grads | optimizer | activations | peak | fits | "
+             + " | ".join(f"{k} GB/step" for k in dims) + " | comm GB/step |",
+             "|---" * (9 + len(dims) + 1) + "|"]
     for r in rows:
-        lines.append(f"| {r['zero_stage']} | {r['weights']:.3f} | {r['gathered']:.3f} | {r['grads']:.3f} | "
-                     f"{r['optimizer']:.3f} | {r['activations']:.3f} | {r['total']:.3f} | "
-                     f"{'yes' if r['fits'] else 'NO'} | {r['comm_gb_per_step']:.3f} |")
+        if "refused" in r:
+            lines.append(f"| {r['zero_stage']} | refused: {r['refused']} |")
+            continue
+        stage = ",".join(str(s) for s in r["stages"])
+        lines.append(f"| {r['zero_stage']} | {r['rank']} ({stage}) | {r['weights']:.3f} | {r['gathered']:.3f} | "
+                     f"{r['grads']:.3f} | {r['optimizer']:.3f} | {r['activations']:.3f} | {r['total']:.3f} | "
+                     f"{'yes' if r['fits'] else 'NO'} | "
+                     + " | ".join(f"{r['comm_gb'][k]:.3f}" for k in dims) + f" | {r['comm_gb_per_step']:.3f} |")
+    for r in rows:
+        if "refused" not in r and len(r["rank_peaks_gib"]) > 1:
+            peaks = ", ".join(f"rank {k} (stage {i}) {v:.3f}" for i, (k, v) in enumerate(r["rank_peaks_gib"].items()))
+            lines.append(f"stage peaks at zero_stage {r['zero_stage']}: {peaks}")
     return "\n".join(lines)
 
 
-def measure(cfg: JobConfig, mesh, device: torch.device) -> dict[str, float]:
-    """The real peak of this rank over a training step in the job's own layout (``mesh``: the running job's)."""
-    return step_peak(cfg, mesh.dp, mesh.zero_stage, fake=False,
-                     device_mesh=mesh.device_mesh if mesh.distributed else None, device=device)
+def measure(cfg: JobConfig, mesh: Mesh, device: torch.device) -> dict:
+    """The real peak of this rank over the same two steps in the job's own layout (``mesh``: the running job's)."""
+    return step_peak(cfg, mesh, fake=False, device=device)["memory"]
+
+
+def gather_measurements(mesh: Mesh, mine: dict) -> dict[int, dict]:
+    """Every rank's ``measure`` on every rank: {rank: memory}."""
+    if not mesh.distributed:
+        return {0: mine}
+    everyone = [None] * mesh.world_size
+    dist.all_gather_object(everyone, mine)
+    return dict(enumerate(everyone))
+
+
+def compare(cfg: JobConfig, world: int, measured: dict[int, dict]) -> dict:
+    """The prediction for the heaviest planned rank beside what that rank measured."""
+    predicted = simulate(cfg, world)
+    rank = max(predicted, key=lambda r: predicted[r]["memory"]["total"])
+    pred, real = predicted[rank]["memory"], measured[rank]
+    dp = resolve_layout(cfg, world)
+    return {"dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "ep": cfg.parallel.ep, "cp": cfg.parallel.cp,
+            "zero_stage": cfg.parallel.zero_stage, "rank": rank,
+            "measured_gib": {k: v / GIB for k, v in real.items()}, "predicted_gib": {k: v / GIB for k, v in pred.items()},
+            "predicted_over_measured": pred["total"] / real["total"],
+            "ranks": {r: {"predicted_gib": predicted[r]["memory"]["total"] / GIB,
+                          "measured_gib": measured[r]["total"] / GIB} for r in predicted}}

@@ -1,5 +1,6 @@
-"""`hybridtron plan`: per-GPU memory by category from a step on fake tensors, communication per step, and the
-prediction checked against a real step (one process here, two gloo processes under torchrun)."""
+"""`hybridtron plan`: per-GPU memory by category from a step on fake tensors, communication per step and parallel
+dimension, and the prediction checked against a real step: one process here, two gloo processes under torchrun for
+ZeRO-3, tensor, pipeline (1F1B), expert and context parallelism."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ import pytest
 
 from hybridtron.configs import load_config
 from hybridtron.train.cli import main
-from hybridtron.train.plan import GIB, comm_bytes, n_params, plan_table
+from hybridtron.train.plan import GIB, n_params, plan_table
 
 SMALL = [("model.n_layers", "2"), ("model.d_model", "64"), ("model.n_heads", "4"), ("model.n_kv_heads", "2"),
          ("data.seq_len", "64"), ("train.micro_batch_size", "4"), ("train.dtype", "fp32")]
+B, T, D, V = 4, 64, 64, 4096  # the SMALL micro-batch and model (the tokenizer's default vocabulary)
+
+
+def argv(over) -> list[str]:
+    return [f"--{k}={v}" for k, v in over]
 
 
 def test_plan_divides_state_by_the_zero_stage():
@@ -32,7 +38,8 @@ def test_plan_divides_state_by_the_zero_stage():
     assert rows[3]["comm_gb_per_step"] == rel((2 * 0.75 * 4 * P + 0.75 * 4 * P) / 1e9)
     assert all(r["fits"] for r in rows.values())
     assert not any(r["fits"] for r in plan_table(cfg, world=4, gpu_memory_gib=0.001))
-    assert comm_bytes(P, 1, 3, 4, 2) == 0
+    alone = plan_table(cfg, world=1, gpu_memory_gib=80)
+    assert len(alone) == 1 and alone[0]["comm_gb_per_step"] == 0  # nothing to shard: one row, nothing sent
 
 
 def test_activation_checkpointing_lowers_the_planned_activations():
@@ -42,7 +49,7 @@ def test_activation_checkpointing_lowers_the_planned_activations():
 
 
 def test_plan_cli_prints_a_row_per_stage(capsys):
-    assert main(["plan", "--config", "tiny", "--gpus-per-node", "2", *[f"--{k}={v}" for k, v in SMALL]]) == 0
+    assert main(["plan", "--config", "tiny", "--gpus-per-node", "2", *argv(SMALL)]) == 0
     out = capsys.readouterr().out
     assert "2 GPUs, dp=2" in out and [ln.split("|")[1].strip() for ln in out.splitlines()
                                       if ln.startswith("| ") and ln[2].isdigit()] == ["0", "2", "3"]
@@ -53,7 +60,14 @@ def _measured(out: str) -> dict:
 
 
 def test_measured_step_matches_the_plan_on_one_process(capsys):
-    assert main(["plan", "--config", "tiny", "--measure", *[f"--{k}={v}" for k, v in SMALL]]) == 0
+    assert main(["plan", "--config", "tiny", "--measure", *argv(SMALL)]) == 0
+    res = _measured(capsys.readouterr().out)
+    assert 0.9 <= res["predicted_over_measured"] <= 1.1, res
+
+
+def test_a_mixture_of_experts_is_planned_and_measured_on_one_process(capsys):
+    # The routing counts set shapes that fake tensors have no values for: the plan assumes balanced routing.
+    assert main(["plan", "--config", "tiny_moe", "--measure", *argv(SMALL)]) == 0
     res = _measured(capsys.readouterr().out)
     assert 0.9 <= res["predicted_over_measured"] <= 1.1, res
 
@@ -62,12 +76,101 @@ def test_measured_step_matches_the_plan_on_one_process(capsys):
 def test_measured_step_matches_the_plan_under_zero3_on_two_processes():
     from .test_data_parallel import torchrun
 
-    res = torchrun(["plan", "--config", "tiny", "--measure", "--parallel.zero_stage", "3",
-                    *[f"--{k}={v}" for k, v in SMALL]])
+    res = torchrun(["plan", "--config", "tiny", "--measure", "--parallel.zero_stage", "3", *argv(SMALL)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = _measured(res.stdout)
     assert got["dp"] == 2 and got["zero_stage"] == 3 and 0.9 <= got["predicted_over_measured"] <= 1.1, got
     assert got["measured_gib"]["gathered"] > 0
+
+
+# Two processes each, every rank's measured peak against its prediction. pp: 4 layers cut in two stages, 4
+# micro-batches, so the first stage holds two in flight under 1F1B (GPipe would hold four); ep: the tiny MoE's experts
+# split in two, every rank routing its own batch; cp: the sequence split in two.
+MEASURED_LAYOUTS = {
+    "tp2": ["--parallel.tp", "2"],
+    "pp2_1f1b": ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--model.n_layers", "4",
+                 "--train.grad_accum_steps", "4"],
+    "ep2": ["--config", "tiny_moe", "--parallel.ep", "2"],
+    "cp2": ["--parallel.cp", "2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MEASURED_LAYOUTS)
+def test_measured_peak_matches_the_plan_for_model_parallel_layouts(layout):
+    from .test_data_parallel import torchrun
+
+    res = torchrun(["plan", "--config", "tiny", "--measure", *argv(SMALL), *MEASURED_LAYOUTS[layout]])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = _measured(res.stdout)
+    name = {"tp2": "tp", "pp2_1f1b": "pp", "ep2": "ep", "cp2": "cp"}[layout]
+    assert got[name] == 2, got
+    assert 0.9 <= got["predicted_over_measured"] <= 1.1, got
+    for rank, r in got["ranks"].items():  # every pipeline stage, not only the heaviest
+        assert 0.9 <= r["predicted_gib"] / r["measured_gib"] <= 1.1, (rank, got)
+    if layout == "pp2_1f1b":
+        assert set(got["ranks"]) == {"0", "1"}
+
+
+def test_model_parallel_layouts_divide_what_they_split():
+    one = plan_table(load_config("tiny", SMALL), 1, 80)[0]
+    tp = plan_table(load_config("tiny", [*SMALL, ("parallel.tp", "2")]), 2, 80)[0]
+    # tp2: every matrix split in two (the norm gains, a few hundred numbers, stay whole)
+    assert tp["weights"] == pytest.approx(one["weights"] / 2, rel=0.02) and tp["activations"] < one["activations"]
+    cp = plan_table(load_config("tiny", [*SMALL, ("parallel.cp", "2")]), 2, 80, stages=(0,))[0]
+    assert cp["weights"] == pytest.approx(one["weights"], rel=0.01) and cp["activations"] < one["activations"]
+    moe = [*SMALL, ("model.moe.n_experts", "8"), ("model.moe.expert_hidden", "128")]
+    dense = plan_table(load_config("tiny", moe), 2, 80, stages=(0,))[0]
+    ep = plan_table(load_config("tiny", [*moe, ("parallel.ep", "2")]), 2, 80, stages=(0,))[0]
+    assert ep["weights"] < dense["weights"]  # each rank holds half the experts
+
+
+def test_pipeline_plans_every_stage_and_its_micro_batches_in_flight():
+    over = [*SMALL, ("parallel.pp", "2"), ("train.grad_accum_steps", "4")]  # a layer per stage
+    rows = {s: plan_table(load_config("tiny", [*over, ("parallel.pp_schedule", s)]), 2, 80)[0]
+            for s in ("1f1b", "gpipe")}
+    for r in rows.values():
+        assert set(r["rank_peaks_gib"]) == {0, 1}  # the first rank of each stage
+    # The first stage holds pp = 2 micro-batches under 1F1B, all 4 under GPipe
+    assert rows["gpipe"]["rank_peaks_gib"][0] > rows["1f1b"]["rank_peaks_gib"][0]
+
+
+def test_communication_per_dimension():
+    """The module docstring's formulas, written out for the small fp32 model (s = c = 4 bytes)."""
+    mb, d = 2, D
+
+    def comm(*over, world=2):
+        cfg = load_config("tiny", [*SMALL, ("train.grad_accum_steps", str(mb)), *over])
+        row = plan_table(cfg, world, 80, stages=(0,))[0]
+        return {k: v * 1e9 for k, v in row["comm_gb"].items()}
+
+    rel = pytest.approx
+    # tp: per layer 4 collectives each way of B T d fp32, half of it leaving each rank; embedding and output layer
+    # one each way
+    assert comm(("parallel.tp", "2"))["tp"] == rel(mb * (2 * 4 * 0.5 * B * T * d * 8 + 2 * 2 * 0.5 * B * T * d * 4))
+    # pp: the last stage sends its input's gradient back per micro-batch, and the tied embedding's gradient
+    pp = comm(("parallel.pp", "2"))
+    assert pp["pp"] == rel(mb * B * T * d * 4 + V * d * 4) and pp["dp"] == 0
+    # ep: the tiny MoE has one MoE layer of top-2 routing; out and back, forward and backward, half leaves the rank
+    moe = [("model.moe.n_experts", "4"), ("model.moe.top_k", "2"), ("model.moe.every", "2")]
+    assert comm(*moe, ("parallel.ep", "2"))["ep"] == rel(mb * 1 * 2 * 0.5 * B * T * 2 * d * 8)
+    # cp: keys and values of the 2 attention layers (2 kv heads of 16) gathered, their gradients reduce-scattered;
+    # the gradients are averaged over the cp ranks (DDP's all-reduce)
+    cp = comm(("parallel.cp", "2"))
+    assert cp["cp"] == rel(mb * 2 * 4 * 1 * B * (T // 2) * 2 * 16 * 4)
+    assert cp["dp"] == rel(2 * 0.5 * 4 * n_params(load_config("tiny", SMALL)))
+    # cp over a Gated DeltaNet layer (4 key and value heads of 16, conv width 4): every piece's state map (A | B),
+    # 16 x 32 per head in fp32, gathered and its gradient reduce-scattered, and the 3-row convolution halo of the
+    # 4 x 16 x 3 channels there and back; plus the one attention layer's keys and values
+    hybrid = comm(("parallel.cp", "2"), ("model.layer_pattern", "LA"))
+    halo = B * 3 * (4 * 16 * 3) * 4
+    assert hybrid["cp"] == rel(mb * (1 * 2 * (B * 4 * 16 * 32 * 4 + halo) + 1 * 4 * 1 * B * (T // 2) * 2 * 16 * 4))
+
+
+def test_layouts_a_zero_stage_cannot_take_are_rows_with_the_reason():
+    rows = plan_table(load_config("tiny", [*SMALL, ("parallel.tp", "2")]), 4, 80)  # dp2 x tp2
+    assert "refused" in rows[0] and "zero_stage 2 or 3" in rows[0]["refused"]
+    assert [r["zero_stage"] for r in rows[1:]] == [2, 3] and all("refused" not in r for r in rows[1:])
 
 
 def test_plan_refuses_the_deepspeed_engine(capsys):
@@ -75,12 +178,11 @@ def test_plan_refuses_the_deepspeed_engine(capsys):
     assert "plan models the torch engine" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("dim", ["tp", "pp", "ep", "cp"])
-def test_plan_refuses_the_model_splitting_dimensions_by_name(dim, capsys):
-    over = ["--model.moe.n_experts", "4"] if dim == "ep" else []
-    assert main(["plan", f"--parallel.{dim}", "2", *over]) == 2
+def test_plan_refuses_to_measure_zero_bubble_by_name(capsys):
+    over = ["--parallel.pp", "2", "--parallel.pp_stages_per_rank", "2", "--parallel.pp_schedule", "zero_bubble"]
+    assert main(["plan", "--measure", *over]) == 2
     err = capsys.readouterr().err
-    assert f"not parallel.{dim}=2" in err and "with those set to 1" in err, err
+    assert "cannot follow parallel.pp_schedule=zero_bubble" in err and "without --measure" in err, err
 
 
 def test_plan_with_gradient_accumulation_and_checkpointing():
