@@ -147,15 +147,6 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
-def loss_context(mesh):
-    """Cross-entropy on vocabulary-sharded logits under tensor parallelism (forward and backward inside it)."""
-    if mesh is None or mesh.tp == 1:
-        return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    return loss_parallel()
-
-
 def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, mixed_precision: str = "auto",
                         params_may_leave: bool = False, roots: list[nn.Module] | None = None):
     """Replicate (ZeRO 0) or shard (ZeRO 2/3) an initialised model over ``mesh``'s ``dp`` dimension, in place.

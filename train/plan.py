@@ -89,7 +89,7 @@ from hybridtron.configs import ConfigError, JobConfig
 
 from .context_parallel import local_piece
 from .distributed import Mesh, resolve_layout
-from .parallelize import autocast_context, autocast_dtype, clip_grad_norm, loss_context
+from .parallelize import autocast_context, autocast_dtype, clip_grad_norm
 
 GIB = 1 << 30
 CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
@@ -374,17 +374,16 @@ def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n
     if pipeline is not None:
         parts = list(_batches(cfg, vocab, n_micro))
         batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-        with loss_context(mesh), autocast_context(device, amp):
+        with autocast_context(device, amp):
             pipeline.step(batch)
         sync_expert_grads(model, mesh)
         pipeline.clip_grad_norm(cfg.train.grad_clip)
     else:
         for batch in _batches(cfg, vocab, n_micro):
             b = local_piece(batch, mesh)
-            with loss_context(mesh):
-                with autocast_context(device, amp):
-                    loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])
-                (loss / n_micro).backward()
+            with autocast_context(device, amp):
+                loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])
+            (loss / n_micro).backward()
         sync_expert_grads(model, mesh)
         clip_grad_norm(model.parameters(), cfg.train.grad_clip)
     optimizer.step()

@@ -25,7 +25,7 @@ from .distributed import Mesh
 from .expert_parallel import sync_expert_grads
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
-from .parallelize import autocast_context, clip_grad_norm, loss_context
+from .parallelize import autocast_context, clip_grad_norm
 from .schedule import lr_at
 
 
@@ -95,7 +95,7 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
     total = 0.0
     for _ in range(n_batches):
         b = local_piece({k: v.to(device) for k, v in next(loader).items()}, mesh)
-        with loss_context(mesh), autocast_context(device, amp_dtype):
+        with autocast_context(device, amp_dtype):
             if pipeline is not None:
                 total += pipeline.eval_loss(b)
             else:
@@ -173,10 +173,9 @@ class Trainer:
             b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
             b = local_piece(b, self.mesh)  # context parallel: this rank's piece of every sequence
             doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
-            with loss_context(self.mesh):
-                with autocast_context(self.device, self.amp_dtype):
-                    loss = self.model(b["input_ids"], doc_ids, labels=b["labels"])
-                (loss / accum).backward()
+            with autocast_context(self.device, self.amp_dtype):
+                loss = self.model(b["input_ids"], doc_ids, labels=b["labels"])
+            (loss / accum).backward()
             loss_sum += _whole(loss.detach()).float()
             tokens += b["input_ids"].numel()
         loss = self.mesh.mean((loss_sum / accum).item())  # the mean over data-parallel ranks: the global batch's
@@ -195,7 +194,7 @@ class Trainer:
         parts = [next(self.train_loader) for _ in range(accum)]
         keys = ("input_ids", "labels", "doc_ids") if self.cfg.model.doc_mask else ("input_ids", "labels")
         b = {k: torch.cat([p[k] for p in parts]).to(self.device, non_blocking=True) for k in keys}
-        with loss_context(self.mesh), autocast_context(self.device, self.amp_dtype):
+        with autocast_context(self.device, self.amp_dtype):
             loss = self.pipeline.step(b)
         loss = self.mesh.mean(loss)
         sync_expert_grads(self.model, self.mesh)
