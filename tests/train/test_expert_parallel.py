@@ -68,8 +68,11 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
 def test_expert_parallel_trains_like_one_process(layout, runs):
     ref = runs[LAYOUTS[layout][2]]
     assert_same_steps(steps(runs[layout]), steps(ref))
-    # every expert's slice came back from its rank, trained as on one process
-    assert any(".experts." in k for k in assert_same_weights(runs[layout], ref))
+    # every expert's slice came back from its rank, trained as on one process. At step 2: the experts' grouped
+    # matmuls run over other row sets than on one process (~1e-7 apart), the router's inputs carry that, and
+    # later a token whose second and third expert are that close may pick the other (seen at step 3: one
+    # expert's weights then differ in ~1% of their elements, by up to 1.6e-3 at step 4)
+    assert any(".experts." in k for k in assert_same_weights(runs[layout], ref, step=2))
     # global expert loads move the router biases identically
     got_m, want_m = read_metrics(runs[layout])[-1], read_metrics(ref)[-1]
     bias = [k for k in want_m if "/bias/e" in k]
