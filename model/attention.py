@@ -102,25 +102,34 @@ class GatedAttention(nn.Module):
             q = q.view(B, T, -1, D)
         k = self.k_proj(x).view(B, T, -1, D)
         v = self.v_proj(x).view(B, T, -1, D)
-        H, KV = q.shape[2], k.shape[2]
+        H = q.shape[2]
 
         q, k = apply_rotary_qk(q, k, cos, sin, self.q_norm, self.k_norm, backend=self.rotary_backend)
 
-        if self.context_parallel is not None and cache is None:  # x is one piece of the sequence: keys and
-            k, v, attn_mask = self.context_parallel.attention_inputs(k, v, doc_ids)  # values of all, shifted mask
-            doc_ids = None
-        backend = pick_for("attention", self.kernel_backend, q, k, v)
-        if self.context_parallel is not None:
-            backend = "reference"  # the fused kernels take square causal problems; a piece's is not
-        if backend != "reference" and cache is None:
-            gate_in = self.gate_proj(x) if self.gate == "headwise" else gate if self.gate == "elementwise" else None
-            if doc_ids is None and attn_mask is not None:
-                doc_ids = doc_ids_from_mask(attn_mask)  # the kernels take documents as bounds, not a mask
-            out = gated_attention(q, k, v, gate_in, doc_ids=doc_ids, backend=backend)  # (B, T, H, D), gated
-            return self.o_proj(out.reshape(B, T, H * D))
+        if self.context_parallel is not None and cache is None:  # x is one piece of the sequence: ring attention
+            out = self.context_parallel.attention(q, k, v, doc_ids)  # over all pieces' keys and values
+        else:
+            backend = pick_for("attention", self.kernel_backend, q, k, v)
+            if backend != "reference" and cache is None:
+                gate_in = self.gate_proj(x) if self.gate == "headwise" else gate if self.gate == "elementwise" else None
+                if doc_ids is None and attn_mask is not None:
+                    doc_ids = doc_ids_from_mask(attn_mask)  # the kernels take documents as bounds, not a mask
+                out = gated_attention(q, k, v, gate_in, doc_ids=doc_ids, backend=backend)  # (B, T, H, D), gated
+                return self.o_proj(out.reshape(B, T, H * D))
+            out = self._sdpa(q, k, v, attn_mask, doc_ids, cache)  # the reference, and decoding
+
+        if self.gate == "elementwise":
+            out = out * torch.sigmoid(gate)
+        elif self.gate == "headwise":
+            out = out * torch.sigmoid(self.gate_proj(x)).unsqueeze(-1)  # (B, T, H, 1)
+        return self.o_proj(out.reshape(B, T, H * D))
+
+    @staticmethod
+    def _sdpa(q, k, v, attn_mask, doc_ids, cache):
+        """torch's attention on (B, T, H, D) q and (B, T, KV, D) k, v; with a cache, the cached keys first."""
+        T, H, KV = q.shape[1], q.shape[2], k.shape[2]
         if attn_mask is None and doc_ids is not None:
             attn_mask = doc_causal_mask(doc_ids)
-
         is_causal = attn_mask is None
         if cache is not None:
             past = cache.get("k")
@@ -128,19 +137,12 @@ class GatedAttention(nn.Module):
                 k, v = torch.cat([past, k], dim=1), torch.cat([cache["v"], v], dim=1)
                 if T > 1:  # a prompt after a prompt: query t sees cached keys and keys up to itself
                     S = k.shape[1]
-                    attn_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
+                    attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
                 is_causal = False  # one query: it sees every cached key
             cache["k"], cache["v"] = k, v
-
         # SDPA wants (B, heads, T, D). enable_gqa maps query head h to kv head h // (H // KV), the
         # repeat_interleave grouping that transformers' repeat_kv uses too.
-        out = F.scaled_dot_product_attention(
+        return F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=attn_mask, is_causal=is_causal and T > 1, enable_gqa=KV != H,
         ).transpose(1, 2)  # (B, T, H, D)
-
-        if self.gate == "elementwise":
-            out = out * torch.sigmoid(gate)
-        elif self.gate == "headwise":
-            out = out * torch.sigmoid(self.gate_proj(x)).unsqueeze(-1)  # (B, T, H, 1)
-        return self.o_proj(out.reshape(B, T, H * D))

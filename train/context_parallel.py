@@ -3,9 +3,10 @@ pieces of seq_len / cp positions, and each runs the whole model on its piece.
 
 Only the sequence mixers need the other pieces:
 
-- **Attention**: keys and values are all-gathered along the sequence (a differentiable all-gather: the
-  backward reduce-scatters their gradients), and each rank's queries attend over the whole sequence with the
-  causal (and document) mask shifted to the piece's position. Rotary positions are the global ones.
+- **Attention**: ring attention. The key/value blocks of the pieces pass round the ring of cp ranks; each rank
+  scores its queries against every block it holds (causal and document masks at global positions; later
+  pieces skipped) and merges the partial results by their log-sum-exp, and in the backward the blocks go round
+  again carrying their gradients home (``_RingAttention``). Rotary positions are the global ones.
 - **Gated DeltaNet**: the short convolution reads the last conv_size - 1 inputs of the previous piece (sent
   point to point; the gradient goes back the same way). The delta rule's state is affine in the state a piece
   starts from, so every rank runs its piece at once and learns that map (one run, ``delta_rule``); the maps
@@ -32,7 +33,7 @@ def local_piece(batch: dict, mesh) -> dict:
     return {k: v.chunk(n, dim=1)[r].contiguous() for k, v in batch.items()}
 
 
-HALO = 2  # message tag of the convolution halo
+HALO, RING = 2, 8  # message tags: the convolution halo; ring attention's blocks (RING + i for the i-th tensor)
 
 
 class ContextParallel:
@@ -87,22 +88,33 @@ class ContextParallel:
         return _ToNext.apply(t, self, tag)
 
     # ---- attention ---------------------------------------------------------------------------------------------
-    def attention_inputs(self, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None):
-        """(B, t, KV, D) local keys and values -> the whole sequence's (a differentiable all-gather), and the
-        (B, 1, t, T) bool mask of this piece's queries over all keys (causal at global positions, within
-        documents)."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None):
+        """Ring attention of this piece's queries over every piece's keys and values: (B, t, H, D) q and
+        (B, t, KV, D) k, v -> (B, t, H, D), causal at global positions and within documents (``_RingAttention``)."""
+        return _RingAttention.apply(q, k, v, doc_ids, self)
 
-        t = k.shape[1]
-        k, v = (all_gather_tensor_autograd(x.transpose(0, 1).contiguous(), gather_dim=0, group=self.group)
-                .transpose(0, 1) for x in (k, v))
-        T = k.shape[1]
-        start = self.offset(t)
-        q_pos = torch.arange(start, start + t, device=k.device)
-        mask = (torch.arange(T, device=k.device)[None, :] <= q_pos[:, None])[None, None]  # (1, 1, t, T)
+    def _rotate(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``tensors`` to the next rank of the ring and receive the previous rank's, of the same shapes."""
+        nxt, prv = self._global[(self.rank + 1) % self.n], self._global[(self.rank - 1) % self.n]
+        out = [torch.empty_like(t) for t in tensors]
+        works = [dist.isend(t.contiguous(), dst=nxt, group=self.group, tag=RING + i) for i, t in enumerate(tensors)]
+        works += [dist.irecv(o, src=prv, group=self.group, tag=RING + i) for i, o in enumerate(out)]
+        for w in works:
+            w.wait()
+        return out
+
+    def _block_mask(self, src: int, t: int, doc_ids: torch.Tensor | None, device) -> torch.Tensor | None:
+        """(B or 1, 1, t, t) bool: which keys of piece ``src`` this piece's queries see; None when none does."""
+        if src > self.rank:  # a later piece: causally invisible
+            return None
+        if src == self.rank:
+            mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()[None, None]
+        else:
+            mask = torch.ones(1, 1, t, t, dtype=torch.bool, device=device)
         if doc_ids is not None:
-            mask = mask & (doc_ids[:, None, :, None] == self.whole_ids[:, None, None, :])
-        return k, v, mask
+            keys = self.whole_ids[:, src * t:(src + 1) * t]
+            mask = mask & (doc_ids[:, None, :, None] == keys[:, None, None, :])
+        return mask
 
     # ---- Gated DeltaNet ----------------------------------------------------------------------------------------
     def conv_halo(self, mixed: torch.Tensor, doc_ids: torch.Tensor | None, width: int):
@@ -184,6 +196,87 @@ class _ToNext(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _grad):
         return ctx.cp._recv(ctx.like, ctx.cp.rank + 1, ctx.tag), None, None
+
+
+class _RingAttention(torch.autograd.Function):
+    """Softmax attention of a piece's queries over all pieces' keys and values, the blocks passed round the ring.
+
+    Forward: each rank starts with its own (k, v) block and passes it on cp - 1 times, so every block visits
+    every rank; a block from a later piece is skipped (causally invisible), the others are scored under the
+    causal / document mask, and the partial outputs are merged by their log-sum-exp (the online softmax).
+    Backward: the blocks go round again, now with their key and value gradients travelling along: each rank
+    adds its queries' contribution and passes them on, and after cp passes every block is home with its whole
+    gradient. The scores of one block exist at a time, (B, H, t, t) for t = T / cp: nothing of size T x T.
+    Computation in fp32 at least; grouped-query heads map query head h to kv head h // (H / KV)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, doc_ids, cp):
+        B, t, H, D = q.shape
+        KV = k.shape[2]
+        f32 = torch.promote_types(q.dtype, torch.float32)
+        qh = q.to(f32).transpose(1, 2) * D**-0.5  # (B, H, t, D)
+        out = torch.zeros(B, H, t, D, dtype=f32, device=q.device)
+        lse = torch.full((B, H, t), float("-inf"), dtype=f32, device=q.device)
+        block = [k, v]
+        for step in range(cp.n):
+            src = (cp.rank - step) % cp.n
+            mask = cp._block_mask(src, t, doc_ids, q.device)
+            if mask is not None:
+                kb, vb = (_heads(x.to(f32), H // KV) for x in block)  # (B, H, t, D)
+                scores = (qh @ kb.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+                blk = torch.logsumexp(scores, dim=-1)  # (B, H, t): -inf where a row sees nothing here
+                new = torch.logaddexp(lse, blk)
+                safe = torch.where(torch.isinf(new), 0.0, new)[..., None]
+                p = torch.exp(scores - safe)
+                out = out * torch.exp(lse[..., None] - safe) + p @ vb
+                lse = new
+            if step < cp.n - 1:
+                block = cp._rotate(block)
+        ctx.save_for_backward(q, k, v, doc_ids, out, lse)
+        ctx.cp = cp
+        return out.transpose(1, 2).to(q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout):
+        q, k, v, doc_ids, out, lse = ctx.saved_tensors
+        cp = ctx.cp
+        B, t, H, D = q.shape
+        KV = k.shape[2]
+        f32 = out.dtype
+        qh = q.to(f32).transpose(1, 2) * D**-0.5
+        do = dout.to(f32).transpose(1, 2)  # (B, H, t, D)
+        delta = (do * out).sum(-1, keepdim=True)  # (B, H, t, 1): rowsum(dO * O)
+        safe = torch.where(torch.isinf(lse), 0.0, lse)[..., None]
+        dq = torch.zeros_like(qh)
+        block = [k, v, torch.zeros(k.shape, dtype=f32, device=k.device), torch.zeros(v.shape, dtype=f32,
+                                                                                    device=v.device)]
+        for step in range(cp.n):
+            src = (cp.rank - step) % cp.n
+            mask = cp._block_mask(src, t, doc_ids, q.device)
+            if mask is not None:
+                kb, vb = (_heads(x.to(f32), H // KV) for x in block[:2])
+                scores = (qh @ kb.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+                p = torch.exp(scores - safe)  # the final softmax's probabilities of this block's keys
+                dp = do @ vb.transpose(-1, -2)
+                ds = p * (dp - delta)
+                dq += ds @ kb
+                block[2] += _kv_heads(ds.transpose(-1, -2) @ qh, KV).transpose(1, 2)  # (B, t, KV, D)
+                block[3] += _kv_heads(p.transpose(-1, -2) @ do, KV).transpose(1, 2)
+            block = cp._rotate(block)  # after cp passes every block, with its gradients, is back home
+        dq = (dq * D**-0.5).transpose(1, 2)
+        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None
+
+
+def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, t, KV, D) -> (B, KV * group, t, D): kv head j serves query heads j * group .. (j + 1) * group - 1."""
+    return x.transpose(1, 2).repeat_interleave(group, dim=1)
+
+
+def _kv_heads(x: torch.Tensor, kv: int) -> torch.Tensor:
+    """(B, H, t, D) gradients per query head -> (B, KV, t, D), summed over each kv head's query heads."""
+    B, H, t, D = x.shape
+    return x.view(B, kv, H // kv, t, D).sum(2)
 
 
 def apply_context_parallel(model: nn.Module, mesh) -> nn.Module:

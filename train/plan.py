@@ -8,8 +8,8 @@ activations and temporaries. The rank is built by the trainer's own code, in the
 checks and the device mesh (``Mesh.setup``), the pipeline cut (``train/pipeline.py``), tensor parallelism
 (``apply_tensor_parallel``: the model's own DTensor plan), expert parallelism (``apply_expert_parallel``: this
 rank's experts), context parallelism (``apply_context_parallel``: the rank runs T/cp positions; attention
-all-gathers keys and values, delta-rule layers gather each piece's state map), FSDP2 (``apply_data_parallel``), then the
-optimizer. So the plan follows the model code as it is: MoE, delta-rule and structured layers and activation
+passes key/value blocks round a ring, delta-rule layers gather each piece's state map), FSDP2
+(``apply_data_parallel``), then the optimizer. So the plan follows the model code as it is: MoE, delta-rule and structured layers and activation
 checkpointing included. Bytes are those of the CPU kernels: fp32, or bf16 where CPU autocast casts (matmuls)
 when the run trains in bf16; flash attention on a GPU keeps no more than the CPU kernel does.
 
@@ -62,8 +62,8 @@ the layer counts L are those of the planned rank (its tp shard, its pipeline sta
       tied embeddings: first and last stage all-reduce the embedding's gradient once per step: V d 4 / tp
   ep  per MoE layer, balanced routing: the routed copies of the tokens (k per token) to their experts' ranks
       and back, and their gradients:                                           m L_moe 2 f(ep) B T k d (s + c)
-  cp  per attention layer: all-gather of keys and values, reduce-scatter of their gradients:
-                                                                               m L_attn 4 (cp - 1) B (T / cp) H_kv D c
+  cp  per attention layer (ring attention): cp - 1 passes of a key and a value block in forward, cp passes of
+      them with their fp32 gradients in backward:            m L_attn B (T / cp) H_kv D (2 (cp - 1) c + cp (2 c + 8))
       per delta-rule layer: all-gather of every piece's state map (A | B), fp32, and the reduce-scatter of its
       gradient; the convolution halo to the next rank and its gradient back:
                                                      m L_delta 2 B ((cp - 1) H_v D_k (D_k + D_v) 4 + (K - 1) C c)
@@ -569,7 +569,8 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     if p.cp > 1:
         t = T // p.cp
         D = m.resolved_head_dim()
-        out["cp"] = mb * facts["attention_layers"] * 4 * (p.cp - 1) * B * t * m.n_kv_heads * D * c
+        block = B * t * m.n_kv_heads * D  # one piece's keys (or values): train/context_parallel.py's ring
+        out["cp"] = mb * facts["attention_layers"] * block * (2 * (p.cp - 1) * c + p.cp * (2 * c + 8))
         if facts["delta_layers"]:
             n_k, n_v, d_k, d_v = m.deltanet.resolved(m)
             n_h = m.deltanet.n_householder

@@ -154,17 +154,18 @@ def test_communication_per_dimension():
     # ep: the tiny MoE has one MoE layer of top-2 routing; out and back, forward and backward, half leaves the rank
     moe = [("model.moe.n_experts", "4"), ("model.moe.top_k", "2"), ("model.moe.every", "2")]
     assert comm(*moe, ("parallel.ep", "2"))["ep"] == rel(mb * 1 * 2 * 0.5 * B * T * 2 * d * 8)
-    # cp: keys and values of the 2 attention layers (2 kv heads of 16) gathered, their gradients reduce-scattered;
-    # the gradients are averaged over the cp ranks (DDP's all-reduce)
+    # cp: ring attention in the 2 attention layers (2 kv heads of 16): the key and value block passed once in
+    # forward, and twice with their gradients in backward; the gradients are averaged over the cp ranks (DDP)
     cp = comm(("parallel.cp", "2"))
-    assert cp["cp"] == rel(mb * 2 * 4 * 1 * B * (T // 2) * 2 * 16 * 4)
+    kv = B * (T // 2) * 2 * 16
+    assert cp["cp"] == rel(mb * 2 * kv * (2 * 4 + 2 * (4 + 4 + 4 + 4)))
     assert cp["dp"] == rel(2 * 0.5 * 4 * n_params(load_config("tiny", SMALL)))
     # cp over a Gated DeltaNet layer (4 key and value heads of 16, conv width 4): every piece's state map (A | B),
     # 16 x 32 per head in fp32, gathered and its gradient reduce-scattered, and the 3-row convolution halo of the
-    # 4 x 16 x 3 channels there and back; plus the one attention layer's keys and values
+    # 4 x 16 x 3 channels there and back; plus the one attention layer's ring
     hybrid = comm(("parallel.cp", "2"), ("model.layer_pattern", "LA"))
     halo = B * 3 * (4 * 16 * 3) * 4
-    assert hybrid["cp"] == rel(mb * (1 * 2 * (B * 4 * 16 * 32 * 4 + halo) + 1 * 4 * 1 * B * (T // 2) * 2 * 16 * 4))
+    assert hybrid["cp"] == rel(mb * (1 * 2 * (B * 4 * 16 * 32 * 4 + halo) + 1 * kv * (2 * 4 + 2 * 16)))
 
 
 def test_layouts_a_zero_stage_cannot_take_are_rows_with_the_reason():
