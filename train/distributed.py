@@ -57,8 +57,9 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
                           f"the compiled blocks); set train.compile=false for this layout")
     if p.tp > 1:
         check_tensor_parallel(cfg)
-        if dp > 1 and p.zero_stage == 0:
-            raise ConfigError(f"parallel.tp={p.tp} with dp={dp} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
+        if dp * p.cp > 1 and p.zero_stage == 0:
+            data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp}"
+            raise ConfigError(f"parallel.tp={p.tp} with {data} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
                               f"composes with tensor parallelism); replicated DDP does not")
     self_guided = cfg.model.ffn.kind != "dense" and cfg.model.ffn.self_guided
     if self_guided and p.engine == "deepspeed":
@@ -114,15 +115,19 @@ def check_expert_parallel(cfg: JobConfig, dp: int) -> None:
 
 def check_context_parallel(cfg: JobConfig) -> None:
     """What context parallelism of degree ``parallel.cp`` needs: sequences that split evenly, and (in this
-    version) no other model-splitting dimension and no recomputation."""
+    version) no pipeline or expert parallel, no MoE layers and no recomputation."""
     p = cfg.parallel
     if cfg.data.seq_len % p.cp:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.cp={p.cp}: every context-"
                           f"parallel rank takes an equal piece of each sequence; choose a cp that divides it")
-    others = [f"parallel.{n}={getattr(p, n)}" for n in ("tp", "pp", "ep") if getattr(p, n) > 1]
+    others = [f"parallel.{n}={getattr(p, n)}" for n in ("pp", "ep") if getattr(p, n) > 1]
     if others:
-        raise ConfigError(f"parallel.cp={p.cp} composes with data parallel only in this version, not with "
+        raise ConfigError(f"parallel.cp={p.cp} composes with data and tensor parallel only in this version, not with "
                           f"{', '.join(others)}; set those to 1 or parallel.cp=1")
+    if cfg.model.moe.n_experts:
+        raise ConfigError(f"parallel.cp={p.cp} with mixture-of-experts layers: each piece would balance its experts "
+                          f"over its own tokens, not the sequence's (the auxiliary loss is not a sum over tokens); "
+                          f"not supported yet: set parallel.cp=1 for MoE models")
     if cfg.train.activation_checkpointing:
         raise ConfigError(f"parallel.cp={p.cp} exchanges keys, values and recurrent states between ranks inside each "
                           f"layer, which activation checkpointing would repeat in the backward; set "

@@ -42,7 +42,8 @@ right.
 Communication per optimizer step and GPU, in bytes sent (ring algorithms: as many are received). m micro-batches
 per step of B sequences of T tokens, d = model.d_model, f(n) = (n - 1) / n; s = 4 (the residual stream and the
 norm outputs stay fp32 under autocast), c = 2 in bf16 runs, else 4 (projection outputs); the parameters P and
-the layer counts L are those of the planned rank (its tp shard, its pipeline stages):
+the layer counts L are those of the planned rank (its tp shard, its pipeline stages); head counts H are those
+of the rank's tp shard:
 
   dp  n = dp x cp ranks average the gradients; P without the experts sharded over ep; g = 2 when FSDP gathers
       bf16 weights (parallel.mixed_precision), else 4
@@ -569,14 +570,14 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     if p.cp > 1:
         t = T // p.cp
         D = m.resolved_head_dim()
-        block = B * t * m.n_kv_heads * D  # one piece's keys (or values): train/context_parallel.py's ring
+        block = B * t * (m.n_kv_heads // p.tp) * D  # one piece's keys (or values) of this rank's heads: the ring
         out["cp"] = mb * facts["attention_layers"] * block * (2 * (p.cp - 1) * c + p.cp * (2 * c + 8))
         if facts["delta_layers"]:
             n_k, n_v, d_k, d_v = m.deltanet.resolved(m)
             n_h = m.deltanet.n_householder
             conv_dim = n_k * d_k * (1 + n_h) + n_v * d_v * n_h
-            maps = (p.cp - 1) * B * n_v * d_k * (d_k + d_v) * 4  # train/context_parallel.py's (A | B), fp32
-            halo = B * (m.deltanet.conv_size - 1) * conv_dim * c
+            maps = (p.cp - 1) * B * (n_v // p.tp) * d_k * (d_k + d_v) * 4  # the (A | B) of this rank's heads, fp32
+            halo = B * (m.deltanet.conv_size - 1) * (conv_dim // p.tp) * c
             out["cp"] += mb * facts["delta_layers"] * 2 * (maps + halo)
         if m.doc_mask:
             out["cp"] += mb * (p.cp - 1) * B * t * 8

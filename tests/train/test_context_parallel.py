@@ -1,11 +1,12 @@
 """Context parallel on the CPU for real: `torchrun` starts two or four gloo processes that split every sequence.
 
-Attention layers gather keys and values over the pieces; Gated DeltaNet layers pass the convolution's halo and
-the recurrent state from piece to piece (and their gradients back). A 4-layer model with packed documents
-(document masks, state resets at document starts, including starts that fall on a piece boundary) trains
-4 steps as cp2 (attention only), cp4 (a hybrid Gated DeltaNet / attention stack: the state crosses three
-boundaries) and dp2 x cp2 under FSDP2, and matches one process taking the same batches: losses, gradient
-norms, validation loss and final weights. A context-parallel checkpoint resumes on one process.
+Attention layers run ring attention over the pieces; Gated DeltaNet layers take the convolution's halo from the
+previous piece and compose the state their piece starts from out of every piece's all-gathered state map. A
+4-layer model with packed documents (document masks, state resets at document starts, including starts that fall
+on a piece boundary) trains 4 steps as cp2 (attention only), cp4 (a hybrid Gated DeltaNet / attention stack: the
+state crosses three boundaries), dp2 x cp2 under FSDP2 and cp2 x tp2, and matches one process taking the same
+batches: losses, gradient norms, validation loss and final weights. A context-parallel checkpoint resumes on one
+process.
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ def test_context_layouts_that_cannot_work_are_refused():
     assert layout(world=4) == 2  # dp = 2: gradients averaged over dp x cp = 4 ranks
     with pytest.raises(ConfigError, match=r"data.seq_len=129 is not divisible by parallel.cp=2"):
         layout(("data.seq_len", "129"))
-    with pytest.raises(ConfigError, match=r"composes with data parallel only in this version, not with parallel.tp=2"):
+    with pytest.raises(ConfigError, match=r"composes with data and tensor parallel only in this version, not with "
+                                          r"parallel.pp=2"):
+        layout(("parallel.pp", "2"), ("train.grad_accum_steps", "2"), world=4)
+    with pytest.raises(ConfigError, match=r"with mixture-of-experts layers: each piece would balance"):
+        layout(("model.moe.n_experts", "4"))
+    with pytest.raises(ConfigError, match=r"tp=2 with dp x cp = 1 x 2 needs parallel.zero_stage 2 or 3"):
         layout(("parallel.tp", "2"), world=4)
+    assert layout(("parallel.tp", "2"), ("parallel.zero_stage", "3"), world=4) == 1
     with pytest.raises(ConfigError, match=r"activation checkpointing would repeat"):
         layout(("train.activation_checkpointing", "true"))
     with pytest.raises(ConfigError, match=r"parallel.cp > 1 works with parallel.engine=torch only"):
@@ -51,6 +58,10 @@ LAYOUTS = {  # name: (processes, extra arguments, the one-process reference)
     "cp4_hybrid": (4, ["--parallel.cp", "4", *HYBRID], "single_hybrid"),
     "dp2_cp2_zero3_hybrid": (4, ["--parallel.cp", "2", "--parallel.zero_stage", "3", "--train.grad_accum_steps", "1",
                                  *HYBRID], "single_hybrid"),
+    # each piece of each sequence split again over tp2 (sequence parallel), and its heads: ring attention and the
+    # delta rule's state maps run per tp rank on its heads, within its cp ring
+    "cp2_tp2_zero3_hybrid": (4, ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3", *HYBRID],
+                             "single_hybrid"),
 }
 
 
@@ -68,6 +79,8 @@ def test_context_parallel_trains_like_one_process(layout, runs):
     # the validation loss is the mean over the pieces, which is the whole sequences' loss
     assert read_metrics(runs[layout])[-1]["val_loss"] == pytest.approx(read_metrics(ref)[-1]["val_loss"], rel=1e-5)
     assert_same_weights(runs[layout], ref)
+    if layout == "cp2_tp2_zero3_hybrid":
+        assert "4 processes, dp=1, tp=2, pp=1, ep=1, cp=2, zero_stage=3" in runs[layout + ".log"]
 
 
 @pytest.mark.slow

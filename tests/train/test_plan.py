@@ -160,6 +160,9 @@ def test_communication_per_dimension():
     kv = B * (T // 2) * 2 * 16
     assert cp["cp"] == rel(mb * 2 * kv * (2 * 4 + 2 * (4 + 4 + 4 + 4)))
     assert cp["dp"] == rel(2 * 0.5 * 4 * n_params(load_config("tiny", SMALL)))
+    # with tp2 too, each rank's ring carries its own half of the heads
+    both = load_config("tiny", [*SMALL, ("train.grad_accum_steps", str(mb)), ("parallel.cp", "2"), ("parallel.tp", "2")])
+    assert plan_table(both, 4, 80, stages=(3,))[0]["comm_gb"]["cp"] * 1e9 == rel(cp["cp"] / 2)
     # cp over a Gated DeltaNet layer (4 key and value heads of 16, conv width 4): every piece's state map (A | B),
     # 16 x 32 per head in fp32, gathered and its gradient reduce-scattered, and the 3-row convolution halo of the
     # 4 x 16 x 3 channels there and back; plus the one attention layer's ring
