@@ -14,6 +14,9 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
 - ``swiglu``: ``silu(g) * u`` -- eager, compiled, Liger's SiLU-mul, ours.
 - ``cross_entropy``: LM head + loss at a 152k vocabulary -- the plain path (logits, fp32 upcast,
   F.cross_entropy), compiled plain path, Liger's fused linear cross-entropy, ours (chunked).
+- ``delta_rule``: Gated DeltaNet's chunked gated delta rule, forward + backward (issue 10) -- the torch
+  chunked reference eager and compiled, flash-linear-attention's ``chunk_gated_delta_rule`` (``fla-core``,
+  carried as a wheel like Liger's), ours.
 - ``attention``: gated attention, delegated to bench/kernels_attention.py (SDPA flash + gate, the masked
   SDPA path, flash-attn varlen + gate, our Triton kernel).
 
@@ -26,7 +29,8 @@ is the allocator's peak over one forward + backward above what the inputs alread
 
 Targets (issue 9, one H100): norm, rotary and SwiGLU at >= 85% of the copy bandwidth and faster than
 torch.compile; fused linear cross-entropy at vocabulary 152k with <= 15% of the plain path's peak memory
-in <= 1.1x its time. The summary lines under the table say met / not met for each.
+in <= 1.1x its time. Issue 10 (same GPU): the chunked delta rule at least as fast as fla's at head dim 128,
+sequence 4k-16k. The summary lines under the table say met / not met for each.
 
 Liger-Kernel on a machine without internet (the lent GPU machines): download here, carry, install there:
 
@@ -54,12 +58,13 @@ import torch
 
 from hybridtron.kernels import backend
 from hybridtron.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
+from hybridtron.kernels.gated_delta_rule import chunk_gated_delta_rule, delta_rule_chunked
 from hybridtron.kernels.norm import rms_norm, rms_norm_reference
 from hybridtron.kernels.rotary import rotary_qk, rotary_qk_reference
 from hybridtron.kernels.swiglu import swiglu, swiglu_reference
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-OPS = ("norm", "rotary", "swiglu", "cross_entropy", "attention")
+OPS = ("norm", "rotary", "swiglu", "cross_entropy", "delta_rule", "attention")
 
 
 @dataclass
@@ -191,6 +196,43 @@ def cross_entropy_case(tokens: int, d: int, vocab: int, dtype, device, compile_p
         cands["triton (ours, chunked)"] = lambda h, w, labels: linear_cross_entropy(h, w, labels, backend="triton")
     return Case("cross_entropy", f"N{tokens} d{d} V{vocab} {_dt(dtype)}", [h, w, labels], cands,
                 flops=6.0 * tokens * d * vocab, ours="triton (ours, chunked)")
+
+
+def _fla_chunk_gdr():
+    """flash-linear-attention's chunk_gated_delta_rule, or the reason it is unavailable (it imports only where an
+    NVIDIA driver is; carry its ``fla-core`` wheel to the GPU machine as Liger's above)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        return chunk_gated_delta_rule
+    except Exception as e:
+        return f"fla unavailable ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
+
+
+def delta_rule_case(seq: int, heads: int, head_dim: int, chunk: int, dtype, device, compile_peers: bool,
+                    ours: bool) -> Case:
+    """Gated DeltaNet's chunked delta rule, forward + backward, on one sequence of ``seq`` tokens: q, k, v of
+    ``heads`` heads of ``head_dim`` (no grouped values, one Householder step: what fla's kernel also takes),
+    log decays and write strengths in fp32 as the mixer makes them; q and k L2-normalised inside."""
+    g0 = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g0).to(device=device, dtype=dt)
+
+    q, k, v = rnd(1, seq, heads, head_dim), rnd(1, seq, 1, heads, head_dim), rnd(1, seq, 1, heads, head_dim)
+    g = -torch.nn.functional.softplus(rnd(1, seq, heads, dt=torch.float32)) * 0.1
+    beta = torch.sigmoid(rnd(1, seq, 1, heads, dt=torch.float32))
+
+    def reference(q, k, v, g, beta):
+        return delta_rule_chunked(q, k, v, g, beta, chunk_size=chunk)[0]
+
+    cands: dict = {"torch eager (reference)": reference, "torch.compile (reference)": _compiled(reference, compile_peers)}
+    fla = _fla_chunk_gdr()
+    cands["fla chunk_gated_delta_rule"] = fla if isinstance(fla, str) else (
+        lambda q, k, v, g, beta: fla(q, k[:, :, 0], v[:, :, 0], g, beta[:, :, 0], use_qk_l2norm_in_kernel=True)[0])
+    if ours:
+        cands["triton (ours)"] = lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk)[0]
+    return Case("delta_rule", f"T{seq} H{heads} D{head_dim} C{chunk} {_dt(dtype)}", [q, k, v, g, beta], cands)
 
 
 def _first(out):
@@ -353,6 +395,10 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
             m = ours.peak_mib / plain.peak_mib
             line += f"; {100 * m:.0f}% of its peak memory (target <= 15%: {'met' if m <= 0.15 else 'NOT met'})"
         out.append(line)
+    ours, fla = by.get(("delta_rule", "triton (ours)")), by.get(("delta_rule", "fla chunk_gated_delta_rule"))
+    if ours is not None and fla is not None:
+        t = ours.seconds / fla.seconds
+        out.append(f"- delta_rule: {t:.2f}x fla's time (target <= 1: {'met' if t <= 1 else 'NOT met'})")
     return out
 
 
@@ -383,6 +429,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--vocab", type=int, default=152064)
     ap.add_argument("--ce-tokens", type=int, default=8192, help="rows for the loss (the plain path's logits are "
                                                                  "ce_tokens x vocab x (2 + 4 + 4) bytes)")
+    ap.add_argument("--dr-seq", type=int, default=8192, help="sequence length of the delta rule (one sequence)")
+    ap.add_argument("--dr-heads", type=int, default=16, help="delta-rule heads (q/k and v alike)")
+    ap.add_argument("--dr-head-dim", type=int, default=128)
+    ap.add_argument("--dr-chunk", type=int, default=64, choices=[16, 32, 64])
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
@@ -405,6 +455,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "swiglu": lambda: swiglu_case(args.tokens, args.ffn_hidden, dtype, device, compile_peers, ours),
         "cross_entropy": lambda: cross_entropy_case(args.ce_tokens, args.d_model, args.vocab, dtype, device,
                                                     compile_peers, ours),
+        "delta_rule": lambda: delta_rule_case(args.dr_seq, args.dr_heads, args.dr_head_dim, args.dr_chunk, dtype,
+                                              device, compile_peers, ours),
     }
     for op in args.ops:
         if op == "attention":

@@ -11,12 +11,15 @@ def test_bench_runs_tiny_on_cpu_and_appends(tmp_path, capsys):
     out.write_text("# Measured results\n")
     rows = bench.main(["--device", "cpu", "--dtype", "float32", "--no-compile", "--tokens", "8", "--d-model", "16",
                        "--ffn-hidden", "24", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
-                       "--rotary-fraction", "0.5", "--vocab", "40", "--ce-tokens", "6", "--repeats", "2",
+                       "--rotary-fraction", "0.5", "--vocab", "40", "--ce-tokens", "6", "--dr-seq", "20",
+                       "--dr-heads", "2", "--dr-head-dim", "16", "--dr-chunk", "16", "--repeats", "2",
                        "--warmup", "0", "--append", str(out)])
     timed = {(r.op, r.impl) for r in rows if r.seconds is not None}
     for op in ("norm", "rotary", "swiglu"):
         assert (op, "torch eager") in timed and (op, "triton (ours)") in timed
     assert ("cross_entropy", "triton (ours, chunked)") in timed
+    assert ("delta_rule", "triton (ours)") in timed and ("delta_rule", "torch eager (reference)") in timed
+    assert "| delta_rule | T20 H2 D16 C16 float32 | fla chunk_gated_delta_rule | fla unavailable" in out.read_text()
     # every timed peer agrees with our kernel (fp32): the check runs before timing
     assert all(r.max_err is not None and r.max_err < 1e-4 for r in rows if r.seconds is not None), rows
     text = out.read_text()
@@ -35,7 +38,10 @@ def test_verdicts_say_met_or_not():
         bench.Row("cross_entropy", "s", "triton (ours, chunked)", seconds=1.05, peak_mib=100.0),
         bench.Row("cross_entropy", "s", "plain (logits + F.cross_entropy)", seconds=1.0, peak_mib=1000.0),
     ]
+    rows += [bench.Row("delta_rule", "s", "triton (ours)", seconds=1.2),
+             bench.Row("delta_rule", "s", "fla chunk_gated_delta_rule", seconds=1.0)]
     lines = bench.verdicts(rows, copy_gbs=3300.0)
+    assert "- delta_rule: 1.20x fla's time (target <= 1: NOT met)" in lines
     assert lines[0] == ("- norm: 91% of copy bandwidth (target >= 85%: met); 1.50x torch.compile's speed "
                         "(target > 1: met)")
     assert "61% of copy bandwidth (target >= 85%: NOT met)" in lines[1] and "0.50x" in lines[1]
