@@ -111,6 +111,9 @@ class MoE(nn.Module):
         # Expert parallel (set from outside, ``train/expert_parallel.py``): a callable that runs the expert-sorted
         # assignments through experts held by other ranks too; None runs every expert here.
         self.expert_dispatch = None
+        # Context parallel (set from outside, ``train/context_parallel.py``): x is one piece of each sequence, and
+        # the balance loss needs the whole sequences' expert loads (``sum_counts``).
+        self.context_parallel = None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -139,7 +142,11 @@ class MoE(nn.Module):
 
     def _losses(self, logits: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
         N, E = probs.shape
-        load = torch.bincount(idx.flatten(), minlength=E).to(probs.dtype) / (N * self.top_k)  # f_e
+        counts = torch.bincount(idx.flatten(), minlength=E).to(probs.dtype)
+        if self.context_parallel is not None:  # f_e of the whole sequences; each piece's P_e then carries the
+            counts = self.context_parallel.sum_counts(counts)  # gradient, and the pieces' mean is the whole loss
+            N = N * self.context_parallel.n
+        load = counts / (N * self.top_k)  # f_e
         terms = []
         if self.aux_loss_coef:
             p = probs if self.router_kind == "softmax" else probs / probs.sum(-1, keepdim=True)

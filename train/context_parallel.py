@@ -15,7 +15,9 @@ Only the sequence mixers need the other pieces:
 
 The loss of each rank is the mean over its own positions, so gradients are averaged over dp x cp ranks (the
 data-parallel wrapper runs over both) and the logged loss is the mean over them, which is the one-device loss
-when every position carries a label.
+when every position carries a label. MoE layers route each piece's tokens; their balance loss takes the whole
+sequences' expert loads (``sum_counts``) with the piece's mean router probabilities, so the mean over the
+pieces is the one-device loss, gradient included.
 """
 
 from __future__ import annotations
@@ -63,6 +65,12 @@ class ContextParallel:
             parts = [torch.empty_like(doc_ids) for _ in range(self.n)]
             dist.all_gather(parts, doc_ids.contiguous(), group=self.group)
             self.whole_ids = torch.cat(parts, dim=1)
+
+    def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """A count tensor summed over the pieces (MoE expert loads: the balance loss is over whole sequences)."""
+        counts = counts.detach().clone()
+        dist.all_reduce(counts, group=self.group)
+        return counts
 
     def offset(self, local_len: int) -> int:
         """The global position of this piece's first token."""

@@ -4,7 +4,7 @@ Attention layers run ring attention over the pieces; Gated DeltaNet layers take 
 previous piece and compose the state their piece starts from out of every piece's all-gathered state map. A
 4-layer model with packed documents (document masks, state resets at document starts, including starts that fall
 on a piece boundary) trains 4 steps as cp2 (attention only), cp4 (a hybrid Gated DeltaNet / attention stack: the
-state crosses three boundaries), dp2 x cp2 under FSDP2 and cp2 x tp2, and matches one process taking the same
+state crosses three boundaries), dp2 x cp2 under FSDP2, cp2 x tp2 and cp2 with MoE layers, and matches one process taking the same
 batches: losses, gradient norms, validation loss and final weights. A context-parallel checkpoint resumes on one
 process.
 """
@@ -18,6 +18,7 @@ from hybridtron.train.distributed import resolve_layout
 from hybridtron.train.metrics import read_metrics
 
 from .test_data_parallel import (
+    MOE,
     STEPS,
     assert_same_steps,
     assert_same_weights,
@@ -39,8 +40,6 @@ def test_context_layouts_that_cannot_work_are_refused():
     with pytest.raises(ConfigError, match=r"composes with data and tensor parallel only in this version, not with "
                                           r"parallel.pp=2"):
         layout(("parallel.pp", "2"), ("train.grad_accum_steps", "2"), world=4)
-    with pytest.raises(ConfigError, match=r"with mixture-of-experts layers: each piece would balance"):
-        layout(("model.moe.n_experts", "4"))
     with pytest.raises(ConfigError, match=r"tp=2 with dp x cp = 1 x 2 needs parallel.zero_stage 2 or 3"):
         layout(("parallel.tp", "2"), world=4)
     assert layout(("parallel.tp", "2"), ("parallel.zero_stage", "3"), world=4) == 1
@@ -62,13 +61,15 @@ LAYOUTS = {  # name: (processes, extra arguments, the one-process reference)
     # delta rule's state maps run per tp rank on its heads, within its cp ring
     "cp2_tp2_zero3_hybrid": (4, ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.zero_stage", "3", *HYBRID],
                              "single_hybrid"),
+    # MoE on every layer: each piece routes its own tokens, the balance loss takes the whole sequences' loads
+    "cp2_moe": (2, ["--parallel.cp", "2", *MOE], "single_moe"),
 }
 
 
 @pytest.fixture(scope="module")
 def runs(small_data_dir, small_argv, tmp_path_factory):
     return train_runs(tmp_path_factory.mktemp("cp"), lambda run, extra: small_argv(small_data_dir, run, [*BASE, *extra]),
-                      {"single": [], "single_hybrid": HYBRID}, LAYOUTS)
+                      {"single": [], "single_hybrid": HYBRID, "single_moe": MOE}, LAYOUTS)
 
 
 @pytest.mark.slow
