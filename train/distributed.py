@@ -115,7 +115,7 @@ def check_expert_parallel(cfg: JobConfig, dp: int) -> None:
 
 def check_context_parallel(cfg: JobConfig) -> None:
     """What context parallelism of degree ``parallel.cp`` needs: sequences that split evenly, and (in this
-    version) no pipeline or expert parallel and no recomputation."""
+    version) no pipeline or expert parallel."""
     p = cfg.parallel
     if cfg.data.seq_len % p.cp:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.cp={p.cp}: every context-"
@@ -124,10 +124,6 @@ def check_context_parallel(cfg: JobConfig) -> None:
     if others:
         raise ConfigError(f"parallel.cp={p.cp} composes with data and tensor parallel only in this version, not with "
                           f"{', '.join(others)}; set those to 1 or parallel.cp=1")
-    if cfg.train.activation_checkpointing:
-        raise ConfigError(f"parallel.cp={p.cp} exchanges keys, values and recurrent states between ranks inside each "
-                          f"layer, which activation checkpointing would repeat in the backward; set "
-                          f"train.activation_checkpointing=false (cp already divides activation memory by {p.cp})")
 
 
 def check_tensor_parallel(cfg: JobConfig) -> None:

@@ -4,9 +4,9 @@ Attention layers run ring attention over the pieces; Gated DeltaNet layers take 
 previous piece and compose the state their piece starts from out of every piece's all-gathered state map. A
 4-layer model with packed documents (document masks, state resets at document starts, including starts that fall
 on a piece boundary) trains 4 steps as cp2 (attention only), cp4 (a hybrid Gated DeltaNet / attention stack: the
-state crosses three boundaries), dp2 x cp2 under FSDP2, cp2 x tp2 and cp2 with MoE layers, and matches one process taking the same
-batches: losses, gradient norms, validation loss and final weights. A context-parallel checkpoint resumes on one
-process.
+state crosses three boundaries), dp2 x cp2 under FSDP2, cp2 x tp2, cp2 with MoE layers and cp2 with activation
+checkpointing, and matches one process taking the same batches: losses, gradient norms, validation loss and
+final weights. A context-parallel checkpoint resumes on one process.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ def test_context_layouts_that_cannot_work_are_refused():
     with pytest.raises(ConfigError, match=r"tp=2 with dp x cp = 1 x 2 needs parallel.zero_stage 2 or 3"):
         layout(("parallel.tp", "2"), world=4)
     assert layout(("parallel.tp", "2"), ("parallel.zero_stage", "3"), world=4) == 1
-    with pytest.raises(ConfigError, match=r"activation checkpointing would repeat"):
-        layout(("train.activation_checkpointing", "true"))
     with pytest.raises(ConfigError, match=r"parallel.cp > 1 works with parallel.engine=torch only"):
         load_config("tiny", [("parallel.cp", "2"), ("parallel.engine", "deepspeed")])
 
@@ -63,6 +61,9 @@ LAYOUTS = {  # name: (processes, extra arguments, the one-process reference)
                              "single_hybrid"),
     # MoE on every layer: each piece routes its own tokens, the balance loss takes the whole sequences' loads
     "cp2_moe": (2, ["--parallel.cp", "2", *MOE], "single_moe"),
+    # activation checkpointing: the backward recomputes each block, its ring, state-map gather and halo included
+    "cp2_recompute_hybrid": (2, ["--parallel.cp", "2", "--train.activation_checkpointing", "true", *HYBRID],
+                             "single_hybrid"),
 }
 
 
