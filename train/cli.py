@@ -382,7 +382,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .plan import compare, format_table, gather_measurements, measure, plan_table
+    from .plan import compare, format_table, gather_measurements, measure, plan_table, release_distributed_state
 
     cfg, _ = resolve_job(args)
     if cfg.parallel.engine != "torch":
@@ -401,6 +401,7 @@ def cmd_plan(args) -> int:
     device = select_rank_device(cfg)
     with Mesh.setup(cfg, device) as mesh:
         measured = gather_measurements(mesh, measure(cfg, mesh, device))
+    release_distributed_state()
     if mesh.is_main:  # the prediction for this very layout, simulated in this process once the real group is gone
         print(json.dumps(compare(cfg, mesh.world_size, measured)))
     return 0
