@@ -220,7 +220,6 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, doc_ids, cp):
         B, t, H, D = q.shape
-        KV = k.shape[2]
         f32 = torch.promote_types(q.dtype, torch.float32)
         qh = q.to(f32).transpose(1, 2) * D**-0.5  # (B, H, t, D)
         out = torch.zeros(B, H, t, D, dtype=f32, device=q.device)
@@ -230,8 +229,7 @@ class _RingAttention(torch.autograd.Function):
             src = (cp.rank - step) % cp.n
             mask = cp._block_mask(src, t, doc_ids, q.device)
             if mask is not None:
-                kb, vb = (_heads(x.to(f32), H // KV) for x in block)  # (B, H, t, D)
-                scores = (qh @ kb.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+                kb, vb, scores = _block_scores(qh, block[0], block[1], mask)
                 blk = torch.logsumexp(scores, dim=-1)  # (B, H, t): -inf where a row sees nothing here
                 new = torch.logaddexp(lse, blk)
                 safe = torch.where(torch.isinf(new), 0.0, new)[..., None]
@@ -263,8 +261,7 @@ class _RingAttention(torch.autograd.Function):
             src = (cp.rank - step) % cp.n
             mask = cp._block_mask(src, t, doc_ids, q.device)
             if mask is not None:
-                kb, vb = (_heads(x.to(f32), H // KV) for x in block[:2])
-                scores = (qh @ kb.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+                kb, vb, scores = _block_scores(qh, block[0], block[1], mask)
                 p = torch.exp(scores - safe)  # the final softmax's probabilities of this block's keys
                 dp = do @ vb.transpose(-1, -2)
                 ds = p * (dp - delta)
@@ -274,6 +271,14 @@ class _RingAttention(torch.autograd.Function):
             block = cp._rotate(block)  # after cp passes every block, with its gradients, is back home
         dq = (dq * D**-0.5).transpose(1, 2)
         return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None
+
+
+def _block_scores(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
+    """One key/value block against the scaled queries qh (B, H, t, D): its keys and values per query head
+    (B, H, t, D), in qh's dtype, and the masked scores (B, H, t, t)."""
+    group = qh.shape[1] // k.shape[2]
+    kb, vb = (_heads(x.to(qh.dtype), group) for x in (k, v))
+    return kb, vb, (qh @ kb.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
 
 
 def _heads(x: torch.Tensor, group: int) -> torch.Tensor:

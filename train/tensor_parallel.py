@@ -115,6 +115,19 @@ def _swapped(module: nn.Module, tensors: dict[str, torch.Tensor]):
             owner._parameters[attr] = p
 
 
+def _run_locally(module: nn.Module, mesh, run, replicated: tuple[str, ...]) -> None:
+    """Make ``module``'s forward ``run(module, x, ...)`` on the whole sequence with its local parameters, between
+    the sequence all-gather of its input and the reduce-scatter of its partial output."""
+
+    def forward(self, x, *args, **kwargs):
+        x = gather_sequence(x, mesh)
+        with _swapped(self, _locals(self, replicated)):
+            y = run(self, x, *args, **kwargs)
+        return scatter_sequence(y, mesh)
+
+    module.forward = types.MethodType(forward, module)
+
+
 # ---- Gated DeltaNet ------------------------------------------------------------------------------------------
 
 def parallelize_gated_deltanet(gdn: nn.Module, mesh, orders: dict, prefix: str) -> None:
@@ -136,15 +149,12 @@ def parallelize_gated_deltanet(gdn: nn.Module, mesh, orders: dict, prefix: str) 
     gdn.key_dim, gdn.value_dim, gdn.conv_dim = kd // tp, vd // tp, gdn.conv_dim // tp
     forward = type(gdn).forward
 
-    def tp_forward(self, x, doc_ids=None, cache=None):
+    def run(self, x, doc_ids=None, cache=None):
         if cache is not None:
             raise RuntimeError("decoding with a cache runs on one process; tensor parallelism trains only")
-        x = gather_sequence(x, mesh)
-        with _swapped(self, _locals(self, replicated=("norm.weight",))):
-            y = forward(self, x, doc_ids)
-        return scatter_sequence(y, mesh)
+        return forward(self, x, doc_ids)
 
-    gdn.forward = types.MethodType(tp_forward, gdn)
+    _run_locally(gdn, mesh, run, replicated=("norm.weight",))
 
 
 # ---- mixture of experts ----------------------------------------------------------------------------------------
@@ -179,15 +189,13 @@ def parallelize_moe(moe: nn.Module, mesh, orders: dict, prefix: str) -> None:
     experts.hidden //= tp
     forward = type(moe).forward
 
-    def tp_forward(self, x):
-        x = gather_sequence(x, mesh)
-        with _swapped(self, _locals(self, replicated=tuple(replicated))):
-            y = forward(self, x)
+    def run(self, x):
+        y = forward(self, x)
         if self.aux_loss is not None:  # whole on every rank, its router gradient summed over them: count it once
             self.aux_loss = _ScaleGrad.apply(self.aux_loss, 1.0 / tp)
-        return scatter_sequence(y, mesh)
+        return y
 
-    moe.forward = types.MethodType(tp_forward, moe)
+    _run_locally(moe, mesh, run, replicated=tuple(replicated))
 
 
 # ---- the loss over a vocabulary-split head -----------------------------------------------------------------
