@@ -60,7 +60,8 @@ import triton.language as tl
 from ..backend import check_interpreted
 from ..triton_utils import next_pow2
 
-EPS = 1e-6  # the L2 norm's eps, where the reference puts it: x / sqrt(sum(x^2) + eps)
+EPS = tl.constexpr(1e-6)  # the L2 norm's eps, where the reference puts it: x / sqrt(sum(x^2) + eps); a global a
+# kernel reads must be a constexpr (the interpreter does not check this; the GPU compiler does)
 MAX_BV = 64  # value columns per tile
 
 
