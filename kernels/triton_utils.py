@@ -13,6 +13,12 @@ def compute_dtype(*tensors: torch.Tensor | None):
     return tl.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else tl.float32
 
 
+def interpreted(device: torch.device) -> bool:
+    """The kernels run under Triton's interpreter here (CPU tensors), where a few launch choices differ from
+    the GPU's. One place to ask, so bench/compile_report.py can compile the GPU's choices from CPU tensors."""
+    return device.type != "cuda"
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(int(n), 1))
 

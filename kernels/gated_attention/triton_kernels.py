@@ -37,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import triton_utils
 from ..backend import check_interpreted, interpreter_requested
 
 LOG2E = 1.4426950408889634
@@ -438,7 +439,7 @@ def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
     return dict(
         N=N, D=D, GROUP=H // k.shape[1], EVEN_D=block_d == D, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_F32=q.device.type == "cpu" and q.dtype == torch.bfloat16,  # see `_dot`
+        DOT_F32=triton_utils.interpreted(q.device) and q.dtype == torch.bfloat16,  # see `_dot`
     )
 
 
