@@ -45,10 +45,13 @@ whole head dim is one tile), and their gradients go through the normalisation's 
 that finishes them. Intermediates live in (B, Hv, N * C, ...) buffers (N chunks; rows past L are padding:
 k = v = beta = q = g = 0 there, so they write nothing and decay nothing).
 
-Precision: everything is computed in fp32 (fp64 for fp64 inputs) with IEEE dot products: no TF32 and no
-bf16 operands, so the kernels round like the fp32 reference. Tiles: C in {16, 32, 64}; the head dims are
-padded to powers of two >= 16 (what tl.dot needs on a GPU) and masked; Dv is split into tiles of at most 64
-columns.
+Precision: everything is computed in fp32 (fp64 for fp64 inputs). Dot products of fp32 tiles use three TF32
+products (``tf32x3``: each operand split into a TF32 head and a TF32 remainder, the remainder x remainder
+term dropped), which keeps about fp32's accuracy on the tensor cores; plain TF32 (10 mantissa bits) would
+put errors far above the fp32 reference's, and IEEE fp32 dots compile to scalar FMAs on the CUDA cores.
+
+Tiles: C in {16, 32, 64}; the head dims are padded to powers of two >= 16 (what tl.dot needs on a GPU) and
+masked; Dv is split into tiles of 32 or 64 columns (``LAUNCH``).
 """
 
 from __future__ import annotations
@@ -62,7 +65,23 @@ from ..triton_utils import next_pow2
 
 EPS = tl.constexpr(1e-6)  # the L2 norm's eps, where the reference puts it: x / sqrt(sum(x^2) + eps); a global a
 # kernel reads must be a constexpr (the interpreter does not check this; the GPU compiler does)
-MAX_BV = 64  # value columns per tile
+
+# Per kernel: (C, BK) -> (BV value columns per tile, num_warps, num_stages). Chosen from compiling for sm_90a at
+# Dk = Dv = 128, C = 64 (bench/compile_report.py; bench/RESULTS.md): every kernel within the shared memory of one
+# block, the fewest spilled bytes. Stages only matter where a loop loads (the state kernels' chunk loop, the
+# value-tile loops); 3 put three backward kernels over the 227 KiB an H100 block may use.
+def _wide(C: int, BK: int) -> bool:
+    return C * BK > 4096
+
+
+LAUNCH = {
+    "wy_fwd": lambda C, BK: (64, 8 if _wide(C, BK) else 4, 1),
+    "state_fwd": lambda C, BK: (32, 4, 2),  # sequential over chunks: more, smaller programs
+    "output_fwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
+    "output_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
+    "state_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 2),
+    "wy_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 2),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -73,7 +92,11 @@ MAX_BV = 64  # value columns per tile
 def _dot(a, b):
     """Matrix product in IEEE fp32 (or fp64): TF32 operands keep 10 mantissa bits, errors far above the fp32
     reference's."""
-    return tl.dot(a, b, input_precision="ieee")
+    if a.dtype == tl.float64:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b, input_precision="tf32x3")
+    return c
 
 
 @triton.jit
@@ -442,10 +465,15 @@ def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, resets, chunk_size:
         shapes=(B, T, n_h, Hk, Hv, Dk, Dv, N),
         scalars=dict(T=T, L=T * n_h, LP=N * C, HK=Hk, HV=Hv),
         consts=dict(R=Hv // Hk, NH=n_h, DK=Dk, DV=Dv, HAS_RESETS=resets is not None,
-                    COMPUTE=tl.float64 if q.dtype == torch.float64 else tl.float32, C=C, BK=BK,
-                    BV=min(MAX_BV, max(16, next_pow2(Dv))), num_warps=4 if C * BK <= 4096 else 8),
+                    COMPUTE=tl.float64 if q.dtype == torch.float64 else tl.float32, C=C, BK=BK),
         acc=torch.promote_types(q.dtype, torch.float32),
     )
+
+
+def _launch(kernel: str, C: int, BK: int, Dv: int) -> dict:
+    """BV, num_warps and num_stages of one kernel at chunk C and key block BK (see LAUNCH)."""
+    bv, warps, stages = LAUNCH[kernel](C, BK)
+    return dict(BV=min(bv, max(16, next_pow2(Dv))), num_warps=warps, num_stages=stages)
 
 
 def _resets_u8(resets: torch.Tensor | None) -> torch.Tensor | None:
@@ -472,11 +500,11 @@ def chunk_gdr_fwd(q, k, v, g, beta, resets, initial_state, chunk_size: int):
     u = torch.empty(B, Hv, N * C, Dv, dtype=acc, device=q.device)  # U, then delta
     rs = _resets_u8(resets)
     sc, cs = m["scalars"], m["consts"]
-    n_v = triton.cdiv(Dv, cs["BV"])
-    _wy_fwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, u, w, **sc, **cs)
-    _state_fwd_kernel[(B * Hv, n_v)](k, g, rs, w, u, initial_state, states, final, **sc, N=N,
-                                     HAS_S0=initial_state is not None, **cs)
-    _output_fwd_kernel[(N, B * Hv, n_v)](q, k, g, rs, states, u, o, **sc, N=N, **cs)
+    lw, ls, lo = (_launch(name, C, cs["BK"], Dv) for name in ("wy_fwd", "state_fwd", "output_fwd"))
+    _wy_fwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, u, w, **sc, **cs, **lw)
+    _state_fwd_kernel[(B * Hv, triton.cdiv(Dv, ls["BV"]))](k, g, rs, w, u, initial_state, states, final, **sc, N=N,
+                                                          HAS_S0=initial_state is not None, **cs, **ls)
+    _output_fwd_kernel[(N, B * Hv, triton.cdiv(Dv, lo["BV"]))](q, k, g, rs, states, u, o, **sc, N=N, **cs, **lo)
     return o, final, tinv, states
 
 
@@ -507,12 +535,13 @@ def chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, states, chunk_size: i
     dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
     rs = _resets_u8(resets)
     sc, cs = m["scalars"], m["consts"]
-    n_v = triton.cdiv(Dv, cs["BV"])
+    lo, ls, lw = (_launch(name, C, cs["BK"], Dv) for name in ("output_bwd", "state_bwd", "wy_bwd"))
     _output_bwd_kernel[(N, B * Hv)](q, k, v, g, beta, rs, do, tinv, states, w, delta, ddelta, dk_part, dg_part,
-                                    dq_h, **sc, N=N, **cs)
-    _state_bwd_kernel[(B * Hv, n_v)](q, k, g, rs, do, w, ddelta, dht, dstates, dh0, **sc, N=N, **cs)
+                                    dq_h, **sc, N=N, **cs, **lo)
+    _state_bwd_kernel[(B * Hv, triton.cdiv(Dv, ls["BV"]))](q, k, g, rs, do, w, ddelta, dht, dstates, dh0, **sc,
+                                                          N=N, **cs, **ls)
     _wy_bwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, states, dstates, w, delta, ddelta, dk_part, dg_part,
-                                dk_h, dv, dg, dbeta, **sc, N=N, **cs)
+                                dk_h, dv, dg, dbeta, **sc, N=N, **cs, **lw)
     if r > 1:
         dq_h = dq_h.view(B, T, Hk, r, Dk).sum(3).to(q.dtype)
         dk_h = dk_h.view(B, T, n_h, Hk, r, Dk).sum(4).to(k.dtype)
