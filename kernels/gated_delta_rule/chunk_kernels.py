@@ -304,19 +304,22 @@ def _output_bwd_kernel(
     Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
     din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
     gamma = _decay_matrix(Gc, seg, C)
-    qn, q_rstd = _load_unit_rows(Q, ((b * T + tok) * HK + hk) * DK, last, DK, BK, COMPUTE)
+    q_offs = ((b * T + tok) * HK + hk) * DK
+    k_offs = ((b * L + rows) * HK + hk) * DK
     scale = _q_scale(DK, COMPUTE)
-    q = qn * scale
-    k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
     beta = tl.load(BETA + (b * L + rows) * HV + h, mask=real, other=0.0).to(COMPUTE)
 
     i = tl.arange(0, C)
     ck = tl.arange(0, BK)
     srow = bh * LP + rows
     tinv = tl.load(TINV + srow[:, None] * C + i[None, :])
+    # q and k are loaded again after the value-tile loop rather than kept across it: fewer (C, BK) tiles
+    # live in registers through the loop (compiled for sm_90a at Dk = 128 they spilled).
+    k, _ = _load_unit_rows(K, k_offs, real, DK, BK, COMPUTE)
     w = _dot(tinv, k * (beta * din)[:, None])
     tl.store(W + srow[:, None] * DK + ck[None, :], w, mask=(ck < DK)[None, :])
-    p = _dot(q, tl.trans(k)) * gamma
+    qn, _ = _load_unit_rows(Q, q_offs, last, DK, BK, COMPUTE)
+    p = _dot(qn * scale, tl.trans(k)) * gamma
 
     dq_in = tl.zeros([C, BK], dtype=COMPUTE)  # d(din q) = dO S^T
     dp = tl.zeros([C, C], dtype=COMPUTE)  # d((q k^T) * Gamma) = dO delta^T
@@ -335,6 +338,9 @@ def _output_bwd_kernel(
         dp += _dot(do, tl.trans(delta))
         tl.store(DDELTA + srow[:, None] * DV + cv[None, :], _dot(tl.trans(p), do), mask=mv)
 
+    qn, q_rstd = _load_unit_rows(Q, q_offs, last, DK, BK, COMPUTE)
+    q = qn * scale
+    k, _ = _load_unit_rows(K, k_offs, real, DK, BK, COMPUTE)
     dqk = dp * gamma  # gradient of q k^T
     dq = din[:, None] * dq_in + _dot(dqk, k)
     tl.store(DK_PART + srow[:, None] * BK + ck[None, :], _dot(tl.trans(dqk), q))
@@ -396,8 +402,6 @@ def _wy_bwd_kernel(
     b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
     Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
     din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
-    gamma = _decay_matrix(Gc, seg, C)
-    k, k_rstd = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
     beta = tl.load(BETA + (b * L + rows) * HV + h, mask=real, other=0.0).to(COMPUTE)
 
     i = tl.arange(0, C)
@@ -405,7 +409,6 @@ def _wy_bwd_kernel(
     mk = (ck < DK)[None, :]
     srow = bh * LP + rows
     tinv = tl.load(TINV + srow[:, None] * C + i[None, :])
-    w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=mk, other=0.0)
 
     dw = tl.zeros([C, BK], dtype=COMPUTE)  # -d delta S^T
     dk_out = tl.zeros([C, BK], dtype=COMPUTE)  # d(dout k) = delta dS'^T
@@ -430,14 +433,19 @@ def _wy_bwd_kernel(
         dbeta += tl.sum(v * dx, 1)
         dxu += _dot(dx, tl.trans(_dot(tinv, v * beta[:, None])))
 
+    # W, Gamma and k only now, not across the loop, and each (C, BK) tile consumed as soon as it can be:
+    # compiled for sm_90a at Dk = 128 this kernel spills (register pressure).
     dy = _dot(tl.trans(tinv), dw)  # gradient of Y = beta din k
+    w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=mk, other=0.0)
     # m = dA * Gamma on A's support, with dA = -(dX U^T + dY W^T); A = beta_i Gamma_ij (k k^T)_ij.
-    m = tl.where(i[:, None] > i[None, :], -(dxu + _dot(dy, tl.trans(w))) * gamma, 0.0)
-    kk = _dot(k, tl.trans(k))
+    m = tl.where(i[:, None] > i[None, :], -(dxu + _dot(dy, tl.trans(w))) * _decay_matrix(Gc, seg, C), 0.0)
+    k, k_rstd = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
     ky = tl.sum(k * dy, 1)
     d_dout = tl.sum(k * dk_out, 1)
-    dk = ((beta * din)[:, None] * dy + dout[:, None] * dk_out + beta[:, None] * _dot(m, k)
-          + _dot(tl.trans(m), k * beta[:, None]))
+    dk = (beta * din)[:, None] * dy + dout[:, None] * dk_out
+    dk += beta[:, None] * _dot(m, k)
+    dk += _dot(tl.trans(m), k * beta[:, None])
+    kk = _dot(k, tl.trans(k))
     dbeta += din * ky + tl.sum(m * kk, 1)
     z = m * kk * beta[:, None]  # d Gamma_ij * Gamma_ij through A
     dG = din * beta * ky - dout * d_dout + tl.sum(z, 1) - tl.sum(z, 0) + tl.load(DG_PART + srow)
