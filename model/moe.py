@@ -74,7 +74,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], off
         return gmm(x, weight, torch.tensor(counts, dtype=torch.int64), trans_b=True)
     if _grouped_mm_ok(x, weight.shape[1], weight.shape[2]):
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    return torch.cat([xe @ weight[e].T for e, xe in enumerate(x.split(counts))])
+    # unbind, not weight[e]: each indexing would give the backward a zero gradient of the whole (E, out, in)
+    # weight to add up (E of them); unbind's backward stacks the E slices once.
+    return torch.cat([xe @ we.T for xe, we in zip(x.split(counts), weight.unbind(0), strict=True)])
 
 
 class MoE(nn.Module):
