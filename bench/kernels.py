@@ -17,12 +17,19 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
 - ``delta_rule``: Gated DeltaNet's chunked gated delta rule, forward + backward (issue 10) -- the torch
   chunked reference eager and compiled, flash-linear-attention's ``chunk_gated_delta_rule`` (``fla-core``,
   carried as a wheel like Liger's), ours.
+- ``grouped_gemm``: the MoE expert matmuls (model/moe.py's ``grouped_linear``), forward + backward, at the
+  hybrid_moe preset's sizes (d 1024, 32 experts, top-4, expert hidden 768) -- ours (the native backend:
+  ``torch._grouped_mm``), megablocks' ``grouped_gemm.ops.gmm`` (its dMoE's kernel; model.moe.backend=megablocks)
+  where installed, a per-expert ``torch.matmul`` loop (the eager reference), and the dense baseline: the same
+  FLOPs as one plain ``torch.matmul`` per projection over all routed rows (a rate baseline: it computes
+  something else, so it is not compared with ours).
 - ``attention``: gated attention, delegated to bench/kernels_attention.py (SDPA flash + gate, the masked
   SDPA path, flash-attn varlen + gate, our Triton kernel).
 
 Every candidate's outputs and input gradients are first compared with ours (a candidate that computes
-something else is reported, not timed). Timing: CUDA events, ``--repeats`` rounds after a warm-up, the
-candidates alternating within a round; the median is reported. Bandwidth counts the bytes an op must move
+something else is reported, not timed; a case's rate baselines are timed without the comparison). Timing:
+CUDA events, ``--repeats`` rounds after a warm-up, the candidates alternating within a round; the median
+is reported. Bandwidth counts the bytes an op must move
 at least (inputs read once, outputs written once, forward and backward), against the device's copy
 bandwidth measured in the same run (``y.copy_(x)`` of 1 GiB); the loss counts 6 N d V FLOPs. Peak memory
 is the allocator's peak over one forward + backward above what the inputs already hold.
@@ -30,7 +37,9 @@ is the allocator's peak over one forward + backward above what the inputs alread
 Targets (issue 9, one H100): norm, rotary and SwiGLU at >= 85% of the copy bandwidth and faster than
 torch.compile; fused linear cross-entropy at vocabulary 152k with <= 15% of the plain path's peak memory
 in <= 1.1x its time. Issue 10 (same GPU): the chunked delta rule at least as fast as fla's at head dim 128,
-sequence 4k-16k. The summary lines under the table say met / not met for each.
+sequence 4k-16k. MoE (same GPU): the grouped expert matmul at >= 80% of the TFLOP/s of a dense matmul of
+the same FLOPs, megablocks' dMoE kernel timed beside it where installed. The summary lines under the table
+say met / not met for each.
 
 Liger-Kernel on a machine without internet (the lent GPU machines): download here, carry, install there:
 
@@ -59,12 +68,14 @@ import torch
 from hybridtron.kernels import backend
 from hybridtron.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from hybridtron.kernels.gated_delta_rule import chunk_gated_delta_rule, delta_rule_chunked
+from hybridtron.kernels.moe_permute import permute_reference, sort_assignments
 from hybridtron.kernels.norm import rms_norm, rms_norm_reference
 from hybridtron.kernels.rotary import rotary_qk, rotary_qk_reference
 from hybridtron.kernels.swiglu import swiglu, swiglu_reference
+from hybridtron.model.moe import _grouped_mm_ok, grouped_linear
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-OPS = ("norm", "rotary", "swiglu", "cross_entropy", "delta_rule", "attention")
+OPS = ("norm", "rotary", "swiglu", "cross_entropy", "delta_rule", "grouped_gemm", "attention")
 
 
 @dataclass
@@ -79,6 +90,7 @@ class Case:
     bytes_moved: int = 0  # forward + backward, for GB/s
     flops: float = 0.0  # forward + backward, for TFLOP/s
     ours: str = "triton"
+    baselines: frozenset[str] = frozenset()  # rate baselines: timed, but they compute something else (no max diff)
 
 
 @dataclass
@@ -235,6 +247,78 @@ def delta_rule_case(seq: int, heads: int, head_dim: int, chunk: int, dtype, devi
     return Case("delta_rule", f"T{seq} H{heads} D{head_dim} C{chunk} {_dt(dtype)}", [q, k, v, g, beta], cands)
 
 
+GG_OURS = "ours (grouped_linear, native)"
+GG_MEGABLOCKS = "megablocks gmm (grouped_linear, megablocks)"
+GG_LOOP = "torch.matmul per expert (eager reference)"
+GG_DENSE = "dense torch.matmul, same FLOPs (rate baseline, not compared)"
+
+
+def _megablocks_gmm(device) -> str | None:
+    """None where megablocks' grouped GEMM can run here, else the reason it is unavailable."""
+    try:
+        import grouped_gemm.ops  # noqa: F401  (installed with megablocks; CUDA only)
+    except Exception as e:
+        return f"megablocks unavailable ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
+    if device.type != "cuda":
+        return "megablocks' grouped_gemm runs on CUDA only"
+    return None
+
+
+def grouped_gemm_case(tokens: int, d: int, experts: int, top_k: int, hidden: int, dtype, device,
+                      temperature: float = 1.0) -> Case:
+    """The MoE expert matmuls, forward + backward: the two projections of the expert SwiGLUs as MoE.run_experts
+    runs them through ``grouped_linear`` (gate_up: d -> 2 hidden, down: hidden -> d, weights in the layer's
+    (E, out, in) layout), on the ``tokens * top_k`` assignments sorted by expert. The unit is the matmuls alone:
+    each projection takes its own input rows (the down projection's stand in for ``silu(gate) * up``), so the
+    SwiGLU's elementwise work, the routing, the permutation and the offsets are outside the timing.
+
+    Routing is uneven as a real router's is: a seeded linear router with a random popularity per expert, its
+    softmax at ``temperature`` sampled for top_k distinct experts per token; the expert-sorted rows are the
+    token rows that kernels/moe_permute gathers (``x[order // k]``). FLOPs: 6 R d hidden forward (2 R d 2h +
+    2 R h d), twice that backward (input and weight gradients), R the routed rows. The dense baseline does
+    the same FLOPs as one (R, d) x (d, 2 hidden) and one (R, hidden) x (hidden, d) matmul with one weight each."""
+    g0 = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g0) * scale).to(device=device, dtype=dtype)
+
+    x = torch.randn(tokens, d, generator=g0)
+    logits = x @ torch.randn(d, experts, generator=g0) * d ** -0.5 + 0.5 * torch.randn(experts, generator=g0)
+    idx = torch.multinomial((logits / temperature).softmax(-1), top_k, replacement=False, generator=g0)
+    order, _ = sort_assignments(idx.flatten())
+    counts = torch.bincount(idx.flatten(), minlength=experts).tolist()
+    xs = permute_reference(x, order, top_k).to(device=device, dtype=dtype)
+    rows = xs.shape[0]
+    h = rnd(rows, hidden)
+    w_gu, w_d = rnd(experts, 2 * hidden, d, scale=d ** -0.5), rnd(experts, d, hidden, scale=hidden ** -0.5)
+    dense_gu, dense_d = rnd(2 * hidden, d, scale=d ** -0.5), rnd(d, hidden, scale=hidden ** -0.5)
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)  # as MoE.run_experts makes them
+
+    def grouped(backend):
+        def fn(xs, h, w_gu, w_d, dense_gu, dense_d):
+            return (grouped_linear(xs, w_gu, counts, offsets, backend),
+                    grouped_linear(h, w_d, counts, offsets, backend))
+        return fn
+
+    def loop(xs, h, w_gu, w_d, dense_gu, dense_d):
+        # unbind, not w[e]: each w[e]'s backward would write a zero gradient of the whole (E, out, in) weight
+        gu, dn = w_gu.unbind(0), w_d.unbind(0)
+        return (torch.cat([torch.matmul(xe, gu[e].T) for e, xe in enumerate(xs.split(counts))]),
+                torch.cat([torch.matmul(he, dn[e].T) for e, he in enumerate(h.split(counts))]))
+
+    def dense(xs, h, w_gu, w_d, dense_gu, dense_d):
+        return torch.matmul(xs, dense_gu.T), torch.matmul(h, dense_d.T)
+
+    mb = _megablocks_gmm(device)
+    cands: dict = {GG_OURS: grouped("native"), GG_MEGABLOCKS: mb or grouped("megablocks"), GG_LOOP: loop,
+                   GG_DENSE: dense}
+    path = "torch._grouped_mm" if _grouped_mm_ok(xs, 2 * hidden, d, hidden) else "per-expert fallback"
+    shape = (f"N{tokens} E{experts} top{top_k} d{d} I{hidden} {_dt(dtype)}: {rows} rows, expert load "
+             f"{min(counts)}-{max(counts)}; native = {path}")
+    return Case("grouped_gemm", shape, [xs, h, w_gu, w_d, dense_gu, dense_d], cands,
+                flops=18.0 * rows * d * hidden, ours=GG_OURS, baselines=frozenset({GG_DENSE}))
+
+
 def _first(out):
     """Liger's fused linear CE returns (loss, z_loss, accuracy, predicted) in recent versions, the loss alone before."""
     return out[0] if isinstance(out, tuple) else out
@@ -331,8 +415,9 @@ def run_case(case: Case, device, repeats: int, warmup: int, copy_gbs: float | No
         except Exception as e:  # a peer's version or layout that does not fit: report, do not time
             rows.append(Row(case.op, case.shape, name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
             continue
-        errs = [(a.float() - b.float()).abs().max().item() for a, b in zip(out + grad, ref_out + ref_grad, strict=False)
-                if a is not None and b is not None and a.shape == b.shape]
+        errs = [] if name in case.baselines else [
+            (a.float() - b.float()).abs().max().item() for a, b in zip(out + grad, ref_out + ref_grad, strict=False)
+            if a is not None and b is not None and a.shape == b.shape]
         live[name] = fn
         rows.append(Row(case.op, case.shape, name, max_err=max(errs) if errs else None))
     for _ in range(warmup):
@@ -399,6 +484,15 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
     if ours is not None and fla is not None:
         t = ours.seconds / fla.seconds
         out.append(f"- delta_rule: {t:.2f}x fla's time (target <= 1: {'met' if t <= 1 else 'NOT met'})")
+    ours, dense = by.get(("grouped_gemm", GG_OURS)), by.get(("grouped_gemm", GG_DENSE))
+    if ours is not None and dense is not None:  # same FLOPs: the rate ratio is the time ratio
+        f = dense.seconds / ours.seconds
+        line = (f"- grouped_gemm: ours at {100 * f:.0f}% of the dense matmul's TFLOP/s "
+                f"(target >= 80%: {'met' if f >= 0.8 else 'NOT met'})")
+        mb = by.get(("grouped_gemm", GG_MEGABLOCKS))
+        if mb is not None:
+            line += f"; megablocks' gmm at {100 * dense.seconds / mb.seconds:.0f}%"
+        out.append(line)
     return out
 
 
@@ -433,6 +527,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--dr-heads", type=int, default=16, help="delta-rule heads (q/k and v alike)")
     ap.add_argument("--dr-head-dim", type=int, default=128)
     ap.add_argument("--dr-chunk", type=int, default=64, choices=[16, 32, 64])
+    ap.add_argument("--moe-d-model", type=int, default=1024, help="model width of the grouped_gemm op (the "
+                                                                   "hybrid_moe preset's, not --d-model)")
+    ap.add_argument("--moe-experts", type=int, default=32)
+    ap.add_argument("--moe-top-k", type=int, default=4)
+    ap.add_argument("--moe-hidden", type=int, default=768, help="expert hidden width (grouped_gemm rows: tokens "
+                                                                 "x top_k)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
@@ -457,6 +557,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                                                     compile_peers, ours),
         "delta_rule": lambda: delta_rule_case(args.dr_seq, args.dr_heads, args.dr_head_dim, args.dr_chunk, dtype,
                                               device, compile_peers, ours),
+        "grouped_gemm": lambda: grouped_gemm_case(args.tokens, args.moe_d_model, args.moe_experts, args.moe_top_k,
+                                                  args.moe_hidden, dtype, device),
     }
     for op in args.ops:
         if op == "attention":

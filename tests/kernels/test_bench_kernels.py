@@ -3,7 +3,12 @@ targets' verdicts and appends it to a results file. (Its numbers need a GPU; thi
 
 from __future__ import annotations
 
+import pytest
+
 from hybridtron.bench import kernels as bench
+from hybridtron.model import moe
+
+TINY_MOE = ["--moe-d-model", "16", "--moe-experts", "4", "--moe-top-k", "2", "--moe-hidden", "8"]
 
 
 def test_bench_runs_tiny_on_cpu_and_appends(tmp_path, capsys):
@@ -13,15 +18,16 @@ def test_bench_runs_tiny_on_cpu_and_appends(tmp_path, capsys):
                        "--ffn-hidden", "24", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
                        "--rotary-fraction", "0.5", "--vocab", "40", "--ce-tokens", "6", "--dr-seq", "20",
                        "--dr-heads", "2", "--dr-head-dim", "16", "--dr-chunk", "16", "--repeats", "2",
-                       "--warmup", "0", "--append", str(out)])
+                       "--warmup", "0", "--append", str(out), *TINY_MOE])
     timed = {(r.op, r.impl) for r in rows if r.seconds is not None}
     for op in ("norm", "rotary", "swiglu"):
         assert (op, "torch eager") in timed and (op, "triton (ours)") in timed
     assert ("cross_entropy", "triton (ours, chunked)") in timed
     assert ("delta_rule", "triton (ours)") in timed and ("delta_rule", "torch eager (reference)") in timed
     assert "| delta_rule | T20 H2 D16 C16 float32 | fla chunk_gated_delta_rule | fla unavailable" in out.read_text()
-    # every timed peer agrees with our kernel (fp32): the check runs before timing
-    assert all(r.max_err is not None and r.max_err < 1e-4 for r in rows if r.seconds is not None), rows
+    # every timed peer agrees with our kernel (fp32): the check runs before timing; rate baselines are not compared
+    assert all(r.max_err is not None and r.max_err < 1e-4 for r in rows if r.seconds is not None
+               and r.impl != bench.GG_DENSE), rows
     text = out.read_text()
     assert text.startswith("# Measured results\n") and "## Fused kernels, CPU" in text
     assert "| norm | 8x16 float32 +residual | triton (ours) |" in text
@@ -40,10 +46,56 @@ def test_verdicts_say_met_or_not():
     ]
     rows += [bench.Row("delta_rule", "s", "triton (ours)", seconds=1.2),
              bench.Row("delta_rule", "s", "fla chunk_gated_delta_rule", seconds=1.0)]
+    rows += [bench.Row("grouped_gemm", "s", bench.GG_OURS, seconds=1.2),
+             bench.Row("grouped_gemm", "s", bench.GG_DENSE, seconds=1.0)]
     lines = bench.verdicts(rows, copy_gbs=3300.0)
+    assert "- grouped_gemm: ours at 83% of the dense matmul's TFLOP/s (target >= 80%: met)" in lines
     assert "- delta_rule: 1.20x fla's time (target <= 1: NOT met)" in lines
     assert lines[0] == ("- norm: 91% of copy bandwidth (target >= 85%: met); 1.50x torch.compile's speed "
                         "(target > 1: met)")
     assert "61% of copy bandwidth (target >= 85%: NOT met)" in lines[1] and "0.50x" in lines[1]
     assert lines[2] == ("- cross_entropy: 1.05x the plain path's time (target <= 1.1: met); 10% of its peak "
                         "memory (target <= 15%: met)")
+
+
+def _grouped_gemm_rows(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    rows = bench.main(["--device", "cpu", "--dtype", "float32", "--ops", "grouped_gemm", "--tokens", "48",
+                       *TINY_MOE, "--repeats", "2", "--warmup", "0", "--append", str(out)])
+    return {r.impl: r for r in rows}, out.read_text()
+
+
+def test_grouped_gemm_matches_the_loop_and_rates_against_dense(tmp_path):
+    rows, text = _grouped_gemm_rows(tmp_path)
+    ours, loop, dense = rows[bench.GG_OURS], rows[bench.GG_LOOP], rows[bench.GG_DENSE]
+    assert all(r.seconds is not None and r.rate.endswith("TFLOP/s") for r in (ours, loop, dense))
+    # uneven routing, and ours went through torch._grouped_mm (not the per-expert fallback the loop equals)
+    shape = ours.shape
+    assert "N48 E4 top2 d16 I8 float32: 96 rows" in shape and "native = torch._grouped_mm" in shape, shape
+    lo, hi = map(int, shape.split("expert load ")[1].split(";")[0].split("-"))
+    assert lo < hi
+    assert loop.max_err is not None and loop.max_err < 1e-5  # outputs and gradients of x, h and both weights
+    assert dense.max_err is None  # a rate baseline: different weights, nothing to compare
+    assert rows[bench.GG_MEGABLOCKS].seconds is None and "megablocks" in rows[bench.GG_MEGABLOCKS].note
+    assert "- grouped_gemm: ours at " in text and "of the dense matmul's TFLOP/s (target >= 80%: " in text
+    assert f"| {bench.GG_DENSE} | " in text
+
+
+def test_grouped_gemm_catches_a_wrong_grouped_matmul(tmp_path, monkeypatch):
+    def experts_reversed(x, weight, counts, offsets, backend):  # a plausible bug: block e times weight[E-1-e]
+        return moe.grouped_linear(x, weight.flip(0), counts, offsets, backend)
+
+    monkeypatch.setattr(bench, "grouped_linear", experts_reversed)
+    rows, _ = _grouped_gemm_rows(tmp_path)
+    assert rows[bench.GG_LOOP].max_err > 1e-2
+
+
+@pytest.mark.parametrize("dense_s, verdict", [(0.7, "70%"), (1.0, "100%")])
+def test_grouped_gemm_verdict(dense_s, verdict):
+    rows = [bench.Row("grouped_gemm", "s", bench.GG_OURS, seconds=1.0),
+            bench.Row("grouped_gemm", "s", bench.GG_DENSE, seconds=dense_s),
+            bench.Row("grouped_gemm", "s", bench.GG_MEGABLOCKS, seconds=0.5)]
+    (line,) = bench.verdicts(rows, copy_gbs=None)
+    met = "met" if dense_s >= 0.8 else "NOT met"
+    assert line == (f"- grouped_gemm: ours at {verdict} of the dense matmul's TFLOP/s (target >= 80%: {met}); "
+                    f"megablocks' gmm at {round(200 * dense_s)}%")
