@@ -13,7 +13,9 @@ assignments by expert, so each expert's tokens are one contiguous slice, and run
 as grouped matmuls over those slices:
 
 - ``native``: torch's grouped GEMM (``torch._grouped_mm``, CPU and CUDA) where the dtype and widths
-  allow it (fp32/bf16/fp16, rows 16-byte aligned), else one matmul per expert slice;
+  allow it (fp32/bf16/fp16, each row's width in bytes a multiple of 16, so the row strides are aligned;
+  the experts' row offsets are not padded: whether CUDA's kernel wants them aligned for speed is for the
+  GPU bench to show), else one matmul per expert slice;
 - ``megablocks``: megablocks' grouped GEMM (``grouped_gemm.ops.gmm``, the kernel behind its dMoE) on
   CUDA, with the same routing, weights and layout.
 
