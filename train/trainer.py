@@ -255,8 +255,9 @@ class Trainer:
                     step = self.state.step
                     rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
                            "tokens_per_s": out["tokens"] / dt, "tokens_seen": self.state.tokens_seen}
-                    if self.peak_flops:
-                        rec["mfu"] = self.flops_per_token * rec["tokens_per_s"] / self.peak_flops
+                    if self.peak_flops:  # the global token rate against every device's peak together
+                        rec["mfu"] = (self.flops_per_token * rec["tokens_per_s"]
+                                      / (self.peak_flops * self.mesh.world_size))
                     rec["peak_mem_gib"] = peak_memory_gib(self.device)
                     rec.update(out["model_metrics"])
                     if out["skipped"]:

@@ -48,7 +48,8 @@ LAYOUTS = {"ddp": ["--parallel.zero_stage", "0"], "zero2": ["--parallel.zero_sta
            # tensor parallel (with sequence parallel): tp2 alone takes the whole global batch as 2 micro-batches
            "tp2": ["--parallel.tp", "2", "--train.grad_accum_steps", "2"],
            "tp2_headwise": ["--parallel.tp", "2", "--train.grad_accum_steps", "2"],
-           "tp2_dp2_zero3": ["--parallel.tp", "2", "--parallel.zero_stage", "3"],  # 4 processes: dp2 x tp2
+           # 4 processes: dp2 x tp2 (a peak FLOP rate, so MFU is logged: it must count all 4 devices)
+           "tp2_dp2_zero3": ["--parallel.tp", "2", "--parallel.zero_stage", "3", "--train.peak_flops", "1e12"],
            # FSDP2 mixed precision: parameters gathered in bf16, gradients reduced in fp32 (bf16 autocast on CPU)
            "zero3_bf16": ["--parallel.zero_stage", "3", "--train.dtype", "bf16"],
            "ds_zero1": ["--parallel.engine", "deepspeed", "--parallel.zero_stage", "1"],
@@ -161,6 +162,16 @@ def test_sharded_checkpoint_layout_and_logs(runs):
     log = runs["zero3.log"]
     assert "[hybridtron rank 0/2]" in log and "2 processes, dp=2, tp=1, pp=1, ep=1, cp=1, zero_stage=3" in log
     assert "rank 1/2" not in log  # only rank 0 reports
+
+
+def test_mfu_counts_every_process(runs):
+    """MFU is the global token rate's FLOPs over the peak of all devices (4 here, dp2 x tp2), not of one."""
+    from hybridtron.model import flops_per_token
+
+    cfg = load_config(str(runs["tp2_dp2_zero3"] / "config.yaml"))
+    fpt = flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
+    recs = read_metrics(runs["tp2_dp2_zero3"])
+    assert recs and all(r["mfu"] == pytest.approx(fpt * r["tokens_per_s"] / (4 * 1e12), rel=1e-9) for r in recs)
 
 
 def test_moe_router_biases_stay_identical_across_ranks(runs):
