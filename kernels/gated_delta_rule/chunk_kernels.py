@@ -60,9 +60,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_interpreted
+from ..backend import check_interpreted, interpreter_requested
 from ..triton_utils import next_pow2
 
+# The interpreter's tl.dot ignores input_precision; `_dot` then rounds the operands itself (read at import, when
+# TRITON_INTERPRET also decides how the kernels are decorated).
+EMULATE_TF32X3 = tl.constexpr(interpreter_requested())
 EPS = tl.constexpr(1e-6)  # the L2 norm's eps, where the reference puts it: x / sqrt(sum(x^2) + eps); a global a
 # kernel reads must be a constexpr (the interpreter does not check this; the GPU compiler does)
 
@@ -89,11 +92,26 @@ LAUNCH = {
 
 
 @triton.jit
+def _tf32(x):
+    """x (fp32) rounded to TF32's 10 mantissa bits, to nearest with ties away from zero (as cvt.rna.tf32.f32):
+    add half a TF32 unit to the magnitude's bits, then clear the 13 bits TF32 drops (-8192 = 0xFFFFE000)."""
+    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dot(a, b):
-    """Matrix product in IEEE fp32 (or fp64): TF32 operands keep 10 mantissa bits, errors far above the fp32
-    reference's."""
+    """Matrix product with about fp32's accuracy on tensor cores (tf32x3, see the module docstring); fp64 stays
+    IEEE. Under the interpreter, whose tl.dot multiplies fp32 exactly whatever precision is asked, the three TF32
+    products are made explicitly, so the CPU tests check the rounding the GPU does (not its summation order)."""
     if a.dtype == tl.float64:
         c = tl.dot(a, b, input_precision="ieee")
+    elif EMULATE_TF32X3:
+        a_hi = _tf32(a)
+        b_hi = _tf32(b)
+        a_lo = _tf32(a - a_hi)
+        b_lo = _tf32(b - b_hi)
+        c = tl.dot(a_lo, b_hi, input_precision="ieee") + tl.dot(a_hi, b_lo, input_precision="ieee")
+        c += tl.dot(a_hi, b_hi, input_precision="ieee")
     else:
         c = tl.dot(a, b, input_precision="tf32x3")
     return c
