@@ -20,7 +20,9 @@ warpgroup MMA), HMMA (tensor-core MMA), FFMA (scalar fp32 fused multiply-add) in
 A kernel whose dot products run as FFMA does them on the CUDA cores, at a fraction of the tensor cores'
 rate: that is what IEEE fp32 ``tl.dot`` compiles to.
 
-Run it without TRITON_INTERPRET (the interpreter would run the kernels in Python instead). It found, before
+Run it without TRITON_INTERPRET (the interpreter would run the kernels in Python instead). With
+COMPILE_REPORT_DUMP=DIR in the environment every compiled kernel's PTX is also written to DIR (for
+``ptxas -v`` or reading). It found, before
 any GPU ran them, that the delta-rule kernels did not compile at all (a non-constexpr global), that three of
 their backward kernels needed more shared memory than an H100 block has, and that their IEEE fp32 dot
 products were scalar FMAs; bench/RESULTS.md has the tables.
@@ -140,7 +142,7 @@ def compile_only(arch: str, sink: dict, label: list):
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from hybridtron.kernels import backend
+    from hybridtron.kernels import backend, triton_utils
 
     cap = int(re.match(r"\d+", arch).group(0))
     target = GPUTarget("cuda", cap, 32)
@@ -179,8 +181,6 @@ def compile_only(arch: str, sink: dict, label: list):
 
     patched = [(m, "check_interpreted") for m in _kernel_modules() if hasattr(m, "check_interpreted")]
     saved = [(m, n, getattr(m, n)) for m, n in patched]
-    from hybridtron.kernels import triton_utils
-
     saved += [(backend, n, getattr(backend, n)) for n in ("triton_unavailable_reason", "check_interpreted")]
     saved += [(triton_utils, "interpreted", triton_utils.interpreted)]
     previous = driver._active  # None until a real driver was looked up (none exists without a GPU)
