@@ -50,15 +50,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from hybridtron.bench.report import RESULTS, append_results, device_name
 from hybridtron.configs import JobConfig, load_config
 from hybridtron.kernels import backend
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 TARGET = 2.0  # ours / transformers' tokens/s
 BATCH_POOL = 4  # distinct random batches, cycled by step
 NO_SPECIAL_TOKENS = SimpleNamespace(bos_id=None, eos_id=None, pad_id=None)  # no padding_idx row in the embedding
@@ -281,12 +280,6 @@ def report(sides: list[Side], cfg: JobConfig, device: torch.device, args) -> str
     return "\n".join(lines)
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "CPU (not a timing: tests only)"
-
-
 def versions() -> str:
     import transformers
 
@@ -361,8 +354,7 @@ def main(argv: list[str] | None = None) -> str:
     print(body)
     if args.append:
         cmd = " ".join(["python -m hybridtron.bench.bench_hf", *(sys.argv[1:] if argv is None else argv)])
-        with open(args.append, "a", encoding="utf-8") as f:
-            f.write(f"\n## {header}\n\nCommand: `{cmd}`\n\n{body}\n")
+        append_results(args.append, header, cmd, body)
         print(f"appended to {args.append}")
     return body
 

@@ -53,7 +53,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import re
 import shlex
 import shutil
@@ -65,7 +64,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+from hybridtron.bench.report import RESULTS, append_results, device_name
+
 # name -> overrides: the data-parallel engines the trainer offers
 VARIANTS: dict[str, list[tuple[str, str]]] = {
     "ddp": [("parallel.engine", "torch"), ("parallel.zero_stage", "0")],
@@ -351,14 +351,6 @@ def notes(rows: list[Row], nproc: int, target_mfu: float) -> list[str]:
     return out
 
 
-def device_name(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name(0)
-    return f"CPU ({platform.processor() or platform.machine()}; not a timing: tests only)"
-
-
 def header(args, cfg, device: str) -> str:
     import torch
 
@@ -383,11 +375,6 @@ def _version(pkg: str) -> str:
         return version(pkg)
     except PackageNotFoundError:
         return "?"
-
-
-def append_results(path: Path, head: str, command: str, body: str) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(f"\n## {head}\n\nCommand: `{command}`\n\n{body}\n")
 
 
 # ---- main -------------------------------------------------------------------------------------------------------

@@ -43,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+from hybridtron.bench.report import RESULTS, append_results
+
 PRESETS = ("dense_1b", "hybrid_1b", "hybrid_moe")
 OPS = ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv", "moe", "delta_rule")
 # Shared memory one block may use (bytes), per compute capability: the CUDA programming guide's table.
@@ -312,10 +313,9 @@ def main(argv: list[str] | None = None) -> list[Kernel]:
                                                for k in kernels], indent=1))
     if args.append:
         cmd = "python -m hybridtron.bench.compile_report " + " ".join(argv if argv is not None else [])
-        with open(RESULTS, "a", encoding="utf-8") as f:
-            f.write(f"\n## Kernels compiled for {', '.join('sm_' + a for a in args.arch)} without a GPU "
-                    f"({time.strftime('%Y-%m-%d')}, triton {triton.__version__}, torch {torch.__version__})\n\n"
-                    f"Command: `{cmd.strip()}`\n\n{body}\n")
+        append_results(RESULTS, f"Kernels compiled for {', '.join('sm_' + a for a in args.arch)} without a GPU "
+                       f"({time.strftime('%Y-%m-%d')}, triton {triton.__version__}, torch {torch.__version__})",
+                       cmd.strip(), body)
     return kernels
 
 

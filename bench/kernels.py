@@ -56,7 +56,6 @@ only unless TRITON_INTERPRET=1; the numbers mean nothing there and say so.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -65,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from hybridtron.bench.report import RESULTS, append_results, device_name
 from hybridtron.kernels import backend
 from hybridtron.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from hybridtron.kernels.gated_delta_rule import chunk_gated_delta_rule, delta_rule_chunked
@@ -74,7 +74,6 @@ from hybridtron.kernels.rotary import rotary_qk, rotary_qk_reference
 from hybridtron.kernels.swiglu import swiglu, swiglu_reference
 from hybridtron.model.moe import _grouped_mm_ok, grouped_linear
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 OPS = ("norm", "rotary", "swiglu", "cross_entropy", "delta_rule", "grouped_gemm", "attention")
 
 
@@ -494,18 +493,6 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
             line += f"; megablocks' gmm at {100 * dense.seconds / mb.seconds:.0f}%"
         out.append(line)
     return out
-
-
-def append_results(path: Path, header: str, command: str, body: str) -> None:
-    text = f"\n## {header}\n\nCommand: `{command}`\n\n{body}\n"
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text)
-
-
-def device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}; not a timing: tests only)"
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
