@@ -21,6 +21,7 @@ PEAK_BF16_FLOPS = {
     "H100 SXM": 989e12,
     "H100 80GB HBM3": 989e12,
     "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
     "H100": 989e12,
     "A100": 312e12,
     "L40S": 362e12,
@@ -34,7 +35,11 @@ def device_peak_flops(device: torch.device, configured: float) -> float | None:
         return configured
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
+
+
+def peak_flops_for_name(name: str) -> float | None:
+    """The first table key found in the device name; the table lists variants before their family."""
     for key, flops in PEAK_BF16_FLOPS.items():
         if key in name:
             return flops

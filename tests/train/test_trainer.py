@@ -212,3 +212,13 @@ def test_doc_mask_passes_document_ids(small_data_dir, cli_args, tmp_path, monkey
     assert main(cli_args(small_data_dir, tmp_path / "doc", extra + ["--model.doc_mask", "true"])) == 0
     assert len(seen) == 6 and all(d is not None and d.shape == (8, 64) for d in seen)
     assert all(int(d[:, 0].abs().sum()) == 0 for d in seen)  # ids restart at 0 in every sample
+
+
+def test_peak_flops_picks_the_variant_before_its_family():
+    from hybridtron.train.metrics import peak_flops_for_name
+
+    assert peak_flops_for_name("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_for_name("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_for_name("NVIDIA H100 NVL") == 835e12  # not the SXM figure of the bare "H100" key
+    assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops_for_name("Some Future GPU") is None
