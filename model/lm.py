@@ -32,7 +32,7 @@ from torch import nn
 from ..configs import ModelConfig
 from ..kernels.backend import is_distributed
 from ..kernels.cross_entropy import linear_cross_entropy
-from .attention import GatedAttention, doc_causal_mask
+from .attention import GatedAttention
 from .ffn import build_ffn
 from .norm import RMSNorm, build_norm
 from .rotary import RotaryEmbedding
@@ -165,10 +165,11 @@ class GatedLM(nn.Module):
             start = self.context_parallel.offset(T)
         cos, sin = self.rotary(start + T)
         cos, sin = cos[start:], sin[start:]
-        attn_mask = doc_causal_mask(doc_ids) if doc_ids is not None and self.context_parallel is None else None
         h = self.embed_tokens(input_ids)  # (B, T, d)
+        # Documents travel as ids: the fused kernels take their bounds, and only the reference attention
+        # builds a (T x T) mask, in the layer that needs it.
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, attn_mask, doc_ids, None if cache is None else cache.layers[i])
+            h = layer(h, cos, sin, None, doc_ids, None if cache is None else cache.layers[i])
         if cache is not None:
             cache.pos = start + T
         out = self.output(h, labels)

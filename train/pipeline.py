@@ -28,7 +28,6 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridtron.configs import JobConfig
-from hybridtron.model.attention import doc_causal_mask
 from hybridtron.model.flops import layer_flops
 
 
@@ -110,10 +109,9 @@ class StageModule(nn.Module):
         stage as a keyword argument; the schedule's loss function passes it on)."""
         h = self.embed_tokens(x) if self.first else x
         cos, sin = self.rotary(x.shape[1] if self.first else x.shape[1] * self.seq_split)
-        attn_mask = doc_causal_mask(doc_ids) if doc_ids is not None else None
         for layer in self.layers:
             if layer is not None:
-                h = layer(h, cos, sin, attn_mask, doc_ids, None)
+                h = layer(h, cos, sin, None, doc_ids, None)  # documents as ids, as in the whole model
         if self.last:
             h = self._output(h, labels).reshape(1)  # (1,): the schedule concatenates the micro-batches' outputs
         auxes = [m.aux_loss for m in self.layers.modules() if getattr(m, "aux_loss", None) is not None]
