@@ -263,6 +263,11 @@ class JobConfig:
         if self.parallel.engine == "deepspeed" and self.train.nan_policy == "skip":
             raise ConfigError("train.nan_policy=skip is not available with parallel.engine=deepspeed (its engine "
                               "steps on its own count of micro-batches); use train.nan_policy=stop, or the torch engine")
+        if self.parallel.cp > 1 and self.model.kernels.attention in ("triton", "flash-attn"):
+            raise ConfigError(
+                f"model.kernels.attention={self.model.kernels.attention} with parallel.cp={self.parallel.cp}: context "
+                f"parallel attention is ring attention in pure torch, not the fused kernel; set "
+                f"model.kernels.attention=auto (ring attention under context parallelism) or parallel.cp=1")
         self.model.kernels.check_device(self.train.device)
         if self.train.compile and self.parallel.engine == "deepspeed":
             raise ConfigError("train.compile=true works with parallel.engine=torch only (DeepSpeed wraps the model "

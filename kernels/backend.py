@@ -37,7 +37,9 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "norm": ("triton", "reference"),
     "rotary": ("triton", "reference"),
     "swiglu": ("triton", "reference"),
-    "attention": ("flash-attn", "triton", "reference"),
+    # Ours first: it fuses the gate, takes fp32 and any head dim up to 256, and reads documents without a host
+    # sync; flash-attn (bf16/fp16, head dims a multiple of 8, gate applied apart) when asked for by name.
+    "attention": ("triton", "flash-attn", "reference"),
     "cross_entropy": ("triton", "reference"),
     "conv": ("triton", "reference"),  # short causal depthwise convolution + SiLU (Gated DeltaNet)
     "moe": ("triton", "reference"),  # MoE token permute / unpermute

@@ -13,7 +13,7 @@ from .helpers import lm_loss_and_grads
 
 pytest.importorskip("triton")
 
-OPS = ("norm", "rotary", "swiglu", "cross_entropy", "conv", "delta_rule", "moe")
+OPS = ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv", "delta_rule", "moe")
 V = 64
 
 # dense: plain norms, QK-norm, partial rotary, untied head, z-loss. hybrid: a Gated DeltaNet layer (gated norm,
