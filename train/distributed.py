@@ -120,6 +120,11 @@ def check_context_parallel(cfg: JobConfig) -> None:
     if cfg.data.seq_len % p.cp:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.cp={p.cp}: every context-"
                           f"parallel rank takes an equal piece of each sequence; choose a cp that divides it")
+    piece = cfg.data.seq_len // p.cp
+    if p.tp > 1 and piece % p.tp:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} splits into context-parallel pieces of {piece} positions, "
+                          f"which sequence parallelism cannot divide by parallel.tp={p.tp}; choose data.seq_len a "
+                          f"multiple of cp x tp = {p.cp * p.tp}")
     others = [f"parallel.{n}={getattr(p, n)}" for n in ("pp", "ep") if getattr(p, n) > 1]
     if others:
         raise ConfigError(f"parallel.cp={p.cp} composes with data and tensor parallel only in this version, not with "

@@ -43,6 +43,8 @@ def test_context_layouts_that_cannot_work_are_refused():
     with pytest.raises(ConfigError, match=r"tp=2 with dp x cp = 1 x 2 needs parallel.zero_stage 2 or 3"):
         layout(("parallel.tp", "2"), world=4)
     assert layout(("parallel.tp", "2"), ("parallel.zero_stage", "3"), world=4) == 1
+    with pytest.raises(ConfigError, match=r"pieces of 33 positions, .* multiple of cp x tp = 4"):
+        layout(("parallel.tp", "2"), ("parallel.zero_stage", "3"), ("data.seq_len", "66"), world=4)
     with pytest.raises(ConfigError, match=r"parallel.cp > 1 works with parallel.engine=torch only"):
         load_config("tiny", [("parallel.cp", "2"), ("parallel.engine", "deepspeed")])
 
