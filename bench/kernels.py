@@ -24,7 +24,8 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
   FLOPs as one plain ``torch.matmul`` per projection over all routed rows (a rate baseline: it computes
   something else, so it is not compared with ours).
 - ``attention``: gated attention, delegated to bench/kernels_attention.py (SDPA flash + gate, the masked
-  SDPA path, flash-attn varlen + gate, our Triton kernel).
+  SDPA path, flash-attn varlen + gate, our Triton kernel; each checked against the float32 reference, rated
+  in TFLOP/s over the unmasked causal pairs).
 
 Every candidate's outputs and input gradients are first compared with ours (a candidate that computes
 something else is reported, not timed; a case's rate baselines are timed without the comparison). Timing:
@@ -38,8 +39,9 @@ Targets (issue 9, one H100): norm, rotary and SwiGLU at >= 85% of the copy bandw
 torch.compile; fused linear cross-entropy at vocabulary 152k with <= 15% of the plain path's peak memory
 in <= 1.1x its time. Issue 10 (same GPU): the chunked delta rule at least as fast as fla's at head dim 128,
 sequence 4k-16k. MoE (same GPU): the grouped expert matmul at >= 80% of the TFLOP/s of a dense matmul of
-the same FLOPs, megablocks' dMoE kernel timed beside it where installed. The summary lines under the table
-say met / not met for each.
+the same FLOPs, megablocks' dMoE kernel timed beside it where installed. Gated attention (same GPU): forward +
+backward >= 1.1x SDPA-flash + a separate gate at head dims 128 and 256, sequences 4k-8k, with and without
+documents. The summary lines under the table say met / not met (or not measured) for each.
 
 Liger-Kernel on a machine without internet (the lent GPU machines): download here, carry, install there:
 
@@ -246,6 +248,9 @@ def delta_rule_case(seq: int, heads: int, head_dim: int, chunk: int, dtype, devi
     return Case("delta_rule", f"T{seq} H{heads} D{head_dim} C{chunk} {_dt(dtype)}", [q, k, v, g, beta], cands)
 
 
+ATT_OURS, ATT_SDPA_FLASH = "triton", "sdpa-flash+gate"  # the attention candidates the target compares
+ATT_TARGET = 1.1  # ours at >= 1.1x SDPA-flash + gate's speed ...
+ATT_HEAD_DIMS, ATT_SEQS = (128, 256), (4096, 8192)  # ... at these head dims, sequences in this range
 GG_OURS = "ours (grouped_linear, native)"
 GG_MEGABLOCKS = "megablocks gmm (grouped_linear, megablocks)"
 GG_LOOP = "torch.matmul per expert (eager reference)"
@@ -492,7 +497,25 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
         if mb is not None:
             line += f"; megablocks' gmm at {100 * dense.seconds / mb.seconds:.0f}%"
         out.append(line)
+    att = [r for r in rows if r.op == "attention"]
+    for shape in dict.fromkeys(r.shape for r in att):  # one line per (seq, head dim, documents), in run order
+        out.append(_attention_verdict([r for r in att if r.shape == shape]))
     return out
+
+
+def _attention_verdict(rows: list[Row]) -> str:
+    x = rows[0].extra
+    where = f"- attention seq {x['seq']}, head dim {x['head_dim']}, {'no documents' if x['docs'] == 'none' else 'documents'}"
+    if not (x["head_dim"] in ATT_HEAD_DIMS and ATT_SEQS[0] <= x["seq"] <= ATT_SEQS[1]):
+        where += " (outside the target's head dims 128/256 and sequences 4k-8k)"
+    by = {r.impl: r for r in rows}
+    ours, sdpa = by.get(ATT_OURS), by.get(ATT_SDPA_FLASH)
+    missing = [f"{n}: {r.note if r else 'not run'}" for n, r in ((ATT_OURS, ours), (ATT_SDPA_FLASH, sdpa))
+               if r is None or r.seconds is None]
+    if missing:
+        return f"{where}: vs SDPA-flash + gate not measured ({'; '.join(missing)})"
+    s = sdpa.seconds / ours.seconds
+    return f"{where}: {s:.2f}x SDPA-flash + gate's speed (target >= {ATT_TARGET}: {'met' if s >= ATT_TARGET else 'NOT met'})"
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
@@ -558,16 +581,18 @@ def main(argv: list[str] | None = None) -> list[Row]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     body = table(rows)
-    lines = verdicts(rows, copy_gbs)
     if "attention" in args.ops and device.type == "cuda" and ours:
         from hybridtron.bench import kernels_attention
 
-        att = kernels_attention.bench_attention([4096, 8192], [128, 256], 16, 4, ["none", "many"], 512, dtype,
-                                                args.repeats, device)
+        att = kernels_attention.bench_attention(list(ATT_SEQS), list(ATT_HEAD_DIMS), 16, 4, ["none", "many"], 512,
+                                                dtype, args.repeats, device, warmup=args.warmup)
         body += "\n\nGated attention (bench/kernels_attention.py), 16 query / 4 kv heads, one packed row:\n\n"
         body += kernels_attention.report(att)
-    elif "attention" in args.ops:
-        lines.append("- attention: not timed here (needs CUDA and the Triton kernel; see bench/kernels_attention.py)")
+        rows += att
+    lines = verdicts(rows, copy_gbs)
+    if "attention" in args.ops and not any(r.op == "attention" for r in rows):
+        lines.append("- attention: vs SDPA-flash + gate not measured (needs CUDA and the Triton kernel; see "
+                     "bench/kernels_attention.py)")
     bw = f"copy bandwidth {copy_gbs:,.0f} GB/s" if copy_gbs else "copy bandwidth not measured (no GPU)"
     versions = f"torch {torch.__version__}" + (f", triton {_triton_version()}" if backend.triton_installed() else "")
     header = f"Fused kernels, {device_name(device)}, {time.strftime('%Y-%m-%d')} ({versions}; {bw})"

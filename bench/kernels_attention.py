@@ -3,11 +3,20 @@ model's reference path today (SDPA with a dense document mask + gate) and flash-
 where installed. GPU only for numbers (the target: Triton >= 1.1x SDPA-flash + gate at head dims 128 and 256,
 sequences 4k-8k, with and without documents); ``--device cpu`` under TRITON_INTERPRET=1 only smoke-tests it.
 
-Each configuration checks that every candidate's output agrees with the Triton kernel's first, then times
-forward + backward (CUDA events, median of ``--repeats``, candidates alternating within each repeat so clock
-drift hits all alike). With documents, SDPA's flash backend runs on a nested (jagged) tensor: its varlen path,
-the only way SDPA gets documents without a mask; it has no grouped-query support there, so K/V are repeated
-per query head first and that copy is timed as part of it.
+Each configuration first runs the pure-torch reference (kernels/gated_attention/reference.py) in float32 on
+the same inputs, forward + backward, and compares every candidate's output and its gradients of q, k, v and
+the gate with it (max |x - ref| / max |ref| per tensor); a candidate off by more than the dtype's tolerance
+is reported, not timed. Then forward + backward is timed (CUDA events, median of ``--repeats``, candidates
+alternating within each repeat so clock drift hits all alike) and its allocator peak taken (CUDA only).
+
+With documents, SDPA's flash backend refuses a mask, so it runs on a nested (jagged) tensor instead: its
+varlen path, the only way SDPA's flash kernel sees documents; it has no grouped-query support there, so K/V
+are repeated per query head first and that copy is timed as part of it.
+
+FLOPs (the FlashAttention papers' convention): the forward is two matmuls, S = q k^T and O = P v, of 2 D
+FLOPs per head and unmasked (query, key) pair, 4 D H pairs; the backward five (S recomputed, dV, dP, dQ,
+dK), 2.5x the forward. Pairs are those the causal document mask keeps: sum over documents of L (L + 1) / 2.
+Softmax and gate are not counted, so a rate is comparable across document layouts.
 
     python -m hybridtron.bench.kernels_attention [--seq 4096 8192] [--head-dim 128 256] [--heads 16]
         [--kv-heads 4] [--docs none many] [--doc-len 512] [--dtype bfloat16] [--repeats 20]
@@ -22,9 +31,21 @@ import time
 import torch
 import torch.nn.functional as F
 
+from hybridtron.bench.kernels import ATT_OURS, ATT_SDPA_FLASH, Row, _fwd_bwd, _peak_mib, _timed, verdicts
+from hybridtron.bench.report import device_name
 from hybridtron.kernels import backend
-from hybridtron.kernels.gated_attention import cu_seqlens_from_bounds, doc_bounds, gated_attention
+from hybridtron.kernels.gated_attention import (
+    cu_seqlens_from_bounds,
+    doc_bounds,
+    gated_attention,
+    gated_attention_reference,
+)
 from hybridtron.model.attention import doc_causal_mask
+
+TENSORS = ("out", "dq", "dk", "dv", "dgate")
+# max |x - ref| / max |ref| a candidate may reach against the float32 reference: 16-bit inputs, 16-bit P and
+# dS in the matmuls give errors of ~1e-2 of the largest entry; a wrong mask, gate or GQA reduction gives O(1)
+TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 5e-2, torch.float32: 1e-3}
 
 
 def make_inputs(T: int, H: int, KV: int, D: int, dtype, device, seed: int = 0):
@@ -43,6 +64,21 @@ def make_doc_ids(T: int, mean_len: int, device, seed: int = 0) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(seed)
     lengths = torch.randint(1, 2 * mean_len, (T,), generator=g)
     return torch.repeat_interleave(torch.arange(T), lengths)[:T].unsqueeze(0).to(device)
+
+
+def causal_pairs(T: int, doc_ids: torch.Tensor | None = None) -> int:
+    """Unmasked (query, key) pairs of one row: sum over its documents of L (L + 1) / 2."""
+    if doc_ids is None:
+        lengths = [T]
+    else:
+        cu = cu_seqlens_from_bounds(doc_bounds(1, T, doc_ids=doc_ids)[0])
+        lengths = (cu[1:] - cu[:-1]).tolist()
+    return sum(n * (n + 1) // 2 for n in lengths)
+
+
+def attention_flops(T: int, H: int, D: int, doc_ids: torch.Tensor | None = None) -> float:
+    """Forward + backward: 4 D H pairs forward, 2.5x that backward (module docstring)."""
+    return 3.5 * 4 * D * H * causal_pairs(T, doc_ids)
 
 
 def _sdpa_flash(q, k, v, gate, doc_ids):
@@ -78,87 +114,115 @@ def _sdpa_mask(q, k, v, gate, doc_ids):
 
 
 def candidates(device: torch.device) -> dict:
-    cands = {
-        "triton": lambda q, k, v, g, d: gated_attention(q, k, v, g, doc_ids=d, backend="triton"),
-        "sdpa-flash+gate": _sdpa_flash,
+    """name -> fn(q, k, v, gate, doc_ids), or a str saying why it cannot run here."""
+    why = backend.flash_attn_unavailable_reason(device)
+    return {
+        ATT_OURS: lambda q, k, v, g, d: gated_attention(q, k, v, g, doc_ids=d, backend="triton"),
+        ATT_SDPA_FLASH: _sdpa_flash,
         "sdpa-mask+gate": _sdpa_mask,
+        "flash-attn+gate": why or (lambda q, k, v, g, d: gated_attention(q, k, v, g, doc_ids=d, backend="flash-attn")),
     }
-    if backend.flash_attn_unavailable_reason(device) is None:
-        cands["flash-attn+gate"] = lambda q, k, v, g, d: gated_attention(q, k, v, g, doc_ids=d, backend="flash-attn")
-    return cands
 
 
-def _timed(fn, inputs, dout, doc_ids) -> float:
-    for t in inputs:
-        t.grad = None
-    if dout.is_cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*inputs, doc_ids).backward(dout)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn(*inputs, doc_ids).backward(dout)
-    return time.perf_counter() - t0
+def _errors(got, ref) -> dict[str, float]:
+    """Per tensor max |x - ref| / max |ref|; a gradient the candidate never produced counts as zeros (1.0)."""
+    out = {}
+    for name, a, r in zip(TENSORS, got, ref, strict=True):
+        a = torch.zeros_like(r) if a is None else a.float()
+        out[name] = ((a - r).abs().max() / r.abs().max().clamp_min(1e-30)).item()
+    return out
 
 
 def bench_attention(seqs, head_dims, H: int, KV: int, docs, doc_len: int, dtype, repeats: int,
-                    device: torch.device, warmup: int = 3, tolerance: float = 0.1) -> list[dict]:
-    """Rows {seq, head_dim, docs, candidate, seconds, max_diff} for every configuration and candidate; a
-    candidate that cannot run there gets seconds None and its error."""
+                    device: torch.device, warmup: int = 3) -> list[Row]:
+    """A `Row` (op "attention") per configuration and candidate: time, TFLOP/s, peak MiB, max_err the worst
+    relative error vs the reference (extra: seq, head_dim, docs, flops, tflops, errors per tensor). A candidate
+    that cannot run, or disagrees with the reference, gets seconds None and says why in its note."""
     rows = []
     for T in seqs:
         for D in head_dims:
             for doc_mode in docs:
-                inputs, dout = make_inputs(T, H, KV, D, dtype, device)
-                doc_ids = make_doc_ids(T, doc_len, device) if doc_mode == "many" else None
-                cands = candidates(device)
-                diffs = {}
-                with torch.no_grad():
-                    ref = cands["triton"](*inputs, doc_ids).float()
-                    for n, f in list(cands.items()):
-                        try:
-                            diffs[n] = (f(*inputs, doc_ids).float() - ref).abs().max().item()
-                        except RuntimeError as e:  # e.g. SDPA on nested tensors has no causal CPU path
-                            rows.append(dict(seq=T, head_dim=D, docs=doc_mode, candidate=n, seconds=None,
-                                             max_diff=None, error=str(e).splitlines()[0]))
-                            del cands[n]
-                bad = {n: d for n, d in diffs.items() if d > tolerance}
-                if bad:
-                    raise SystemExit(f"seq {T}, head dim {D}, docs {doc_mode}: outputs disagree with the Triton "
-                                     f"kernel by {bad} (> {tolerance}); not timing candidates that compute "
-                                     f"different things")
-                for _ in range(warmup):
-                    for f in cands.values():
-                        _timed(f, inputs, dout, doc_ids)
-                times = {n: [] for n in cands}
-                for _ in range(repeats):
-                    for n, f in cands.items():
-                        times[n].append(_timed(f, inputs, dout, doc_ids))
-                for n in cands:
-                    rows.append(dict(seq=T, head_dim=D, docs=doc_mode, candidate=n,
-                                     seconds=statistics.median(times[n]), max_diff=diffs[n]))
-                del inputs, dout
+                rows += bench_config(T, D, H, KV, doc_mode, doc_len, dtype, repeats, device, warmup)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return rows
 
 
-def report(rows: list[dict]) -> str:
-    lines = ["| seq | head dim | docs | candidate | fwd+bwd ms | triton speed-up | max diff vs triton |",
-             "| ---: | ---: | --- | --- | ---: | ---: | ---: |"]
-    ours = {(r["seq"], r["head_dim"], r["docs"]): r["seconds"] for r in rows if r["candidate"] == "triton"}
-    for r in rows:
-        if r["seconds"] is None:
-            lines.append(f"| {r['seq']} | {r['head_dim']} | {r['docs']} | {r['candidate']} | unavailable: "
-                         f"{r['error']} | | |")
+def bench_config(T: int, D: int, H: int, KV: int, doc_mode: str, doc_len: int, dtype, repeats: int,
+                 device: torch.device, warmup: int) -> list[Row]:
+    inputs, dout = make_inputs(T, H, KV, D, dtype, device)
+    doc_ids = make_doc_ids(T, doc_len, device) if doc_mode == "many" else None
+    flops, tol, cot = attention_flops(T, H, D, doc_ids), TOLERANCE[dtype], [dout]
+    ref32 = [t.detach().float().requires_grad_() for t in inputs]
+    ref_out, ref_grads = _fwd_bwd(lambda *x: gated_attention_reference(*x, doc_ids=doc_ids), ref32, [dout.float()])
+    ref = ref_out + ref_grads
+    rows, live = [], {}
+    for name, fn in candidates(device).items():
+        row = Row("attention", f"T{T} D{D} H{H}/{KV} docs {doc_mode}", name,
+                  extra=dict(seq=T, head_dim=D, docs=doc_mode, flops=flops))
+        rows.append(row)
+        if not callable(fn):
+            row.note = f"unavailable: {fn}"
             continue
-        speedup = r["seconds"] / ours[(r["seq"], r["head_dim"], r["docs"])]
-        lines.append(f"| {r['seq']} | {r['head_dim']} | {r['docs']} | {r['candidate']} | {r['seconds'] * 1e3:.3f} | "
-                     f"{speedup:.2f}x | {r['max_diff']:.2e} |")
+        bound = lambda *x, f=fn: f(*x, doc_ids)  # noqa: E731
+        try:
+            out, grads = _fwd_bwd(bound, inputs, cot)
+        except Exception as e:  # e.g. SDPA on nested tensors has no causal CPU path
+            row.note = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            continue
+        errs = row.extra["errors"] = _errors(out + grads, ref)
+        row.max_err = max(errs.values())
+        bad = ", ".join(f"{n} {e:.1e}" for n, e in errs.items() if not e <= tol)
+        if bad:  # timing something that computes another function would be meaningless
+            row.note = f"not timed: disagrees with the reference ({bad} > {tol:g})"
+            continue
+        live[name] = bound
+    for _ in range(warmup):
+        for f in live.values():
+            _timed(f, inputs, cot, device)
+    times = {n: [] for n in live}
+    for _ in range(repeats):
+        for n, f in live.items():
+            times[n].append(_timed(f, inputs, cot, device))
+    for row in rows:
+        if row.impl in live:
+            row.seconds = statistics.median(times[row.impl])
+            row.extra["tflops"] = flops / row.seconds / 1e12
+            row.rate = f"{row.extra['tflops']:.3g} TFLOP/s"
+            row.peak_mib = _peak_mib(live[row.impl], inputs, cot, device)
+    return rows
+
+
+def report(rows: list[Row]) -> str:
+    tol = ", ".join(f"{str(d).removeprefix('torch.')} {t:g}" for d, t in TOLERANCE.items())
+    lines = [
+        "TFLOP/s: forward 4·D·H·pairs (q k^T and P v over the unmasked causal pairs, sum of L(L+1)/2 over "
+        "documents), backward 2.5x forward. Peak: allocator peak of one fwd+bwd above the inputs (CUDA only). "
+        "Error: max |x - ref| / max |ref| vs the float32 reference for out, dq, dk, dv, dgate (tolerance "
+        f"{tol}). With documents, sdpa-flash+gate is SDPA's flash backend on jagged nested tensors (its "
+        "varlen path; no mask), K/V repeated per query head (timed).",
+        "",
+        "| seq | head dim | docs | candidate | fwd+bwd ms | TFLOP/s (fwd 4·D·H·pairs + bwd 2.5x fwd) | peak MiB "
+        "| triton speed-up | max rel. err (out, dq, dk, dv, dgate) |",
+        "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    ours = {r.shape: r.seconds for r in rows if r.impl == ATT_OURS}
+    for r in rows:
+        x = r.extra
+        errs = x.get("errors")
+        err = f"{r.max_err:.1e} (" + ", ".join(f"{e:.0e}" for e in errs.values()) + ")" if errs else ""
+        head = f"| {x['seq']} | {x['head_dim']} | {x['docs']} | {r.impl} |"
+        if r.seconds is None:
+            lines.append(f"{head} {r.note} | | | | {err} |")
+            continue
+        peak = f"{r.peak_mib:,.0f}" if r.peak_mib is not None else "-"
+        base = ours.get(r.shape)
+        speedup = f"{r.seconds / base:.2f}x" if base else "n/a"
+        lines.append(f"{head} {r.seconds * 1e3:.3f} | {x['tflops']:.3g} | {peak} | {speedup} | {err} |")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> list[Row]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--head-dim", type=int, nargs="+", default=[128, 256])
@@ -177,10 +241,11 @@ def main(argv: list[str] | None = None) -> None:
                  f"TRITON_INTERPRET=1 only smoke-tests this script at tiny sizes")
     rows = bench_attention(args.seq, args.head_dim, args.heads, args.kv_heads, args.docs, args.doc_len,
                            getattr(torch, args.dtype), args.repeats, device, warmup=0 if device.type == "cpu" else 3)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter: not a timing)"
     print(f"gated attention fwd+bwd, {args.dtype}, {args.heads} query / {args.kv_heads} kv heads, one packed row, "
-          f"on {name}, {time.strftime('%Y-%m-%d')}")
+          f"on {device_name(device)}, {time.strftime('%Y-%m-%d')}")
     print(report(rows))
+    print("\n" + "\n".join(verdicts(rows, None)))
+    return rows
 
 
 if __name__ == "__main__":
