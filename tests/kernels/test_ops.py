@@ -182,3 +182,25 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="must be \\(T=3, rot/2\\)"):
         rotary_qk(torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8), torch.ones(4, 2), torch.ones(4, 2),
                   backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_magnitude_direction_gain_saves_no_extra_activations_on_the_kernel(backend):
+    """The reparameterised gain reaches the norm as one (D,) vector: what backward keeps beyond the plain
+    gain's norm is a few vectors, never another activation-sized tensor."""
+    from hybridtron.model.norm import RMSNorm
+
+    D, x = 128, randn(8, 32, 128, seed=3).float()
+
+    def saved_bytes(norm):
+        norm.kernel_backend = backend
+        sizes = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            norm(x.clone().requires_grad_(True)).sum()
+        return sum(sizes)
+
+    plain = saved_bytes(RMSNorm(D))
+    extra = saved_bytes(RMSNorm(D, magnitude_direction=True)) - plain
+    assert plain >= x.numel() * 4  # the hook sees the norm's own activations
+    assert 0 <= extra <= 8 * D * 4, extra  # a few (D,) vectors (m, d, their norm), far below one activation
