@@ -14,7 +14,9 @@ major) and in_proj_b to n_h * n_v_heads; with n_h = 1 every shape and name is Qw
 
 Packed documents (doc_ids): the recurrent state is zeroed where a document starts, and the convolution
 at position t reads only inputs of t's own document. Decoding (a cache dict per layer) keeps the last
-conv_size - 1 convolution inputs and the recurrent state, so a new token costs O(1) in the context.
+conv_size - 1 convolution inputs and the recurrent state, so a new token costs O(1) in the context; a call
+continues the cached document (x's first position never starts one): the cached inputs and state feed x's
+first document only, and the cache keeps no input of a document before x's last.
 """
 
 from __future__ import annotations
@@ -108,7 +110,14 @@ class GatedDeltaNet(nn.Module):
         if cache is not None:
             K = self.conv1d.kernel_size[0]
             seen = mixed if past is None else torch.cat([past, mixed], dim=1)
-            cache["conv_state"] = torch.cat([seen.new_zeros(B, K - 1, self.conv_dim), seen], dim=1)[:, -(K - 1):]
+            def last(t):  # the last K - 1 positions (none for K = 1, where t[:, -0:] would keep all)
+                return t[:, t.shape[1] - (K - 1):]
+
+            state = last(torch.cat([seen.new_zeros(B, K - 1, self.conv_dim), seen], dim=1))
+            if doc_ids is not None:  # the next call continues x's last document: it must not read an earlier one's
+                ids = last(torch.cat([doc_ids[:, :1].repeat(1, K - 1), doc_ids], dim=1))  # past: x's first
+                state = state.masked_fill((ids != doc_ids[:, -1:])[..., None], 0)
+            cache["conv_state"] = state
         q, k, v = conv_out.split([self.key_dim, n_h * self.key_dim, n_h * self.value_dim], dim=-1)
         q = q.view(B, T, Hk, Dk)
         k = k.view(B, T, n_h, Hk, Dk)

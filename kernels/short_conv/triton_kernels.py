@@ -3,7 +3,8 @@
     pre[t, c] = sum_{j<K} w[c, K-1-j] * xe[t-j, c] * same(t, t-j)      out = silu(pre)
 
 xe is x extended on the left by ``past`` (K-1 rows, decoding) or zeros; same(t, u) says u is in t's
-document (doc_ids), and with documents the rows before x count as another document (as the reference).
+document (doc_ids), and the rows before x belong to x's first document (the call continues the cached
+one, as the delta rule's state does; as the reference).
 Tiles are [BT positions, BC channels] of one sequence; K is a compile-time constant (2-4 in practice), so
 the taps unroll and every shifted load of a tile hits the cache lines the previous tap brought in.
 
@@ -47,11 +48,13 @@ def _load_xe(X, PAST, DOC, b, p, c, mask_c, T, C, KM1: tl.constexpr, HAS_PAST: t
 
 @triton.jit
 def _same(DOC, b, t, u, T, HAS_DOC: tl.constexpr):
-    """(BT,) bool: input position u may feed output position t (u <= t, t in [0, T) assumed)."""
+    """(BT,) bool: input position u (<= t) may feed output position t; False for t outside [0, T)."""
     if HAS_DOC:
-        dt = tl.load(DOC + b.to(tl.int64) * T + t, mask=(t >= 0) & (t < T), other=-1)
-        du = tl.load(DOC + b.to(tl.int64) * T + u, mask=(u >= 0) & (u < T), other=-2)
-        return (dt == du) & (u >= 0)
+        valid = (t >= 0) & (t < T)
+        dt = tl.load(DOC + b.to(tl.int64) * T + t, mask=valid, other=-1)
+        uu = tl.maximum(u, 0)  # a past row (u < 0) carries the id of x's first position
+        du = tl.load(DOC + b.to(tl.int64) * T + uu, mask=uu < T, other=-2)
+        return (dt == du) & valid
     else:
         return u == u
 

@@ -48,14 +48,36 @@ def test_short_conv(dtype, B, T, C, K, mode):
         lambda x, w, *p: short_conv(x, w, ids, p[0] if p else None, backend="triton"),
         lambda x, w, *p: short_conv_reference(x, w, ids, p[0] if p else None),
         inputs, dts)
+    if mode == "docs+past" and K > 1:  # past feeds x's first document, so the check above compared real gradients
+        p = inputs[2].to(dtype).requires_grad_()
+        short_conv(x.to(dtype), w.to(dtype), ids, p, backend="triton").sum().backward()
+        assert p.grad[:, -1].abs().min() > 0  # the last past row feeds position 0 (always x's first document)
 
 
 def test_every_position_its_own_document_reads_only_itself():
-    """doc_ids all different: out[t] = silu(w[K-1] x[t]), nothing from its neighbours or past."""
+    """doc_ids all different: out[t] = silu(w[K-1] x[t]) for t > 0, nothing from its neighbours or past;
+    position 0 continues the cached document and reads past."""
     x, w, p = randn(2, 9, 4, seed=5), randn(4, 1, 4, seed=6), randn(2, 3, 4, seed=7)
     ids = torch.arange(18).view(2, 9)
     out = short_conv(x, w, ids, p, backend="triton")
-    torch.testing.assert_close(out, torch.nn.functional.silu(x * w[:, 0, -1]))
+    torch.testing.assert_close(out[:, 1:], torch.nn.functional.silu(x[:, 1:] * w[:, 0, -1]))
+    torch.testing.assert_close(out[:, :1], short_conv(x[:, :1], w, past=p, backend="triton"))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("prefix_ids", [[1] * 6, [0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]],
+                         ids=["one_doc", "doc_starts_at_the_window", "doc_starts_inside_the_window"])
+def test_past_continues_the_first_document(backend, prefix_ids):
+    """One pass over [prefix ; x] equals a pass over x with past = the prefix's last K-1 inputs, those of
+    other documents than x's first zeroed (what the decoding cache keeps): x's first document continues the
+    prefix's last one; later documents of x read nothing before their start."""
+    K, C = 4, 5
+    prefix, x, w = randn(2, 6, C, seed=13), randn(2, 7, C, seed=14), randn(C, 1, K, seed=15)
+    pre_ids = torch.tensor([prefix_ids] * 2)
+    ids = torch.tensor([[1, 1, 2, 2, 2, 3, 3], [1] * 7])  # row 1: one document throughout
+    whole = short_conv(torch.cat([prefix, x], 1), w, torch.cat([pre_ids, ids], 1), backend=backend)
+    past = prefix[:, -(K - 1):] * (pre_ids[:, -(K - 1):] == ids[:, :1])[..., None]
+    torch.testing.assert_close(short_conv(x, w, ids, past, backend=backend), whole[:, 6:])
 
 
 def test_decoding_one_token_at_a_time_equals_the_whole_sequence():

@@ -221,3 +221,50 @@ def test_flops_per_token_hand_count_for_a_deltanet_layer():
     conv2 = hk * dk + 2 * hk * dk + 2 * hv * dv
     params2 = conv2 * d + hv * dv * d + 3 * hv * d + conv2 * K + d * hv * dv + 3 * d * ffn + d * V
     assert flops_per_token(cfg2, V, 16) == pytest.approx(6 * (params2 + 2 * delta))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("start", [None, 5, 10, 13],
+                         ids=["one_doc", "mid_prompt", "in_prompts_last_window", "inside_a_later_call"])
+def test_cached_decoding_with_documents_equals_full_forward(backend, start):
+    """A call continues the cached document: its convolution window reads the cached inputs and its state
+    goes on, unless a document starts inside it. A second document starting at 10 leaves inputs of the first
+    in the window cached at 12 (conv_size 4): they must not reach the next call. (Delta-rule layers only:
+    attention's decoding cache does not take doc_ids.)"""
+    from hybridtron.configs import load_config
+
+    cfg = load_config("tiny_hybrid").model
+    cfg.n_layers, cfg.layer_pattern = 1, "L"
+    cfg.kernels.conv = cfg.kernels.delta_rule = backend
+    torch.manual_seed(0)
+    model = GatedLM(cfg, V)
+    model.init_weights()
+    model.eval()
+    x = torch.randint(0, V, (2, 18), generator=torch.Generator().manual_seed(5))
+    doc = torch.zeros(2, 18, dtype=torch.long)
+    if start is not None:
+        doc[0, start:] = 1  # the second row stays one document
+    with torch.no_grad():
+        full = model(x, doc_ids=doc)
+        cache = model.new_cache()
+        cuts = [0, 12, 15, 16, 17, 18]  # a prompt, a second prompt chunk, then single tokens
+        parts = [model(x[:, a:b], doc_ids=doc[:, a:b], cache=cache) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_decoding_with_a_one_tap_convolution():
+    """conv_size 1 caches no inputs (K - 1 = 0): the next call's past is empty, not the whole previous call."""
+    from hybridtron.configs import load_config
+
+    cfg = load_config("tiny_hybrid").model
+    cfg.n_layers, cfg.layer_pattern, cfg.deltanet.conv_size = 1, "L", 1
+    torch.manual_seed(0)
+    model = GatedLM(cfg, V)
+    model.init_weights()
+    model.eval()
+    x = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(x)
+        cache = model.new_cache()
+        parts = [model(x[:, :6], cache=cache), model(x[:, 6:8], cache=cache), model(x[:, 8:], cache=cache)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
