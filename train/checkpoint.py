@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
 
+from .distributed import launch_world
 from .tensor_parallel import canonical_state_dicts, to_row_order
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
@@ -73,7 +74,8 @@ class DiskFullError(CheckpointError):
 def _warn_once(key: tuple[str, ...], msg: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        print(f"[hybridtron] warning: {msg}", file=sys.stderr, flush=True)
+        rank, _local, world = launch_world()
+        print(f"[hybridtron{f' rank {rank}/{world}' if world > 1 else ''}] warning: {msg}", file=sys.stderr, flush=True)
 
 
 # ---- checksums ---------------------------------------------------------------------------------

@@ -30,7 +30,14 @@ from .distributed import Mesh, launch_world
 from .expert_parallel import apply_expert_parallel
 from .model_hooks import self_guided_end_step, structure_for_step
 from .optim import build_optimizer
-from .parallelize import apply_data_parallel, apply_tensor_parallel, autocast_dtype, parallelize, select_device
+from .parallelize import (
+    apply_data_parallel,
+    apply_tensor_parallel,
+    autocast_dtype,
+    data_parallel_summary,
+    parallelize,
+    select_device,
+)
 from .sample import generate
 from .trainer import NonFiniteLossError, Trainer, evaluate
 
@@ -220,6 +227,10 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     process runs this; the layout in ``cfg.parallel`` is checked before any of them builds a model."""
     device = select_rank_device(cfg)
     with Mesh.setup(cfg, device) as mesh:  # refuses an impossible layout before anything is allocated
+        if cfg.parallel.engine == "deepspeed":  # and a DeepSpeed JSON it cannot honour, before data or model
+            from .deepspeed_engine import deepspeed_config
+
+            deepspeed_config(cfg, mesh.dp, device)
         result, model = _train_run(cfg, run_dir, log if mesh.is_main else _quiet, init_from, device, mesh)
         if mesh.distributed:
             # The replicated or sharded model holds pending gloo/NCCL work; freed after the process group is gone
@@ -279,7 +290,7 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
         from .deepspeed_engine import initialize
 
         optimizer = build_optimizer(model, t)
-        engine = initialize(model, optimizer, cfg, mesh, device)  # ZeRO partitions, bf16 and offload are its own
+        engine = initialize(model, optimizer, cfg, mesh, device, run_dir)  # ZeRO partitions, bf16, offload: its own
         optimizer = engine.optimizer
     else:
         if mesh.pp > 1:  # cut into this rank's pipeline stages first: every later step sees only its part
@@ -296,6 +307,9 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
         apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
                             params_may_leave=self_guided_end_step(cfg) is not None,
                             roots=pipeline.stages if pipeline is not None else None)
+        summary = data_parallel_summary(model)
+        if summary:
+            log(summary)
         if pipeline is not None:
             pipeline.finish()
         optimizer = build_optimizer(model, t)

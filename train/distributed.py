@@ -55,6 +55,11 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
     if cfg.train.compile and split:
         raise ConfigError(f"train.compile=true is not yet tested with {', '.join(split)} (their exchanges run inside "
                           f"the compiled blocks); set train.compile=false for this layout")
+    if cfg.train.compile and p.tp > 1:
+        # Compiled tensor-parallel blocks fail in backward (a DTensor redistribution receives a plain gradient
+        # from the compiled graph) with torch 2.13; compile composes with data parallel (DDP, FSDP2).
+        raise ConfigError(f"train.compile=true does not work with parallel.tp={p.tp} in this version (torch's "
+                          f"compiled DTensor blocks fail in backward); set train.compile=false, or parallel.tp=1")
     if p.tp > 1:
         check_tensor_parallel(cfg)
         if dp * p.cp > 1 and p.zero_stage == 0:

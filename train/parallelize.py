@@ -1,8 +1,10 @@
 """Apply execution strategies to a single-device model from the outside.
 
-The model under ``model/`` knows nothing of devices, precision or recomputation. This module
-applies them in the fixed order later parallelisms slot into: TP/SP -> activation checkpointing ->
-compile -> data parallel. Today: device/precision selection, activation checkpointing and data parallel:
+The model under ``model/`` knows nothing of devices, precision or recomputation. This module applies them
+so that at run time they nest in one fixed order: TP/SP innermost, then activation checkpointing, then
+compile, then data parallel outermost. Activation checkpointing and compile wrap each block while the model
+is still on the meta device (``parallelize``); the tensor-parallel plans reach inside those wrappers
+(``apply_tensor_parallel``), and FSDP2 / DDP wrap the result (``apply_data_parallel``). Data parallel:
 
 - ``parallel.zero_stage: 0`` -- the model is replicated (torch's composable ``replicate``, DDP underneath:
   gradients all-reduced in buckets during backward). Parameter names and the module class stay as they are.
@@ -181,6 +183,23 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
     for root in roots or [model]:
         fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
     return model
+
+
+def data_parallel_summary(model: nn.Module) -> str | None:
+    """What FSDP2 actually applied to the first sharded block (None when there is none), read from its state
+    rather than the config: sharding, and the dtypes parameters are gathered and gradients reduced in."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for block in getattr(model, "layers", []):
+        if isinstance(block, FSDPModule):
+            group = block._get_fsdp_state()._fsdp_param_groups[0]
+            mp = group.mp_policy
+            name = lambda dt: "as stored" if dt is None else str(dt).removeprefix("torch.")  # noqa: E731
+            reshard = "freed after forward (ZeRO-3)" if group.post_forward_mesh_info is not None else \
+                "kept from forward to backward (ZeRO-2)"
+            return (f"FSDP2 blocks: parameters {reshard}, gathered {name(mp.param_dtype)}, gradients reduced "
+                    f"{name(mp.reduce_dtype)}")
+    return None
 
 
 def clip_grad_norm(params, max_norm: float, counted=None, sum_other_ranks=None) -> float:

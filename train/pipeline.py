@@ -1,7 +1,8 @@
 """Pipeline parallelism: the layers cut into stages, run by a torch.distributed.pipelining schedule.
 
-The model is built whole and initialised as on one device (so every layout starts from the same weights),
-then cut. The ``pp`` ranks of one (dp, tp) coordinate hold one stage each, or ``pp_stages_per_rank`` stages
+Each rank builds only its stages' parts of the model: the cut is made on the meta device, before any weight
+is allocated, and every part draws its initial weights from its own seeded stream, so they are those of the
+whole model at any layout. The ``pp`` ranks of one (dp, tp) coordinate hold one stage each, or ``pp_stages_per_rank`` stages
 each (stage s on pp rank s mod pp: interleaved schedules); the cuts are contiguous layer ranges whose summed
 FLOPs estimates (``model/flops.py``: attention, delta-rule and MoE layers each cost what their matmuls and
 mixer cost) are as equal as the layers allow, with the output layer counted on the last stage.

@@ -274,7 +274,8 @@ class Trainer:
                         val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
                                             self.amp_dtype, self.mesh, self.pipeline)
                         rec["val_loss"], rec["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
-                        (bar.write if main else _quiet)(f"step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
+                        tag = f"[hybridtron rank 0/{self.mesh.world_size}] " if self.mesh.world_size > 1 else ""
+                        (bar.write if main else _quiet)(f"{tag}step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
                                   f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")
                     if step % t.log_every == 0 or "val_loss" in rec:
                         metrics.log(rec)

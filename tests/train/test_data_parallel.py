@@ -2,7 +2,8 @@
 
 Each layout (DDP, FSDP2 as ZeRO-2 and ZeRO-3, MoE under DDP, under DDP a self-guided structured FFN whose
 guide weights leave the model mid-run, tensor parallel tp2 (tied and untied output, elementwise and headwise
-gates), dp2 x tp2 with FSDP2, DeepSpeed ZeRO-1, ZeRO-3 and ZeRO-2 with optimizer offload) trains 4 steps of micro-batch 4 per rank and is
+gates), dp2 x tp2 with FSDP2, FSDP2 with compiled and recomputed blocks, DeepSpeed ZeRO-1, ZeRO-3 and ZeRO-2 with optimizer
+offload) trains 4 steps of micro-batch 4 per rank and is
 compared with one process taking the same global batch as 2 accumulated micro-batches of 4: the same
 per-step loss, gradient norm and tokens seen, and the same weights after the last step (so the same
 gradients). Checkpoints written by one layout resume at another with the same next steps, and the sharded
@@ -52,6 +53,9 @@ LAYOUTS = {"ddp": ["--parallel.zero_stage", "0"], "zero2": ["--parallel.zero_sta
            "tp2_dp2_zero3": ["--parallel.tp", "2", "--parallel.zero_stage", "3", "--train.peak_flops", "1e12"],
            # FSDP2 mixed precision: parameters gathered in bf16, gradients reduced in fp32 (bf16 autocast on CPU)
            "zero3_bf16": ["--parallel.zero_stage", "3", "--train.dtype", "bf16"],
+           # torch.compile of each block (Inductor on the CPU) inside activation checkpointing, under FSDP2
+           "zero3_compile": ["--parallel.zero_stage", "3", "--train.compile", "true", "--train.activation_checkpointing",
+                             "true"],
            "ds_zero1": ["--parallel.engine", "deepspeed", "--parallel.zero_stage", "1"],
            "ds_zero3": ["--parallel.engine", "deepspeed", "--parallel.zero_stage", "3"],
            # ZeRO-2 with the optimizer state and step on the CPU, 2 micro-batches per rank
@@ -143,7 +147,8 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3", "ddp_accum", "zero3_accum", "ddp_moe", "ddp_guided",
-                                    "tp2", "tp2_headwise", "tp2_dp2_zero3", "ds_zero1", "ds_zero3", "ds_offload"])
+                                    "tp2", "tp2_headwise", "tp2_dp2_zero3", "ds_zero1", "ds_zero3", "ds_offload",
+                                    "zero3_compile"])
 def test_several_processes_train_like_one(layout, runs):
     ref = runs["single_" + layout.rsplit("_", 1)[1] if layout in ("ddp_moe", "ddp_guided", "tp2_headwise")
                else "single"]
@@ -162,6 +167,7 @@ def test_sharded_checkpoint_layout_and_logs(runs):
     log = runs["zero3.log"]
     assert "[hybridtron rank 0/2]" in log and "2 processes, dp=2, tp=1, pp=1, ep=1, cp=1, zero_stage=3" in log
     assert "rank 1/2" not in log  # only rank 0 reports
+    assert "[hybridtron rank 0/2] step 4: loss" in log  # the evaluation line carries the rank too
 
 
 def test_mfu_counts_every_process(runs):
@@ -340,3 +346,7 @@ def test_fsdp_mixed_precision_trains_close_to_fp32(runs):
         assert g[1] == pytest.approx(w[1], rel=2e-3) and g[2] == pytest.approx(w[2], rel=3e-2), (got, want)
     # bf16 rounding shows: the same run is not bit-identical to fp32
     assert any(g[1] != w[1] for g, w in zip(got, want, strict=True))
+    # the policy FSDP2 applied, read back from the sharded blocks
+    assert "FSDP2 blocks: parameters freed after forward (ZeRO-3), gathered bfloat16, gradients reduced float32" \
+        in runs["zero3_bf16.log"]
+    assert "FSDP2 blocks: parameters kept from forward to backward (ZeRO-2), gathered as stored" in runs["zero2.log"]

@@ -66,7 +66,8 @@ def test_deepspeed_json_is_built_from_the_job_and_a_users_file_is_honoured(tmp_p
             ("train.grad_accum_steps", "3"), ("parallel.offload_optimizer", "true")]
     conf = deepspeed_config(load_config("tiny", over), dp=2, device=cpu)
     assert conf["train_batch_size"] == 24 and conf["gradient_accumulation_steps"] == 3
-    assert conf["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}} and "bf16" not in conf
+    assert conf["zero_optimization"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert conf["bf16"] == {"enabled": False} and conf["fp16"] == {"enabled": False}  # fp32 on the CPU
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {
         "stage": 2, "overlap_comm": True, "reduce_bucket_size": 5e7}, "communication_data_type": "fp32"}))
@@ -98,6 +99,7 @@ def test_deepspeed_settings_are_refused_where_they_cannot_work(over, needle):
     ([("model.n_kv_heads", "1")], 2, "model.n_kv_heads=1 is not divisible by parallel.tp=2"),
     ([("data.seq_len", "127")], 2, "data.seq_len=127 is not divisible"),
     ([("parallel.zero_stage", "0")], 4, "needs parallel.zero_stage 2 or 3"),
+    ([("train.compile", "true")], 2, "train.compile=true does not work with parallel.tp=2 .* train.compile=false"),
 ])
 def test_tensor_parallel_refuses_what_it_cannot_shard(over, world, needle):
     with pytest.raises(ConfigError, match=needle):
