@@ -271,7 +271,13 @@ def build_job(args) -> tuple[Job, str, str]:
     run_dir = run_dir.resolve()
     check_path(run_dir, "--run-dir")
     check_path(Path.cwd(), "the working directory")
-    check_layout(cfg, args.nodes, nproc, args.gpus_per_node)
+    dp = check_layout(cfg, args.nodes, nproc, args.gpus_per_node)
+    if cfg.parallel.engine == "deepspeed":  # a user's DeepSpeed JSON: refused now, not when the job starts
+        import torch
+
+        from hybridtron.train.deepspeed_engine import deepspeed_config
+
+        deepspeed_config(cfg, dp, torch.device("cuda" if args.gpus_per_node else "cpu"))
     check_sources(cfg)
     check_resume(cfg, run_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -211,3 +211,13 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
     code, out = job(None, before=600)  # tiny's max_steps: a chained job after the run finished starts nothing
     assert code == 0 and "already finished (checkpoint at step 600 of 600)" in out, out
     assert not (tmp_path / "run" / "srun-ran").exists()
+
+
+def test_a_deepspeed_json_the_trainer_would_refuse_is_refused_at_submission(tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"scheduler": {"type": "WarmupLR"}}')
+    run = tmp_path / "run"
+    code, _out, err = submit(["--run-dir", str(run), "--dry-run", "--gpus-per-node", "0", "--parallel.engine",
+                              "deepspeed", "--parallel.deepspeed_config", str(ds)], capsys)
+    assert code == 2 and 'sets "scheduler"' in err and "train.schedule" in err, err
+    assert not run.exists()
