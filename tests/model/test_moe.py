@@ -263,3 +263,27 @@ def test_megablocks_backend_equals_native_on_gpu():
     torch.testing.assert_close(outs[0], outs[1], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(grads[0], grads[1], rtol=5e-2, atol=5e-2)
     assert math.isfinite(float(outs[0].sum()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_matmul_within_the_float64_error_bound(dtype):
+    """torch's grouped GEMM (the native backend's expert matmul) against the per-expert loop, by the kernels'
+    rule: its error against float64 is no worse than a small multiple of the loop's own in the same dtype, for
+    the output and the gradients of the rows and of every expert's weight (an empty expert included)."""
+    from hybridtron.model.moe import _grouped_mm_ok, grouped_linear
+
+    from ..kernels.helpers import check_against_reference
+
+    counts = [5, 0, 11, 3]  # rows per expert, consecutive
+    E, d_in, d_out, N = len(counts), 32, 48, sum(counts)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(N, d_in, generator=gen, dtype=torch.float64)
+    w = torch.randn(E, d_out, d_in, generator=gen, dtype=torch.float64) / d_in**0.5
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    assert _grouped_mm_ok(x.to(dtype), d_out, d_in)  # the grouped path, not the loop, is what is checked
+
+    def loop(xs, ws):
+        return torch.cat([xe @ we.T for xe, we in zip(xs.split(counts), ws.unbind(0), strict=True)])
+
+    check_against_reference(f"grouped_linear[{dtype}]", lambda xs, ws: grouped_linear(xs, ws, counts, offsets, "native"),
+                            loop, [x, w], [dtype, dtype])
