@@ -120,10 +120,12 @@ def resume_advice(path: Path) -> str:
     return f"delete {path} to start the run over (it is the run's only checkpoint), or use another checkpoint"
 
 
-def verify_manifest(path: Path, only: tuple[str, ...] | None = None) -> None:
+def verify_manifest(path: Path, only: tuple[str, ...] | None = None, share: tuple[int, int] = (0, 1)) -> None:
     """The files ``manifest.json`` lists (those under the top-level names ``only``, or all) are there with their
     size and sha256; otherwise CheckpointError naming the first that is not. A checkpoint without a manifest
-    (written before manifests existed) is loaded with a warning."""
+    (written before manifests existed) is loaded with a warning. ``share`` = (i, n): every process checks that
+    each file is there at its size, but hashes only the i-th of n shares of the bytes, so n processes resuming
+    one checkpoint read it once between them, not n times."""
     path = Path(path)
     mf = path / MANIFEST
     if not mf.is_file():
@@ -144,6 +146,8 @@ def verify_manifest(path: Path, only: tuple[str, ...] | None = None) -> None:
         if f.stat().st_size != want[rel][0]:
             raise CheckpointError(f"checkpoint {path}: {rel} has {f.stat().st_size} bytes, the manifest says "
                                   f"{want[rel][0]} (truncated or replaced); {resume_advice(path)}")
+    i, n = share
+    rels = sorted(rels, key=lambda r: (-want[r][0], r))[i::n]  # largest first, dealt round: shares of equal bytes
     for rel, got in zip(rels, _digests([path / r for r in rels]), strict=True):
         if got != want[rel][1]:
             raise CheckpointError(f"checkpoint {path}: {rel} does not match its checksum (corrupt or modified "
@@ -391,14 +395,16 @@ class CheckpointManager:
 
     # ---- load ------------------------------------------------------------------------------
     @staticmethod
-    def load_deepspeed(path: Path, engine) -> TrainerState:
-        """Restore a DeepSpeed engine (model, optimizer partitions) and the trainer state and RNG from ``path``."""
+    def load_deepspeed(path: Path, engine, verify: bool = True) -> TrainerState:
+        """Restore a DeepSpeed engine (model, optimizer partitions) and the trainer state and RNG from ``path``
+        (``verify=False``: the caller has checked the files against the manifest)."""
         path = Path(path)
         if not (path / DEEPSPEED).is_dir():
             raise CheckpointError(f"checkpoint {path} was written by the torch engine; resume it with "
                                   f"parallel.engine=torch (its layouts resume one another), or start a new --run-dir")
         _require(path, ["trainer_state.json", "rng.pt"])
-        verify_manifest(path)
+        if verify:
+            verify_manifest(path)
         state, meta = _read_trainer_state(path)
         try:
             loaded, _ = engine.load_checkpoint(str(path / DEEPSPEED), tag=DEEPSPEED_TAG, load_optimizer_states=True,

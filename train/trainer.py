@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from hybridtron.configs import JobConfig
 
-from .checkpoint import CheckpointManager, TrainerState
+from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
 from .context_parallel import local_piece
 from .distributed import Mesh
 from .expert_parallel import sync_expert_grads
@@ -127,10 +127,20 @@ class Trainer:
         latest = self.ckpt.latest()
         if latest is None:
             return None
+        # Each process hashes its share of the checkpoint's files; a damaged one stops them all, and the process
+        # that found it names the file.
+        found = None
+        try:
+            verify_manifest(latest, share=(self.mesh.rank, self.mesh.world_size))
+        except CheckpointError as e:
+            found = e
+        if self.mesh.any(found is not None):
+            raise found or CheckpointError(f"checkpoint {latest}: another process found a damaged file (its error "
+                                           f"line names it); {resume_advice(latest)}")
         if self.engine is not None:
-            self.state = CheckpointManager.load_deepspeed(latest, self.engine)
+            self.state = CheckpointManager.load_deepspeed(latest, self.engine, verify=False)
         else:
-            self.state = CheckpointManager.load(latest, self.model, self.optimizer)
+            self.state = CheckpointManager.load(latest, self.model, self.optimizer, verify=False)
         self.train_loader.load_state_dict({"consumed_samples": self.state.consumed_samples})
         return latest
 

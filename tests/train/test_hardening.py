@@ -90,7 +90,7 @@ def test_same_size_overwrite_is_refused_by_train_eval_and_sample(run_copy, small
 @pytest.mark.parametrize("name, damage, needle", [
     ("model.safetensors", "truncate", "model.safetensors has"),
     ("optimizer.pt", "truncate", "optimizer.pt has"),
-    ("rng.pt", "delete", "has no rng.pt"),
+    ("rng.pt", "delete", "rng.pt is missing (the manifest lists it)"),
     ("trainer_state.json", "garbage", "trainer_state.json"),
     ("config.yaml", "garbage", "config.yaml"),
 ])
@@ -119,10 +119,10 @@ def test_damaged_checkpoint_files_are_named(name, damage, needle, run_copy, smal
 def test_debug_flag_and_env_show_the_traceback_and_bugs_always_do(run_copy, small_data_dir, cli_args, capsys,
                                                                   monkeypatch):
     (run_copy / "checkpoints" / STEP4 / "rng.pt").unlink()
-    with pytest.raises(ck.CheckpointError, match="has no rng.pt"):
+    with pytest.raises(ck.CheckpointError, match="rng.pt is missing"):
         main(cli_args(small_data_dir, run_copy, [*FAST, "--debug"]))
     monkeypatch.setenv("HYBRIDTRON_DEBUG", "1")
-    with pytest.raises(ck.CheckpointError, match="has no rng.pt"):
+    with pytest.raises(ck.CheckpointError, match="rng.pt is missing"):
         main(cli_args(small_data_dir, run_copy, FAST))
     monkeypatch.delenv("HYBRIDTRON_DEBUG")
     with pytest.raises(ck.CheckpointError):
@@ -300,3 +300,22 @@ def test_latest_naming_a_missing_checkpoint_says_which_one_is_used(run_copy, sma
     assert len(warnings) == 1 and STEP4 in warnings[0], out_err.err  # said once, naming both
     assert f"resumed from {run_copy / 'checkpoints' / STEP4}" in out_err.out
     assert (run_copy / "checkpoints" / "latest").read_text() == "step_00000005"
+
+
+def test_processes_share_the_hashing_and_one_of_them_finds_a_damaged_file(run_copy):
+    """Resuming under n processes, each hashes one share of the checkpoint's bytes: every file in exactly one
+    share, so a damaged file is found by exactly one process (and the job stops on all; trainer.py)."""
+    ckpt = run_copy / "checkpoints" / STEP4
+    for i in range(3):
+        ck.verify_manifest(ckpt, share=(i, 3))
+    f = ckpt / "optimizer.pt"
+    data = bytearray(f.read_bytes())
+    data[-8:] = bytes(b ^ 0xFF for b in data[-8:])
+    f.write_bytes(bytes(data))
+    found = []
+    for i in range(3):
+        try:
+            ck.verify_manifest(ckpt, share=(i, 3))
+        except ck.CheckpointError as e:
+            found.append((i, str(e)))
+    assert len(found) == 1 and "optimizer.pt does not match its checksum" in found[0][1], found
