@@ -40,6 +40,14 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
+def _doc_numbers(doc_ids: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
+    """(B, T) documents numbered 0, 1, ... from the first position, a new one wherever doc_ids change."""
+    starts = torch.zeros(B, T, dtype=torch.long, device=device)
+    if doc_ids is not None:
+        starts[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).long()
+    return starts.cumsum(1)
+
+
 def doc_ids_from_mask(attn_mask: torch.Tensor) -> torch.Tensor:
     """Inverse of `doc_causal_mask`: (B, 1, T, T) -> (B, T) document ids (0, 1, ... per row). Row t's first
     visible key is its document's first token. Only for masks from `doc_causal_mask`."""
@@ -127,19 +135,23 @@ class GatedAttention(nn.Module):
     @staticmethod
     def _sdpa(q, k, v, attn_mask, doc_ids, cache):
         """torch's attention on (B, T, H, D) q and (B, T, KV, D) k, v; with a cache, the cached keys first."""
-        T, H, KV = q.shape[1], q.shape[2], k.shape[2]
-        if attn_mask is None and doc_ids is not None:
-            attn_mask = doc_causal_mask(doc_ids)
-        is_causal = attn_mask is None
-        if cache is not None:
-            past = cache.get("k")
-            if past is not None:
-                k, v = torch.cat([past, k], dim=1), torch.cat([cache["v"], v], dim=1)
-                if T > 1:  # a prompt after a prompt: query t sees cached keys and keys up to itself
-                    S = k.shape[1]
-                    attn_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-                is_causal = False  # one query: it sees every cached key
-            cache["k"], cache["v"] = k, v
+        B, T, H, KV = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+        if cache is not None and cache.get("k") is not None:
+            # A call continues the cached document (as the delta rule's state and the convolution's window do):
+            # documents are numbered from the cache's last one, a new one starting where doc_ids change.
+            doc_q = cache["doc"][:, -1:] + _doc_numbers(doc_ids, B, T, q.device)
+            doc_k = torch.cat([cache["doc"], doc_q], dim=1)
+            k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
+            S = k.shape[1]  # query t (position S - T + t) sees keys up to itself, of its document
+            causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            attn_mask, is_causal = ((doc_q[:, :, None] == doc_k[:, None, :]) & causal)[:, None], False
+            cache["k"], cache["v"], cache["doc"] = k, v, doc_k
+        else:
+            if attn_mask is None and doc_ids is not None:
+                attn_mask = doc_causal_mask(doc_ids)
+            is_causal = attn_mask is None
+            if cache is not None:  # the first call: documents numbered 0, 1, ... from its first position
+                cache["k"], cache["v"], cache["doc"] = k, v, _doc_numbers(doc_ids, B, T, q.device)
         # SDPA wants (B, heads, T, D). enable_gqa maps query head h to kv head h // (H // KV), the
         # repeat_interleave grouping that transformers' repeat_kv uses too.
         return F.scaled_dot_product_attention(

@@ -229,12 +229,12 @@ def test_flops_per_token_hand_count_for_a_deltanet_layer():
 def test_cached_decoding_with_documents_equals_full_forward(backend, start):
     """A call continues the cached document: its convolution window reads the cached inputs and its state
     goes on, unless a document starts inside it. A second document starting at 10 leaves inputs of the first
-    in the window cached at 12 (conv_size 4): they must not reach the next call. (Delta-rule layers only:
-    attention's decoding cache does not take doc_ids.)"""
+    in the window cached at 12 (conv_size 4): they must not reach the next call. Attention's cached keys of an
+    earlier document are not attended to either."""
     from hybridtron.configs import load_config
 
     cfg = load_config("tiny_hybrid").model
-    cfg.n_layers, cfg.layer_pattern = 1, "L"
+    cfg.n_layers, cfg.layer_pattern = 2, "LA"
     cfg.kernels.conv = cfg.kernels.delta_rule = backend
     torch.manual_seed(0)
     model = GatedLM(cfg, V)
