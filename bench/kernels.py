@@ -12,11 +12,17 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
   Liger's rope (after a torch QK-norm, in its (B, H, T, D) layout, partial rotary via its ``rotary_dim``),
   ours.
 - ``swiglu``: ``silu(g) * u`` -- eager, compiled, Liger's SiLU-mul, ours.
+- ``conv``: Gated DeltaNet's short causal depthwise convolution + SiLU (kernels/short_conv) over the q/k/v
+  channels of in_proj_qkv (hybrid_1b: 6144 channels, width 4, one sequence per ``--conv-seq``) -- eager
+  reference, compiled, Dao-AILab's ``causal_conv1d_fn`` (``causal-conv1d``, CUDA) where installed, ours.
 - ``cross_entropy``: LM head + loss at a 152k vocabulary -- the plain path (logits, fp32 upcast,
   F.cross_entropy), compiled plain path, Liger's fused linear cross-entropy, ours (chunked).
 - ``delta_rule``: Gated DeltaNet's chunked gated delta rule, forward + backward (issue 10) -- the torch
   chunked reference eager and compiled, flash-linear-attention's ``chunk_gated_delta_rule`` (``fla-core``,
-  carried as a wheel like Liger's), ours.
+  carried as a wheel like Liger's), ours; one sequence per ``--dr-seq`` (4k, 8k, 16k by default), each with
+  its own verdict.
+- ``moe_permute``: the MoE token permute (expert-sorted gather) and unpermute (weighted combine), forward +
+  backward, at the hybrid_moe preset's sizes (``--tokens`` x top-4 x d 1024) -- eager reference, compiled, ours.
 - ``grouped_gemm``: the MoE expert matmuls (model/moe.py's ``grouped_linear``), forward + backward, at the
   hybrid_moe preset's sizes (d 1024, 32 experts, top-4, expert hidden 768) -- ours (the native backend:
   ``torch._grouped_mm``), megablocks' ``grouped_gemm.ops.gmm`` (its dMoE's kernel; model.moe.backend=megablocks)
@@ -70,13 +76,21 @@ from hybridtron.bench.report import RESULTS, append_results, device_name
 from hybridtron.kernels import backend
 from hybridtron.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from hybridtron.kernels.gated_delta_rule import chunk_gated_delta_rule, delta_rule_chunked
-from hybridtron.kernels.moe_permute import permute_reference, sort_assignments
+from hybridtron.kernels.moe_permute import (
+    moe_permute,
+    moe_unpermute,
+    permute_reference,
+    sort_assignments,
+    unpermute_reference,
+)
 from hybridtron.kernels.norm import rms_norm, rms_norm_reference
 from hybridtron.kernels.rotary import rotary_qk, rotary_qk_reference
+from hybridtron.kernels.short_conv import short_conv, short_conv_reference
 from hybridtron.kernels.swiglu import swiglu, swiglu_reference
 from hybridtron.model.moe import _grouped_mm_ok, grouped_linear
 
-OPS = ("norm", "rotary", "swiglu", "cross_entropy", "delta_rule", "grouped_gemm", "attention")
+OPS = ("norm", "rotary", "swiglu", "conv", "cross_entropy", "delta_rule", "moe_permute", "grouped_gemm",
+       "attention")
 
 
 @dataclass
@@ -90,8 +104,9 @@ class Case:
     candidates: dict[str, Callable | str]  # a str: why the candidate is unavailable
     bytes_moved: int = 0  # forward + backward, for GB/s
     flops: float = 0.0  # forward + backward, for TFLOP/s
-    ours: str = "triton"
+    ours: str = "triton (ours)"  # the candidate the others are checked against (the first callable where absent)
     baselines: frozenset[str] = frozenset()  # rate baselines: timed, but they compute something else (no max diff)
+    extra: dict = field(default_factory=dict)  # copied to every row (what a verdict needs besides the shape string)
 
 
 @dataclass
@@ -193,6 +208,38 @@ def swiglu_case(tokens: int, hidden: int, dtype, device, compile_peers: bool, ou
                 bytes_moved=8 * g.numel() * g.element_size())
 
 
+def _causal_conv1d(device):
+    """Dao-AILab's causal_conv1d_fn, or the reason it is unavailable (imported lazily: CUDA-only, optional)."""
+    try:
+        from causal_conv1d import causal_conv1d_fn
+    except Exception as e:
+        return f"causal-conv1d unavailable ({type(e).__name__}: {str(e).splitlines()[0][:60]})"
+    if device.type != "cuda":
+        return "causal-conv1d runs on CUDA only"
+    return causal_conv1d_fn
+
+
+def conv_case(seq: int, channels: int, width: int, dtype, device, compile_peers: bool, ours: bool) -> Case:
+    """silu(causal depthwise conv) of one (1, seq, channels) row, no documents (causal-conv1d's document form
+    needs its seq_idx; every peer computes the same thing without). Weight (C, 1, K) as nn.Conv1d stores it."""
+    x = torch.randn(1, seq, channels, device=device, dtype=dtype)
+    w = (torch.rand(channels, 1, width, device=device) * 2 - 1) * width ** -0.5  # nn.Conv1d's default init
+
+    def eager(x, w):
+        return short_conv_reference(x, w)
+
+    cands: dict = {"torch eager": eager, "torch.compile": _compiled(eager, compile_peers)}
+    cc = _causal_conv1d(device)
+    # (B, C, T) as a transposed view of our (B, T, C): its channel-last layout, so no copy either way
+    cands["causal-conv1d"] = cc if isinstance(cc, str) else (
+        lambda x, w: cc(x.transpose(1, 2), w[:, 0], activation="silu").transpose(1, 2))
+    if ours:
+        cands["triton (ours)"] = lambda x, w: short_conv(x, w, backend="triton")
+    # fwd: read x; write y. bwd: read dy, x; write dx. w and dw (C x K) are negligible.
+    return Case("conv", f"B1 T{seq} C{channels} K{width} {_dt(dtype)}", [x, w], cands,
+                bytes_moved=5 * x.numel() * x.element_size())
+
+
 def cross_entropy_case(tokens: int, d: int, vocab: int, dtype, device, compile_peers: bool, ours: bool) -> Case:
     h = torch.randn(tokens, d, device=device, dtype=dtype)
     w = torch.randn(vocab, d, device=device, dtype=dtype) * d ** -0.5
@@ -241,13 +288,43 @@ def delta_rule_case(seq: int, heads: int, head_dim: int, chunk: int, dtype, devi
 
     cands: dict = {"torch eager (reference)": reference, "torch.compile (reference)": _compiled(reference, compile_peers)}
     fla = _fla_chunk_gdr()
-    cands["fla chunk_gated_delta_rule"] = fla if isinstance(fla, str) else (
+    cands[DR_FLA] = fla if isinstance(fla, str) else (
         lambda q, k, v, g, beta: fla(q, k[:, :, 0], v[:, :, 0], g, beta[:, :, 0], use_qk_l2norm_in_kernel=True)[0])
     if ours:
-        cands["triton (ours)"] = lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk)[0]
-    return Case("delta_rule", f"T{seq} H{heads} D{head_dim} C{chunk} {_dt(dtype)}", [q, k, v, g, beta], cands)
+        cands[DR_OURS] = lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk)[0]
+    return Case("delta_rule", f"T{seq} H{heads} D{head_dim} C{chunk} {_dt(dtype)}", [q, k, v, g, beta], cands,
+                extra={"seq": seq, "head_dim": head_dim})
 
 
+def moe_permute_case(tokens: int, d: int, experts: int, top_k: int, dtype, device, compile_peers: bool,
+                     ours: bool) -> Case:
+    """MoE token permute and unpermute, forward + backward, as MoE.forward calls them around the experts: xs =
+    permute(x) and y = unpermute(ys, weights), each on its own input (ys stands in for the experts' outputs).
+    Routing: top_k distinct uniformly random experts per token (the gather's cost hardly depends on balance);
+    router weights in fp32 as MoE.route makes them."""
+    g0 = torch.Generator(device="cpu").manual_seed(0)
+    idx = torch.rand(tokens, experts, generator=g0).topk(top_k, dim=-1).indices
+    order, pos = (t.to(device) for t in sort_assignments(idx.flatten()))
+    x = torch.randn(tokens, d, generator=g0).to(device=device, dtype=dtype)
+    ys = torch.randn(tokens * top_k, d, generator=g0).to(device=device, dtype=dtype)
+    wts = torch.rand(tokens, top_k, generator=g0).softmax(-1).to(device)
+
+    def eager(x, ys, wts):
+        return permute_reference(x, order, top_k), unpermute_reference(ys, order, wts, top_k)
+
+    cands: dict = {"torch eager": eager, "torch.compile": _compiled(eager, compile_peers)}
+    if ours:
+        cands["triton (ours)"] = lambda x, ys, wts: (moe_permute(x, order, pos, top_k, backend="triton"),
+                                                     moe_unpermute(ys, order, pos, wts, top_k, backend="triton"))
+    # In rows of d, N tokens, k: permute fwd reads N, writes N k; bwd reads N k, writes N. Unpermute fwd reads
+    # N k, writes N; bwd reads dy (N) and ys (N k, for dw), writes dys (N k). Indices and weights are negligible.
+    rows = (2 * (top_k + 1) + 3 * top_k + 2) * tokens
+    return Case("moe_permute", f"N{tokens} E{experts} top{top_k} d{d} {_dt(dtype)}", [x, ys, wts], cands,
+                bytes_moved=rows * d * x.element_size())
+
+
+DR_OURS, DR_FLA = "triton (ours)", "fla chunk_gated_delta_rule"  # the delta-rule candidates the target compares
+DR_HEAD_DIM, DR_SEQS = 128, (4096, 16384)  # ... at this head dim, sequences in this range
 ATT_OURS, ATT_SDPA_FLASH = "triton", "sdpa-flash+gate"  # the attention candidates the target compares
 ATT_TARGET = 1.1  # ours at >= 1.1x SDPA-flash + gate's speed ...
 ATT_HEAD_DIMS, ATT_SEQS = (128, 256), (4096, 8192)  # ... at these head dims, sequences in this range
@@ -412,18 +489,19 @@ def run_case(case: Case, device, repeats: int, warmup: int, copy_gbs: float | No
     cot = [torch.ones_like(o) / o.numel() ** 0.5 for o in ref_out]
     for name, fn in case.candidates.items():
         if not callable(fn):
-            rows.append(Row(case.op, case.shape, name, note=fn))
+            rows.append(Row(case.op, case.shape, name, note=fn, extra=dict(case.extra)))
             continue
         try:
             out, grad = _fwd_bwd(fn, case.inputs, cot)
         except Exception as e:  # a peer's version or layout that does not fit: report, do not time
-            rows.append(Row(case.op, case.shape, name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"))
+            rows.append(Row(case.op, case.shape, name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}",
+                            extra=dict(case.extra)))
             continue
         errs = [] if name in case.baselines else [
             (a.float() - b.float()).abs().max().item() for a, b in zip(out + grad, ref_out + ref_grad, strict=False)
             if a is not None and b is not None and a.shape == b.shape]
         live[name] = fn
-        rows.append(Row(case.op, case.shape, name, max_err=max(errs) if errs else None))
+        rows.append(Row(case.op, case.shape, name, max_err=max(errs) if errs else None, extra=dict(case.extra)))
     for _ in range(warmup):
         for fn in live.values():
             _timed(fn, case.inputs, cot, device)
@@ -460,47 +538,70 @@ def table(rows: list[Row]) -> str:
 
 
 def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
-    """One line per target of the issue: met / not met, with the measured numbers."""
+    """One line per target of the issue and measured shape: met / not met, with the measured numbers."""
     out = []
-    by = {(r.op, r.impl): r for r in rows if r.seconds is not None}
+    # keyed by shape too: one op may run at several shapes in one run (the delta rule's --dr-seq sweep)
+    by = {(r.op, r.shape, r.impl): r for r in rows if r.seconds is not None}
+
+    def shapes(op):  # in run order
+        return dict.fromkeys(r.shape for r in rows if r.op == op)
+
     for op in ("norm", "rotary", "swiglu"):
-        ours, comp = by.get((op, "triton (ours)")), by.get((op, "torch.compile"))
-        if ours is None:
-            continue
-        parts = []
-        if copy_gbs:
-            frac = ours.extra["gbs"] / copy_gbs
-            parts.append(f"{100 * frac:.0f}% of copy bandwidth (target >= 85%: {'met' if frac >= 0.85 else 'NOT met'})")
-        if comp is not None:
-            ratio = comp.seconds / ours.seconds
-            parts.append(f"{ratio:.2f}x torch.compile's speed (target > 1: {'met' if ratio > 1 else 'NOT met'})")
-        out.append(f"- {op}: " + "; ".join(parts or ["timed (no copy bandwidth or compile peer to compare)"]))
-    ours, plain = by.get(("cross_entropy", "triton (ours, chunked)")), by.get(
-        ("cross_entropy", "plain (logits + F.cross_entropy)"))
-    if ours is not None and plain is not None:
-        t = ours.seconds / plain.seconds
-        line = f"- cross_entropy: {t:.2f}x the plain path's time (target <= 1.1: {'met' if t <= 1.1 else 'NOT met'})"
-        if ours.peak_mib is not None and plain.peak_mib:
-            m = ours.peak_mib / plain.peak_mib
-            line += f"; {100 * m:.0f}% of its peak memory (target <= 15%: {'met' if m <= 0.15 else 'NOT met'})"
-        out.append(line)
-    ours, fla = by.get(("delta_rule", "triton (ours)")), by.get(("delta_rule", "fla chunk_gated_delta_rule"))
-    if ours is not None and fla is not None:
-        t = ours.seconds / fla.seconds
-        out.append(f"- delta_rule: {t:.2f}x fla's time (target <= 1: {'met' if t <= 1 else 'NOT met'})")
-    ours, dense = by.get(("grouped_gemm", GG_OURS)), by.get(("grouped_gemm", GG_DENSE))
-    if ours is not None and dense is not None:  # same FLOPs: the rate ratio is the time ratio
-        f = dense.seconds / ours.seconds
-        line = (f"- grouped_gemm: ours at {100 * f:.0f}% of the dense matmul's TFLOP/s "
-                f"(target >= 80%: {'met' if f >= 0.8 else 'NOT met'})")
-        mb = by.get(("grouped_gemm", GG_MEGABLOCKS))
-        if mb is not None:
-            line += f"; megablocks' gmm at {100 * dense.seconds / mb.seconds:.0f}%"
-        out.append(line)
+        for s in shapes(op):
+            ours, comp = by.get((op, s, "triton (ours)")), by.get((op, s, "torch.compile"))
+            if ours is None:
+                continue
+            parts = []
+            if copy_gbs:
+                frac = ours.extra["gbs"] / copy_gbs
+                parts.append(f"{100 * frac:.0f}% of copy bandwidth (target >= 85%: {'met' if frac >= 0.85 else 'NOT met'})")
+            if comp is not None:
+                ratio = comp.seconds / ours.seconds
+                parts.append(f"{ratio:.2f}x torch.compile's speed (target > 1: {'met' if ratio > 1 else 'NOT met'})")
+            out.append(f"- {op}: " + "; ".join(parts or ["timed (no copy bandwidth or compile peer to compare)"]))
+    for s in shapes("cross_entropy"):
+        ours, plain = by.get(("cross_entropy", s, "triton (ours, chunked)")), by.get(
+            ("cross_entropy", s, "plain (logits + F.cross_entropy)"))
+        if ours is not None and plain is not None:
+            t = ours.seconds / plain.seconds
+            line = f"- cross_entropy: {t:.2f}x the plain path's time (target <= 1.1: {'met' if t <= 1.1 else 'NOT met'})"
+            if ours.peak_mib is not None and plain.peak_mib:
+                m = ours.peak_mib / plain.peak_mib
+                line += f"; {100 * m:.0f}% of its peak memory (target <= 15%: {'met' if m <= 0.15 else 'NOT met'})"
+            out.append(line)
+    dr = [r for r in rows if r.op == "delta_rule"]
+    for s in shapes("delta_rule"):
+        out.append(_delta_rule_verdict([r for r in dr if r.shape == s]))
+    for s in shapes("grouped_gemm"):
+        ours, dense = by.get(("grouped_gemm", s, GG_OURS)), by.get(("grouped_gemm", s, GG_DENSE))
+        if ours is not None and dense is not None:  # same FLOPs: the rate ratio is the time ratio
+            f = dense.seconds / ours.seconds
+            line = (f"- grouped_gemm: ours at {100 * f:.0f}% of the dense matmul's TFLOP/s "
+                    f"(target >= 80%: {'met' if f >= 0.8 else 'NOT met'})")
+            mb = by.get(("grouped_gemm", s, GG_MEGABLOCKS))
+            if mb is not None:
+                line += f"; megablocks' gmm at {100 * dense.seconds / mb.seconds:.0f}%"
+            out.append(line)
     att = [r for r in rows if r.op == "attention"]
     for shape in dict.fromkeys(r.shape for r in att):  # one line per (seq, head dim, documents), in run order
         out.append(_attention_verdict([r for r in att if r.shape == shape]))
     return out
+
+
+def _delta_rule_verdict(rows: list[Row]) -> str:
+    """One shape's line: ours vs fla (not measured, and why, where either has no time)."""
+    where = f"- delta_rule {rows[0].shape}"
+    x = rows[0].extra
+    if "seq" in x and not (x["head_dim"] == DR_HEAD_DIM and DR_SEQS[0] <= x["seq"] <= DR_SEQS[1]):
+        where += " (outside the target's head dim 128 and sequences 4k-16k)"
+    by = {r.impl: r for r in rows}
+    ours, fla = by.get(DR_OURS), by.get(DR_FLA)
+    missing = [f"{n}: {r.note if r else 'not run'}" for n, r in ((DR_OURS, ours), (DR_FLA, fla))
+               if r is None or r.seconds is None]
+    if missing:
+        return f"{where}: vs fla not measured ({'; '.join(missing)})"
+    t = ours.seconds / fla.seconds
+    return f"{where}: {t:.2f}x fla's time (target <= 1: {'met' if t <= 1 else 'NOT met'})"
 
 
 def _attention_verdict(rows: list[Row]) -> str:
@@ -533,12 +634,19 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--vocab", type=int, default=152064)
     ap.add_argument("--ce-tokens", type=int, default=8192, help="rows for the loss (the plain path's logits are "
                                                                  "ce_tokens x vocab x (2 + 4 + 4) bytes)")
-    ap.add_argument("--dr-seq", type=int, default=8192, help="sequence length of the delta rule (one sequence)")
+    ap.add_argument("--dr-seq", type=int, nargs="+", default=[4096, 8192, 16384],
+                    help="sequence lengths of the delta rule (one sequence each, a verdict each)")
     ap.add_argument("--dr-heads", type=int, default=16, help="delta-rule heads (q/k and v alike)")
     ap.add_argument("--dr-head-dim", type=int, default=128)
     ap.add_argument("--dr-chunk", type=int, default=64, choices=[16, 32, 64])
-    ap.add_argument("--moe-d-model", type=int, default=1024, help="model width of the grouped_gemm op (the "
-                                                                   "hybrid_moe preset's, not --d-model)")
+    ap.add_argument("--conv-seq", type=int, nargs="+", default=[4096, 8192],
+                    help="sequence lengths of the short convolution (batch 1)")
+    ap.add_argument("--conv-dim", type=int, default=6144, help="conv channels: hybrid_1b's in_proj_qkv width "
+                                                                "(q, k: 16 x 128 each; v: 16 x 128)")
+    ap.add_argument("--conv-size", type=int, default=4)
+    ap.add_argument("--moe-d-model", type=int, default=1024, help="model width of the moe_permute and "
+                                                                   "grouped_gemm ops (the hybrid_moe preset's, not "
+                                                                   "--d-model)")
     ap.add_argument("--moe-experts", type=int, default=32)
     ap.add_argument("--moe-top-k", type=int, default=4)
     ap.add_argument("--moe-hidden", type=int, default=768, help="expert hidden width (grouped_gemm rows: tokens "
@@ -558,28 +666,34 @@ def main(argv: list[str] | None = None) -> list[Row]:
     torch.manual_seed(0)
     copy_gbs = copy_bandwidth(device)
     rows: list[Row] = []
+    # op -> its cases, built lazily (generators) so only one case's tensors are alive at a time
     builders = {
-        "norm": lambda: norm_case(args.tokens, args.d_model, dtype, device, compile_peers, ours),
-        "rotary": lambda: rotary_case(args.tokens, args.heads, args.kv_heads, args.head_dim, args.rotary_fraction,
-                                      dtype, device, compile_peers, ours),
-        "swiglu": lambda: swiglu_case(args.tokens, args.ffn_hidden, dtype, device, compile_peers, ours),
-        "cross_entropy": lambda: cross_entropy_case(args.ce_tokens, args.d_model, args.vocab, dtype, device,
-                                                    compile_peers, ours),
-        "delta_rule": lambda: delta_rule_case(args.dr_seq, args.dr_heads, args.dr_head_dim, args.dr_chunk, dtype,
-                                              device, compile_peers, ours),
-        "grouped_gemm": lambda: grouped_gemm_case(args.tokens, args.moe_d_model, args.moe_experts, args.moe_top_k,
-                                                  args.moe_hidden, dtype, device),
+        "norm": lambda: [norm_case(args.tokens, args.d_model, dtype, device, compile_peers, ours)],
+        "rotary": lambda: [rotary_case(args.tokens, args.heads, args.kv_heads, args.head_dim, args.rotary_fraction,
+                                       dtype, device, compile_peers, ours)],
+        "swiglu": lambda: [swiglu_case(args.tokens, args.ffn_hidden, dtype, device, compile_peers, ours)],
+        "conv": lambda: (conv_case(t, args.conv_dim, args.conv_size, dtype, device, compile_peers, ours)
+                         for t in args.conv_seq),
+        "cross_entropy": lambda: [cross_entropy_case(args.ce_tokens, args.d_model, args.vocab, dtype, device,
+                                                     compile_peers, ours)],
+        "delta_rule": lambda: (delta_rule_case(t, args.dr_heads, args.dr_head_dim, args.dr_chunk, dtype, device,
+                                               compile_peers, ours) for t in args.dr_seq),
+        "moe_permute": lambda: [moe_permute_case(args.tokens, args.moe_d_model, args.moe_experts, args.moe_top_k,
+                                                 dtype, device, compile_peers, ours)],
+        "grouped_gemm": lambda: [grouped_gemm_case(args.tokens, args.moe_d_model, args.moe_experts, args.moe_top_k,
+                                                   args.moe_hidden, dtype, device)],
     }
     for op in args.ops:
         if op == "attention":
             continue
-        case = builders[op]()
-        if not ours:
-            case.candidates.setdefault(case.ours, f"Triton cannot run here: {backend.triton_unavailable_reason(device)}")
-        rows += run_case(case, device, args.repeats, args.warmup, copy_gbs)
-        del case
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        for case in builders[op]():
+            if not ours:
+                case.candidates.setdefault(case.ours,
+                                           f"Triton cannot run here: {backend.triton_unavailable_reason(device)}")
+            rows += run_case(case, device, args.repeats, args.warmup, copy_gbs)
+            del case
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     body = table(rows)
     if "attention" in args.ops and device.type == "cuda" and ours:
         from hybridtron.bench import kernels_attention

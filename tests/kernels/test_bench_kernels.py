@@ -4,11 +4,14 @@ targets' verdicts and appends it to a results file. (Its numbers need a GPU; thi
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
 from hybridtron.bench import kernels as bench
 from hybridtron.model import moe
 
 TINY_MOE = ["--moe-d-model", "16", "--moe-experts", "4", "--moe-top-k", "2", "--moe-hidden", "8"]
+TINY_CONV = ["--conv-seq", "12", "--conv-dim", "16", "--conv-size", "4"]
 
 
 def test_bench_runs_tiny_on_cpu_and_appends(tmp_path, capsys):
@@ -16,15 +19,22 @@ def test_bench_runs_tiny_on_cpu_and_appends(tmp_path, capsys):
     out.write_text("# Measured results\n")
     rows = bench.main(["--device", "cpu", "--dtype", "float32", "--no-compile", "--tokens", "8", "--d-model", "16",
                        "--ffn-hidden", "24", "--heads", "2", "--kv-heads", "1", "--head-dim", "8",
-                       "--rotary-fraction", "0.5", "--vocab", "40", "--ce-tokens", "6", "--dr-seq", "20",
+                       "--rotary-fraction", "0.5", "--vocab", "40", "--ce-tokens", "6", "--dr-seq", "20", "16",
                        "--dr-heads", "2", "--dr-head-dim", "16", "--dr-chunk", "16", "--repeats", "2",
-                       "--warmup", "0", "--append", str(out), *TINY_MOE])
+                       "--warmup", "0", "--append", str(out), *TINY_MOE, *TINY_CONV])
     timed = {(r.op, r.impl) for r in rows if r.seconds is not None}
     for op in ("norm", "rotary", "swiglu"):
         assert (op, "torch eager") in timed and (op, "triton (ours)") in timed
     assert ("cross_entropy", "triton (ours, chunked)") in timed
     assert ("delta_rule", "triton (ours)") in timed and ("delta_rule", "torch eager (reference)") in timed
     assert "| delta_rule | T20 H2 D16 C16 float32 | fla chunk_gated_delta_rule | fla unavailable" in out.read_text()
+    # the --dr-seq sweep: each sequence is its own case, with its own verdict line (fla is not installed here)
+    assert {r.shape for r in rows if r.op == "delta_rule"} == {"T20 H2 D16 C16 float32", "T16 H2 D16 C16 float32"}
+    for t in (20, 16):
+        assert (f"- delta_rule T{t} H2 D16 C16 float32 (outside the target's head dim 128 and sequences 4k-16k): "
+                f"vs fla not measured (fla chunk_gated_delta_rule: fla unavailable") in out.read_text()
+    for op in ("conv", "moe_permute"):
+        assert (op, "torch eager") in timed and (op, "triton (ours)") in timed
     # every timed peer agrees with our kernel (fp32): the check runs before timing; rate baselines are not compared
     assert all(r.max_err is not None and r.max_err < 1e-4 for r in rows if r.seconds is not None
                and r.impl != bench.GG_DENSE), rows
@@ -50,7 +60,7 @@ def test_verdicts_say_met_or_not():
              bench.Row("grouped_gemm", "s", bench.GG_DENSE, seconds=1.0)]
     lines = bench.verdicts(rows, copy_gbs=3300.0)
     assert "- grouped_gemm: ours at 83% of the dense matmul's TFLOP/s (target >= 80%: met)" in lines
-    assert "- delta_rule: 1.20x fla's time (target <= 1: NOT met)" in lines
+    assert "- delta_rule s: 1.20x fla's time (target <= 1: NOT met)" in lines
     assert lines[0] == ("- norm: 91% of copy bandwidth (target >= 85%: met); 1.50x torch.compile's speed "
                         "(target > 1: met)")
     assert "61% of copy bandwidth (target >= 85%: NOT met)" in lines[1] and "0.50x" in lines[1]
@@ -99,3 +109,49 @@ def test_grouped_gemm_verdict(dense_s, verdict):
     met = "met" if dense_s >= 0.8 else "NOT met"
     assert line == (f"- grouped_gemm: ours at {verdict} of the dense matmul's TFLOP/s (target >= 80%: {met}); "
                     f"megablocks' gmm at {round(200 * dense_s)}%")
+
+
+def _fake_causal_conv1d_fn(x, weight, bias=None, activation=None):
+    """causal-conv1d's documented contract (x (B, C, T), weight (C, K)), to check our adapter's layouts on the CPU."""
+    assert x.stride(1) == 1 and weight.dim() == 2  # handed our (B, T, C) as its channel-last view, no copy
+    K = weight.shape[1]
+    y = F.conv1d(F.pad(x, (K - 1, 0)), weight[:, None], bias, groups=x.shape[1])
+    return F.silu(y) if activation == "silu" else y
+
+
+def test_conv_and_moe_permute_run_tiny_under_the_interpreter(tmp_path, monkeypatch):
+    assert "causal-conv1d" in bench._causal_conv1d(torch.device("cpu"))  # a reason, not a function, here
+    monkeypatch.setattr(bench, "_causal_conv1d", lambda device: _fake_causal_conv1d_fn)
+    out = tmp_path / "RESULTS.md"
+    # --no-compile: inductor on the CPU would take most of the time budget; the compile peer is listed as skipped
+    rows = bench.main(["--device", "cpu", "--dtype", "float32", "--no-compile", "--ops", "conv", "moe_permute",
+                       "--tokens", "6", *TINY_MOE, *TINY_CONV, "--repeats", "1", "--warmup", "0", "--append", str(out)])
+    by = {(r.op, r.impl): r for r in rows}
+    for key in [("conv", "torch eager"), ("conv", "causal-conv1d"), ("conv", "triton (ours)"),
+                ("moe_permute", "torch eager"), ("moe_permute", "triton (ours)")]:
+        r = by[key]  # outputs and the gradients of x, w (conv) or x, ys, router weights (moe) agree with ours
+        assert r.seconds is not None and r.max_err is not None and r.max_err < 1e-4, r
+        assert r.rate.endswith("GB/s"), r
+    assert by["conv", "torch eager"].max_err > 0  # compared with ours, not with itself
+    text = out.read_text()
+    assert "| conv | B1 T12 C16 K4 float32 | causal-conv1d | " in text
+    assert "| moe_permute | N6 E4 top2 d16 float32 | triton (ours) | " in text
+    assert "| moe_permute | N6 E4 top2 d16 float32 | torch.compile | torch.compile skipped" in text
+
+
+def test_delta_rule_verdicts_per_shape():
+    def shape_rows(seq, head_dim, ours_s, fla):
+        shape, x = f"T{seq} D{head_dim}", {"seq": seq, "head_dim": head_dim}
+        fla_row = (bench.Row("delta_rule", shape, bench.DR_FLA, seconds=fla, extra=x) if isinstance(fla, float)
+                   else bench.Row("delta_rule", shape, bench.DR_FLA, note=fla, extra=x))
+        return [bench.Row("delta_rule", shape, bench.DR_OURS, seconds=ours_s, extra=x), fla_row]
+
+    rows = (shape_rows(4096, 128, 0.9, 1.0) + shape_rows(16384, 128, 1.5, 1.0) + shape_rows(2048, 64, 1.0, 2.0)
+            + shape_rows(8192, 128, 1.0, "fla unavailable (x)"))
+    assert bench.verdicts(rows, copy_gbs=None) == [  # one line per shape, in run order: none overwrites another
+        "- delta_rule T4096 D128: 0.90x fla's time (target <= 1: met)",
+        "- delta_rule T16384 D128: 1.50x fla's time (target <= 1: NOT met)",
+        "- delta_rule T2048 D64 (outside the target's head dim 128 and sequences 4k-16k): 0.50x fla's time "
+        "(target <= 1: met)",
+        "- delta_rule T8192 D128: vs fla not measured (fla chunk_gated_delta_rule: fla unavailable (x))",
+    ]
