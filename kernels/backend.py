@@ -207,3 +207,17 @@ def check_interpreted(kernel, device: torch.device) -> None:
             f"{device.type}: TRITON_INTERPRET=1 must be in the environment before the kernels are imported (set it "
             f"before starting Python), or choose the reference backend"
         )
+
+
+def starts_from_cu_seqlens(cu_seqlens: torch.Tensor, T: int, op: str) -> torch.Tensor:
+    """(1, T) bool, True where a packed sequence after the first starts, from cumulative sequence lengths
+    [0, l0, l0 + l1, ..., T] (flash-attn's and fla's convention, batch 1). The first sequence is not marked: it
+    continues a given initial state or cache, as a call's first document does everywhere in this project."""
+    cu = cu_seqlens
+    if cu.dim() != 1 or cu.is_floating_point() or cu.numel() < 2:
+        raise ValueError(f"{op}: cu_seqlens must be a 1-D integer tensor [0, ..., T]; got {cu.dtype} {tuple(cu.shape)}")
+    if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"{op}: cu_seqlens must rise from 0 to the packed length T={T}; got {cu.tolist()}")
+    starts = torch.zeros(1, T + 1, dtype=torch.bool, device=cu.device)
+    starts[0, cu[1:-1].long()] = True
+    return starts[:, :T]

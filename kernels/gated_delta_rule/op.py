@@ -12,17 +12,23 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
+from ..backend import pick_for, starts_from_cu_seqlens
 from .reference import delta_rule_chunked, delta_rule_recurrent
 
 DECODE_TOKENS = 16  # up to this many tokens without gradients: the recurrent kernel (one pass, no chunk systems)
 
 
 def gated_delta_rule(q, k, v, g, beta, *, resets=None, initial_state=None, output_final_state=False,
-                     chunk_size: int = 64, algo: str = "chunked", backend: str = "auto"):
+                     chunk_size: int = 64, algo: str = "chunked", backend: str = "auto", cu_seqlens=None):
     """``(o, final_state or None)`` of the gated delta rule; shapes, dtypes and meaning as the reference
     (reference.py's module docstring). algo: the reference's form (model.deltanet.algo); backend:
-    model.kernels.delta_rule."""
+    model.kernels.delta_rule. cu_seqlens: packed sequences in one row (B = 1) as cumulative lengths, instead of
+    resets; the state is reset where each sequence after the first starts (the first continues initial_state)."""
+    if cu_seqlens is not None:
+        if resets is not None or q.shape[0] != 1:
+            raise ValueError(f"gated_delta_rule: cu_seqlens describes one packed row (B = 1) in place of resets; got "
+                             f"B={q.shape[0]}{' and resets' if resets is not None else ''}")
+        resets = starts_from_cu_seqlens(cu_seqlens, q.shape[1], "gated_delta_rule")
     if pick_for("delta_rule", backend, q, k, v) == "reference":
         if algo == "recurrent":
             return delta_rule_recurrent(q, k, v, g, beta, resets=resets, initial_state=initial_state,

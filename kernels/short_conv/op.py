@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
+from ..backend import pick_for, starts_from_cu_seqlens
 from .reference import short_conv_reference
 
 
@@ -70,11 +70,19 @@ def _check(x, weight, doc_ids, past) -> int:
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | None = None,
-               past: torch.Tensor | None = None, *, backend: str = "auto") -> torch.Tensor:
+               past: torch.Tensor | None = None, *, backend: str = "auto",
+               cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(causal_conv(x, weight, doc_ids, past))`` (kernels/short_conv/reference.py): the depthwise causal
     convolution over earlier inputs of the same document, then SiLU. x (B, T, C); weight (C, 1, K);
     doc_ids (B, T) or None; past (B, K-1, C) or None. The kernel's output is in x's dtype (a bf16 activation
-    with an fp32 filter under autocast gives bf16, as conv1d does). backend: model.kernels.conv."""
+    with an fp32 filter under autocast gives bf16, as conv1d does). backend: model.kernels.conv.
+    cu_seqlens: packed sequences in one row (B = 1) as cumulative lengths, instead of doc_ids (past continues
+    the first)."""
+    if cu_seqlens is not None:
+        if doc_ids is not None or x.shape[0] != 1:
+            raise ValueError(f"short_conv: cu_seqlens describes one packed row (B = 1) in place of doc_ids; got "
+                             f"B={x.shape[0]}{' and doc_ids' if doc_ids is not None else ''}")
+        doc_ids = starts_from_cu_seqlens(cu_seqlens, x.shape[1], "short_conv").long().cumsum(1)
     K = _check(x, weight, doc_ids, past)
     if pick_for("conv", backend, x, weight, past) == "reference":
         return short_conv_reference(x, weight, doc_ids, past)

@@ -181,3 +181,24 @@ def test_compiles_without_graph_breaks():
     loss = [o.sum() + 0.5 * S.sum() for o, S in (eager, compiled)]
     for a, b in zip(torch.autograd.grad(loss[0], leaves), torch.autograd.grad(loss[1], leaves), strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_cu_seqlens_is_the_same_as_resets(backend):
+    """Packed sequences as cumulative lengths reset the state where each sequence after the first starts; the
+    first continues the initial state."""
+    from hybridtron.kernels.gated_delta_rule import gated_delta_rule
+
+    x = {k: (t.float() if t is not None else None) for k, t in inputs(1, 21, 1, 2, 1, 16, 16, init=True).items()}
+    cu = torch.tensor([0, 6, 6, 16, 21], dtype=torch.int32)
+    resets = torch.zeros(1, 21, dtype=torch.bool)
+    resets[0, [6, 16]] = True
+
+    def run(**kw):
+        return gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                output_final_state=True, chunk_size=16, backend=backend, **kw)
+
+    for a, b in zip(run(cu_seqlens=cu), run(resets=resets), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="in place of resets"):
+        run(cu_seqlens=cu, resets=resets)

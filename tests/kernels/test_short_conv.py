@@ -138,3 +138,19 @@ def test_compiles_without_graph_breaks():
     for a, b in zip(torch.autograd.grad(eager.sum(), (x, w, p)), torch.autograd.grad(compiled.sum(), (x, w, p)),
                     strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_cu_seqlens_is_the_same_as_doc_ids(backend):
+    """Packed sequences given as cumulative lengths (an empty one included) are the documents doc_ids give; the
+    cache continues the first; a batch of rows or both forms at once are refused."""
+    gen = torch.Generator().manual_seed(7)
+    x, w, past = torch.randn(1, 19, 6, generator=gen), torch.randn(6, 1, 4, generator=gen), torch.randn(1, 3, 6)
+    cu = torch.tensor([0, 5, 5, 12, 19], dtype=torch.int32)
+    ids = torch.tensor([[0] * 5 + [1] * 7 + [2] * 7])
+    got = short_conv(x, w, past=past, cu_seqlens=cu, backend=backend)
+    torch.testing.assert_close(got, short_conv(x, w, ids, past, backend=backend), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one packed row"):
+        short_conv(x.expand(2, -1, -1), w, cu_seqlens=cu, backend=backend)
+    with pytest.raises(ValueError, match="rise from 0 to the packed length T=19"):
+        short_conv(x, w, cu_seqlens=torch.tensor([0, 5, 18]), backend=backend)
