@@ -133,6 +133,10 @@ class TrainConfig:
     # Stop (after saving a checkpoint) when the step is a multiple of this; 0 = never. Like
     # Megatron's --exit-interval: time-sliced jobs and preemption drills end at a chosen step.
     exit_interval: int = 0
+    # Debug: parameter names (as in the model's named_parameters, e.g. layers.0.mlp.down_proj.weight) whose whole
+    # fp32 gradients of the run's first step (before clipping) go to <run_dir>/grads_step1.pt, in the model's
+    # layout whatever the parallel one: a parallel run's gradients can then be compared with one process's.
+    dump_grads: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every"):
@@ -155,6 +159,10 @@ class TrainConfig:
             raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device={self.device!r} is not allowed; use auto, cpu, cuda or cuda:N")
+        names = self.dump_grads
+        if not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
+            raise ConfigError(f"train.dump_grads={self.dump_grads!r} must be distinct parameter names "
+                              f"(e.g. [embed_tokens.weight, layers.0.mlp.down_proj.weight])")
 
 
 @dataclass

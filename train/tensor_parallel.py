@@ -250,6 +250,15 @@ def to_row_order(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Ten
     return tensor.index_select(dim, order.to(tensor.device))
 
 
+def from_row_order(model: nn.Module, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``to_row_order``: a whole tensor in parameter ``name``'s live order -> the model's order."""
+    entry = row_orders(model).get(_plain(name))
+    if entry is None or tensor.dim() == 0:
+        return tensor
+    dim, order = entry
+    return torch.empty_like(tensor).index_copy_(dim, order.to(tensor.device), tensor)  # live row i is model row order[i]
+
+
 class _ModelOrderChunks(torch.Tensor):
     """A DTensor's local shard of a reordered parameter, presented to torch.distributed.checkpoint as the chunks
     of the whole tensor in the model's order that it holds (runs of consecutive model rows). The chunks are views

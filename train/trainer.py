@@ -6,6 +6,7 @@ Everything it needs is built by the recipe in ``train/cli.py`` and handed in; si
 
 from __future__ import annotations
 
+import io
 import math
 import signal
 import sys
@@ -17,7 +18,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hybridtron.configs import JobConfig
+from hybridtron.configs import ConfigError, JobConfig
+from hybridtron.data_pipeline.atomic import write_bytes_atomic
 
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
 from .context_parallel import local_piece
@@ -27,6 +29,7 @@ from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
 from .parallelize import autocast_context, clip_grad_norm
 from .schedule import lr_at
+from .tensor_parallel import _plain, from_row_order
 
 
 class NonFiniteLossError(RuntimeError):
@@ -162,6 +165,7 @@ class Trainer:
             tokens += b["input_ids"].numel()
             if i < accum - 1:
                 self.engine.step()
+        self._dump_grads()  # the accumulation boundary's backward reduced them; the last step() clips and applies
         loss = self.mesh.mean((loss_sum / accum).item())
         if not math.isfinite(loss):
             return loss, float("nan"), tokens
@@ -190,6 +194,7 @@ class Trainer:
             tokens += b["input_ids"].numel()
         loss = self.mesh.mean((loss_sum / accum).item())  # the mean over data-parallel ranks: the global batch's
         sync_expert_grads(self.model, self.mesh)
+        self._dump_grads()
         grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip)  # over every rank's shards (FSDP, TP, EP)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
@@ -208,12 +213,55 @@ class Trainer:
             loss = self.pipeline.step(b)
         loss = self.mesh.mean(loss)
         sync_expert_grads(self.model, self.mesh)
+        self._dump_grads()  # after the tied embedding's two copies were summed
         grad_norm = self.pipeline.clip_grad_norm(t.grad_clip)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, b["input_ids"].numel(), finite
+
+    def _dump_grads(self) -> None:
+        """``train.dump_grads``, at the run's first step (not after a resume): the whole fp32 gradient of each named
+        parameter, reduced over the data-parallel ranks and not yet clipped, in the model's names and row order, to
+        ``<run_dir>/grads_step1.pt`` (name -> tensor). Every rank must call it: gathering a sharded gradient is a
+        collective over the ranks that hold the parameter."""
+        names = set(self.cfg.train.dump_grads)
+        if not names or self.state.step != 0:
+            return
+        mine: dict[str, torch.Tensor] = {}
+        if self.engine is not None:
+            from deepspeed.utils import safe_get_full_grad
+
+            for name, p in self.engine.module.named_parameters():
+                if name in names:
+                    g = safe_get_full_grad(p)  # ZeRO partitions gathered: a collective over the dp ranks
+                    if g is not None:
+                        mine[name] = g.detach().float().cpu().clone()
+        else:
+            # Every rank holding a parameter walks the same names in the same order, so the gathers pair up.
+            for name, p in self.model.named_parameters():
+                name = _plain(name)  # without activation checkpointing's and torch.compile's wrappers
+                if name in names and p.grad is not None:
+                    g = _whole(p.grad.detach())  # FSDP / TP / EP shards gathered (a collective over p's mesh)
+                    # clone: DDP's gradient is a view of its bucket, which torch.save would write whole
+                    mine[name] = from_row_order(self.model, name, g).float().cpu().clone()
+        if self.mesh.pp > 1:  # a stage's parameters live on its ranks only: the first rank of each stage sends them
+            import torch.distributed as dist
+
+            first_of_stage = self.mesh.rank % (self.mesh.world_size // self.mesh.pp) == 0
+            parts = [None] * self.mesh.world_size if self.mesh.is_main else None
+            dist.gather_object(mine if first_of_stage else {}, parts, dst=0)
+            if self.mesh.is_main:
+                mine = {k: v for part in reversed(parts) for k, v in part.items()}  # tied copies are equal
+        missing = self.mesh.broadcast(sorted(names - mine.keys()) if self.mesh.is_main else None)
+        if missing:
+            raise ConfigError(f"train.dump_grads: the model has no parameter {', '.join(missing)} (with a gradient); "
+                              f"give names as model.named_parameters() prints them, e.g. layers.0.mlp.down_proj.weight")
+        if self.mesh.is_main:
+            buf = io.BytesIO()
+            torch.save(mine, buf)
+            write_bytes_atomic(self.run_dir / "grads_step1.pt", buf.getvalue())
 
     def train_step(self) -> dict:
         t, accum = self.cfg.train, self.cfg.train.grad_accum_steps

@@ -20,8 +20,10 @@ from hybridtron.train.metrics import read_metrics
 from .test_data_parallel import (
     MOE,
     STEPS,
+    assert_same_grads,
     assert_same_steps,
     assert_same_weights,
+    dump_grads,
     resume_from_step_2,
     rolled_back,
     steps,
@@ -69,9 +71,22 @@ LAYOUTS = {  # name: (processes, extra arguments, the one-process reference)
 }
 
 
+# Dumped step-1 gradients per model (the run's name ends in it): Gated DeltaNet's fused qkv rows and convolution
+# (reordered under tp), attention, MoE experts and router.
+CP_GRADS = {"": ["embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "layers.3.mlp.down_proj.weight"],
+            "hybrid": ["embed_tokens.weight", "layers.0.linear_attn.in_proj_qkv.weight",
+                       "layers.0.linear_attn.conv1d.weight", "layers.3.self_attn.q_proj.weight"],
+            "moe": ["layers.0.self_attn.q_proj.weight", "layers.1.mlp.gate.weight", "layers.1.mlp.experts.down_proj"]}
+
+
+def cp_argv(small_argv, data_dir, run, extra):
+    names = CP_GRADS[next((k for k in CP_GRADS if k and run.name.endswith(k)), "")]
+    return small_argv(data_dir, run, [*BASE, *extra, *dump_grads(names)])
+
+
 @pytest.fixture(scope="module")
 def runs(small_data_dir, small_argv, tmp_path_factory):
-    return train_runs(tmp_path_factory.mktemp("cp"), lambda run, extra: small_argv(small_data_dir, run, [*BASE, *extra]),
+    return train_runs(tmp_path_factory.mktemp("cp"), lambda run, extra: cp_argv(small_argv, small_data_dir, run, extra),
                       {"single": [], "single_hybrid": HYBRID, "single_moe": MOE}, LAYOUTS)
 
 
@@ -85,6 +100,13 @@ def test_context_parallel_trains_like_one_process(layout, runs):
     assert_same_weights(runs[layout], ref)
     if layout == "cp2_tp2_zero3_hybrid":
         assert "4 processes, dp=1, tp=2, pp=1, ep=1, cp=2, zero_stage=3" in runs[layout + ".log"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gradients_of_chosen_parameters_match(layout, runs):
+    # the pieces' gradients averaged over dp x cp, tp shards gathered and put back in the model's row order
+    assert_same_grads(runs[layout], runs[LAYOUTS[layout][2]])
 
 
 @pytest.mark.slow

@@ -19,8 +19,10 @@ from hybridtron.train.metrics import read_metrics
 from .test_data_parallel import (
     MOE,
     STEPS,
+    assert_same_grads,
     assert_same_steps,
     assert_same_weights,
+    dump_grads,
     resume_from_step_2,
     rolled_back,
     steps,
@@ -60,7 +62,8 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
     # The auxiliary loss and router statistics are per micro-batch: references take the same micro-batches.
     singles = {"single": ["--train.grad_accum_steps", "2"], "single_mb2": [*SMALL_MB, "--train.grad_accum_steps", "4"]}
     return train_runs(tmp_path_factory.mktemp("ep"),
-                      lambda run, extra: small_argv(small_data_dir, run, [*STEPS, *MOE, *extra]), singles, LAYOUTS)
+                      lambda run, extra: small_argv(small_data_dir, run, [*STEPS, *MOE, *extra, *dump_grads("moe")]),
+                      singles, LAYOUTS)
 
 
 @pytest.mark.slow
@@ -79,6 +82,13 @@ def test_expert_parallel_trains_like_one_process(layout, runs):
     assert bias and any(want_m[k] != 0 for k in bias)
     for k in bias:
         assert got_m[k] == pytest.approx(want_m[k], abs=1e-9), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gradients_of_chosen_parameters_match(layout, runs):
+    # the experts' whole gradients (each rank's experts, summed over their replicas), router and embedding at step 1
+    assert_same_grads(runs[layout], runs[LAYOUTS[layout][2]])
 
 
 @pytest.mark.slow

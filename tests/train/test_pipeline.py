@@ -28,8 +28,10 @@ from hybridtron.train.pipeline import balance, rank_cut, stage_ranges
 from .test_data_parallel import (
     MOE,
     STEPS,
+    assert_same_grads,
     assert_same_steps,
     assert_same_weights,
+    dump_grads,
     resume_from_step_2,
     rolled_back,
     steps,
@@ -145,12 +147,22 @@ LAYOUTS = {  # name: (processes, extra arguments, the single-process reference)
                       "single"),
 }
 
+# Dumped step-1 gradients: parameters of the first and the last stage, and the tied embedding both ends hold.
+PP_GRADS = {"": ["embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "layers.3.mlp.down_proj.weight",
+                 "norm.weight"],
+            "hybrid_moe": ["embed_tokens.weight", "layers.0.linear_attn.in_proj_qkv.weight", "layers.2.mlp.gate.weight",
+                           "layers.3.mlp.experts.gate_up_proj"]}
 slow = pytest.mark.slow
+
+
+def pp_argv(small_argv, data_dir, run, extra):
+    names = PP_GRADS["hybrid_moe" if run.name.endswith("hybrid_moe") else ""]
+    return small_argv(data_dir, run, [*BASE, *extra, *dump_grads(names)])
 
 
 @pytest.fixture(scope="module")
 def runs(small_data_dir, small_argv, tmp_path_factory):
-    return train_runs(tmp_path_factory.mktemp("pp"), lambda run, extra: small_argv(small_data_dir, run, [*BASE, *extra]),
+    return train_runs(tmp_path_factory.mktemp("pp"), lambda run, extra: pp_argv(small_argv, small_data_dir, run, extra),
                       {"single": [], "single_hybrid_moe": HYBRID_MOE}, LAYOUTS)
 
 
@@ -162,6 +174,13 @@ def test_pipeline_trains_like_one_process(layout, runs):
     # Every stage's tensors reach the checkpoint (the tied embedding once, from either end), and after 4 steps
     # they are the one-process run's: every stage's gradients were right, the tied copies stayed one.
     assert_same_weights(runs[layout], ref)
+
+
+@slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gradients_of_chosen_parameters_match(layout, runs):
+    # each stage's whole gradients, gathered from the ranks that hold them (tp shards too) before clipping
+    assert_same_grads(runs[layout], runs[LAYOUTS[layout][2]])
 
 
 @slow
