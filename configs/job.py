@@ -188,9 +188,12 @@ class ParallelConfig:
     parallelism between them, vocabulary-parallel embedding and loss); the tp ranks of a node should share it. ZeRO stage of
     the data-parallel dimension: 0 replicates the model (DDP, gradients all-reduced), 2 shards optimizer state
     and gradients and keeps the gathered parameters from forward to backward (FSDP2 without resharding after
-    forward), 3 shards parameters too (FSDP2, parameters gathered per layer and freed after use)."""
+    forward), 3 shards parameters too (FSDP2, parameters gathered per layer and freed after use). dp_shard < dp
+    (ZeRO 2/3) is hybrid sharding (HSDP): shard within groups of dp_shard neighbouring dp ranks, replicate over the
+    dp / dp_shard groups, so the gathers stay inside a node and only a gradient all-reduce crosses nodes."""
 
     dp: int = -1
+    dp_shard: int = -1  # ranks FSDP2 shards over (a divisor of dp); -1: all of dp
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -219,6 +222,9 @@ class ParallelConfig:
         for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name}={getattr(self, name)} must be a positive integer (1 = off)")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard} must be a positive integer, or -1 (shard over all "
+                              f"of dp)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         if self.engine not in ("torch", "deepspeed"):
@@ -252,6 +258,9 @@ class ParallelConfig:
                               "set parallel.engine=torch, or parallel.pp=1 for DeepSpeed")
         if self.tp > 1 and self.engine == "deepspeed":
             raise ConfigError("parallel.tp > 1 works with parallel.engine=torch only; set parallel.tp=1 for DeepSpeed")
+        if self.dp_shard != -1 and self.engine == "deepspeed":
+            raise ConfigError(f"parallel.dp_shard={self.dp_shard} is FSDP2's hybrid sharding (parallel.engine=torch); "
+                              f"DeepSpeed's own (hpZ / MiCS) is not wired here: set parallel.dp_shard=-1 for DeepSpeed")
 
 
 @dataclass

@@ -316,6 +316,7 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
     log(f"model: {sizes}, device {device}, {len(train_ds)} train / "
         f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
         + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}, cp={mesh.cp}, zero_stage={mesh.zero_stage}"
+           + (f" (HSDP: dp_shard={mesh.dp_shard})" if mesh.hsdp_mesh is not None else "")
            if mesh.distributed else "")
         + (" (DeepSpeed)" if engine is not None else ""))
     trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,

@@ -45,6 +45,8 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
             f"{'a multiple of ' + str(others) if p.dp == -1 else dp * others} processes, but the launcher started "
             f"{world} (WORLD_SIZE); change torchrun --nproc-per-node / --nnodes, or parallel.dp"
         )
+    if p.dp_shard != -1:
+        check_hybrid_shard(cfg, dp)
     if p.pp > 1:
         check_pipeline_parallel(cfg, dp)
     if p.ep > 1:
@@ -77,6 +79,36 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
             "(parallel.zero_stage 2/3) cannot follow; use parallel.zero_stage=0 for self-guided runs"
         )
     return dp
+
+
+def dp_shard_size(cfg: JobConfig, dp: int) -> int:
+    """The ranks FSDP2 shards over: ``parallel.dp_shard``, or all of ``dp`` (-1)."""
+    return dp if cfg.parallel.dp_shard == -1 else cfg.parallel.dp_shard
+
+
+def check_hybrid_shard(cfg: JobConfig, dp: int) -> None:
+    """What hybrid sharding (``parallel.dp_shard`` below dp: FSDP2 shards within groups of dp_shard neighbouring dp
+    ranks, replicated over dp / dp_shard groups) needs; ConfigError naming what to change."""
+    p, s = cfg.parallel, cfg.parallel.dp_shard
+    if p.zero_stage == 0:
+        raise ConfigError(f"parallel.dp_shard={s} says how many ranks FSDP2 shards over, and parallel.zero_stage=0 "
+                          f"(DDP) shards nothing; set parallel.zero_stage 2 or 3 (hybrid sharding), or "
+                          f"parallel.dp_shard=-1")
+    if dp % s:
+        raise ConfigError(f"parallel.dp_shard={s} does not divide dp={dp}: the dp ranks form dp / dp_shard groups of "
+                          f"dp_shard each; choose a divisor of {dp} (e.g. the GPUs of a node), or -1 (all of dp)")
+    if s == dp:  # plain FSDP2 over all of dp: composes with whatever that does
+        return
+    if s == 1:
+        raise ConfigError("parallel.dp_shard=1 shards nothing (every rank would hold the whole model); set "
+                          "parallel.zero_stage=0 to replicate (DDP), or parallel.dp_shard 2 or more")
+    # The other dimensions each build on the one "dp" mesh dimension (expert copies, context pieces, the
+    # pipeline's FSDP stages, tensor-parallel DTensors under FSDP); none is tested over the 2-D one yet.
+    others = [f"parallel.{n}={getattr(p, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(p, n) > 1]
+    if others:
+        raise ConfigError(f"hybrid sharding (parallel.dp_shard={s} < dp={dp}) works with data parallel alone in this "
+                          f"version, not with {', '.join(others)}; set those to 1, or parallel.dp_shard=-1 (or {dp}: "
+                          f"FSDP2 over all of dp)")
 
 
 def check_pipeline_parallel(cfg: JobConfig, dp: int) -> None:
@@ -190,6 +222,11 @@ class Mesh:
     cp: int = 1  # context parallel: cp neighbouring ranks of one dp group split each sequence
     # parallel.cp > 1: the process group of this rank's cp neighbours; the device mesh's "dp" spans dp x cp ranks
     cp_group: object | None = None
+    # FSDP2's shard group size: all of dp, or (parallel.dp_shard < dp, hybrid sharding) groups of dp_shard
+    # neighbouring dp ranks, replicated over dp / dp_shard; then hsdp_mesh is the device mesh's "dp" dimension seen
+    # as ("dp_replicate", "dp_shard"), which FSDP2 takes for HSDP (everything else keeps using "dp")
+    dp_shard: int = 1
+    hsdp_mesh: object | None = None
 
     @property
     def data_ranks(self) -> int:
@@ -260,7 +297,11 @@ class Mesh:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     cp_group = group
-        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp, ep, expert_mesh, cp, cp_group)
+        dp_shard, hsdp_mesh = dp_shard_size(cfg, dp), None
+        if dp_shard < dp:  # dp_shard innermost: a shard group is neighbouring ranks (a node), the replicas span nodes
+            hsdp_mesh = mesh["dp"]._unflatten(0, (dp // dp_shard, dp_shard), ("dp_replicate", "dp_shard"))
+        return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp, ep, expert_mesh, cp, cp_group,
+                   dp_shard=dp_shard, hsdp_mesh=hsdp_mesh)
 
     # ---- collectives (no-ops on one process) -----------------------------------------------------
     def mean(self, value: float) -> float:

@@ -151,7 +151,8 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
 
 def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, mixed_precision: str = "auto",
                         params_may_leave: bool = False, roots: list[nn.Module] | None = None):
-    """Replicate (ZeRO 0) or shard (ZeRO 2/3) an initialised model over ``mesh``'s ``dp`` dimension, in place.
+    """Replicate (ZeRO 0) or shard (ZeRO 2/3) an initialised model over ``mesh``'s ``dp`` dimension, in place;
+    with ``mesh.hsdp_mesh`` (parallel.dp_shard < dp) shard within its ``dp_shard`` groups and replicate over them.
     ``params_may_leave``: parameters leave the model during the run (self-guided FFN guides), so replication
     must not wait for their gradients (DDP's unused-parameter detection, one graph walk per step).
     ``roots``: the modules that run forward (pipeline stages over ``model``'s blocks); default the model."""
@@ -175,6 +176,10 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
         mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
     reshard = mesh.zero_stage == 3
     ignored = set(experts) or None
+    if mesh.hsdp_mesh is not None:
+        # A 2-D mesh is FSDP2's HSDP: parameters Shard(0) over dp_shard, Replicate over dp_replicate; gradients are
+        # reduce-scattered in the shard group, then the shards all-reduced across the groups (averaged over all dp).
+        dp_mesh = mesh.hsdp_mesh
     for block in model.layers:
         if block is not None:
             fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
@@ -197,7 +202,8 @@ def data_parallel_summary(model: nn.Module) -> str | None:
             name = lambda dt: "as stored" if dt is None else str(dt).removeprefix("torch.")  # noqa: E731
             reshard = "freed after forward (ZeRO-3)" if group.post_forward_mesh_info is not None else \
                 "kept from forward to backward (ZeRO-2)"
-            return (f"FSDP2 blocks: parameters {reshard}, gathered {name(mp.param_dtype)}, gradients reduced "
+            hsdp = " over dp_shard groups, replicated across them (HSDP)" if group.mesh_info.mesh.ndim == 2 else ""
+            return (f"FSDP2 blocks: parameters {reshard}{hsdp}, gathered {name(mp.param_dtype)}, gradients reduced "
                     f"{name(mp.reduce_dtype)}")
     return None
 

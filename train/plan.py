@@ -52,6 +52,9 @@ of the rank's tp shard:
                                                                                m (f(n) g P + f(n) 4 P)
       ZeRO-3: the all-gather again in backward:                                m (2 f(n) g P + f(n) 4 P)
       (under pp torch's stages reduce-scatter once per step: m = 1 in the reduce-scatter term)
+      HSDP (parallel.dp_shard = s < dp): the all-gathers and reduce-scatters above run in the groups of s ranks
+      (n = s in them), and each reduce-scatter's shard is all-reduced across the dp / s groups (column
+      dp_replicate):                                                           m 2 f(dp / s) 4 P / s
       ep > 1: the expert gradients all-reduced over their dp / ep copies:      2 f(dp / ep) 4 P_experts
   tp  per layer: all-gather of the two norm outputs and reduce-scatter of the two projection outputs in forward,
       the reverse in backward:                                                 m L 4 f(tp) B T d (s + c)
@@ -89,7 +92,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from hybridtron.configs import ConfigError, JobConfig
 
 from .context_parallel import local_piece
-from .distributed import Mesh, resolve_layout
+from .distributed import Mesh, dp_shard_size, resolve_layout
 from .parallelize import autocast_context, autocast_dtype, clip_grad_norm
 
 GIB = 1 << 30
@@ -543,7 +546,7 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     def f(n):
         return (n - 1) / n
 
-    out = dict.fromkeys(DIMS, 0.0)
+    out = dict.fromkeys((*DIMS, "dp_replicate"), 0.0)
     n, P = dp * p.cp, facts["params"]
     if n > 1:
         if p.zero_stage == 0:
@@ -551,7 +554,11 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
         else:
             gathers = 1 if p.zero_stage == 2 else 2
             reduces = 1 if p.pp > 1 else mb
-            out["dp"] = mb * gathers * f(n) * g * P + reduces * f(n) * 4 * P
+            shard = dp_shard_size(cfg, dp)
+            shard = n if shard == dp else shard  # FSDP2 over all dp x cp ranks, or HSDP's groups (cp = 1 there)
+            out["dp"] = mb * gathers * f(shard) * g * P + reduces * f(shard) * 4 * P
+            if shard < n:  # HSDP: every reduce-scattered shard all-reduced across the groups
+                out["dp_replicate"] = reduces * 2 * f(n // shard) * 4 * P / shard
     if p.ep > 1 and dp > p.ep:
         out["dp"] += 2 * f(dp // p.ep) * 4 * facts["expert_params"]
     if p.tp > 1:
@@ -622,7 +629,8 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
         rank = max(per_rank, key=lambda r: per_rank[r]["memory"]["total"])
         mem, facts = per_rank[rank]["memory"], per_rank[rank]["facts"]
         comm = comm_bytes(cz, world, facts)
-        rows.append({"zero_stage": z, "dp": dp, "params": P, "rank": rank, "stages": facts["stages"],
+        rows.append({"zero_stage": z, "dp": dp, "dp_shard": dp_shard_size(cz, dp), "params": P, "rank": rank,
+                     "stages": facts["stages"],
                      **{k: v / GIB for k, v in mem.items()}, "fits": mem["total"] / GIB <= gpu_memory_gib,
                      "comm_gb": {k: v / 1e9 for k, v in comm.items()}, "comm_gb_per_step": sum(comm.values()) / 1e9,
                      "rank_peaks_gib": {r: v["memory"]["total"] / GIB for r, v in per_rank.items()}})
@@ -631,9 +639,12 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
 
 def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: float) -> str:
     p = cfg.parallel
-    dp = next(r["dp"] for r in rows if "refused" not in r)
-    dims = ["dp"] + [k for k in DIMS[1:] if getattr(p, k) > 1]
+    dp, dp_shard = next((r["dp"], r["dp_shard"]) for r in rows if "refused" not in r)
+    hsdp = dp_shard < dp  # the dp column is then the shard groups' traffic, dp_replicate the all-reduce across them
+    dims = ["dp", *(["dp_replicate"] if hsdp else [])] + [k for k in DIMS[1:] if getattr(p, k) > 1]
     layout = ", ".join(f"{k}={dp if k == 'dp' else getattr(p, k)}" for k in DIMS if k == "dp" or getattr(p, k) > 1)
+    if hsdp:
+        layout = layout.replace(f"dp={dp}", f"dp={dp} (HSDP: dp_replicate={dp // dp_shard} x dp_shard={dp_shard})", 1)
     head = (f"{n_params(cfg) / 1e6:.1f}M parameters; {world} GPUs, {layout}; micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.train.grad_accum_steps} per step; "
             f"{'bf16' if _compute_dtype(cfg) is not None else 'fp32'} compute; activation checkpointing "
@@ -696,7 +707,8 @@ def compare(cfg: JobConfig, world: int, measured: dict[int, dict]) -> dict:
     rank = max(predicted, key=lambda r: predicted[r]["memory"]["total"])
     pred, real = predicted[rank]["memory"], measured[rank]
     dp = resolve_layout(cfg, world)
-    return {"dp": dp, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp, "ep": cfg.parallel.ep, "cp": cfg.parallel.cp,
+    return {"dp": dp, "dp_shard": dp_shard_size(cfg, dp), "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+            "ep": cfg.parallel.ep, "cp": cfg.parallel.cp,
             "zero_stage": cfg.parallel.zero_stage, "rank": rank,
             "measured_gib": {k: v / GIB for k, v in real.items()}, "predicted_gib": {k: v / GIB for k, v in pred.items()},
             "predicted_over_measured": pred["total"] / real["total"],

@@ -10,7 +10,7 @@ import pytest
 
 from hybridtron.configs import load_config
 from hybridtron.train.cli import main
-from hybridtron.train.plan import GIB, n_params, plan_table
+from hybridtron.train.plan import GIB, format_table, n_params, plan_table
 
 SMALL = [("model.n_layers", "2"), ("model.d_model", "64"), ("model.n_heads", "4"), ("model.n_kv_heads", "2"),
          ("data.seq_len", "64"), ("train.micro_batch_size", "4"), ("train.dtype", "fp32")]
@@ -40,6 +40,25 @@ def test_plan_divides_state_by_the_zero_stage():
     assert not any(r["fits"] for r in plan_table(cfg, world=4, gpu_memory_gib=0.001))
     alone = plan_table(cfg, world=1, gpu_memory_gib=80)
     assert len(alone) == 1 and alone[0]["comm_gb_per_step"] == 0  # nothing to shard: one row, nothing sent
+
+
+def test_hybrid_sharding_divides_state_by_dp_shard_and_all_reduces_across_groups():
+    """dp 4 as dp_replicate 2 x dp_shard 2: a rank holds halves of the weights and optimizer state (FSDP2 over 2), not
+    quarters; the gathers and reduce-scatters run in the groups of 2, and each gradient half is all-reduced across the
+    2 groups after every micro-batch."""
+    mb = 2
+    cfg = load_config("tiny", [*SMALL, ("train.grad_accum_steps", str(mb)), ("parallel.dp_shard", "2")])
+    P = n_params(cfg)
+    rows = {r["zero_stage"]: r for r in plan_table(cfg, world=4, gpu_memory_gib=80)}
+    assert "zero_stage 2 or 3" in rows[0]["refused"]  # DDP shards nothing
+    rel = pytest.approx
+    for z, gathers in ((2, 1), (3, 2)):
+        r = rows[z]
+        assert r["weights"] == rel(2 * P / GIB, rel=0.05) and r["optimizer"] == rel(4 * P / GIB, rel=0.05)
+        assert r["comm_gb"]["dp"] * 1e9 == rel(mb * (gathers * 0.5 * 4 * P + 0.5 * 4 * P))
+        assert r["comm_gb"]["dp_replicate"] * 1e9 == rel(mb * 2 * 0.5 * 4 * P / 2)
+    table = format_table(cfg, list(rows.values()), 4, 80)
+    assert "dp=4 (HSDP: dp_replicate=2 x dp_shard=2)" in table and "| dp GB/step | dp_replicate GB/step |" in table
 
 
 def test_activation_checkpointing_lowers_the_planned_activations():
@@ -81,6 +100,17 @@ def test_measured_step_matches_the_plan_under_zero3_on_two_processes():
     got = _measured(res.stdout)
     assert got["dp"] == 2 and got["zero_stage"] == 3 and 0.9 <= got["predicted_over_measured"] <= 1.1, got
     assert got["measured_gib"]["gathered"] > 0
+
+
+@pytest.mark.slow
+def test_measured_step_matches_the_plan_under_hsdp_on_four_processes():
+    from .test_data_parallel import torchrun
+
+    res = torchrun(["plan", "--config", "tiny", "--measure", "--parallel.zero_stage", "3", "--parallel.dp_shard", "2",
+                    *argv(SMALL)], nproc=4)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = _measured(res.stdout)
+    assert got["dp"] == 4 and got["dp_shard"] == 2 and 0.9 <= got["predicted_over_measured"] <= 1.1, got
 
 
 # Two processes each, every rank's measured peak against its prediction. pp: 4 layers cut in two stages, 4
