@@ -53,8 +53,8 @@ of the rank's tp shard:
       ZeRO-3: the all-gather again in backward:                                m (2 f(n) g P + f(n) 4 P)
       (under pp torch's stages reduce-scatter once per step: m = 1 in the reduce-scatter term)
       HSDP (parallel.dp_shard = s < dp): the all-gathers and reduce-scatters above run in the groups of s ranks
-      (n = s in them), and each reduce-scatter's shard is all-reduced across the dp / s groups (column
-      dp_replicate):                                                           m 2 f(dp / s) 4 P / s
+      (n = s in them), and the accumulated shards are all-reduced across the dp / s groups once per step,
+      after the last micro-batch (column dp_replicate):                        2 f(dp / s) 4 P / s
       ep > 1: the expert gradients all-reduced over their dp / ep copies:      2 f(dp / ep) 4 P_experts
   tp  per layer: all-gather of the two norm outputs and reduce-scatter of the two projection outputs in forward,
       the reverse in backward:                                                 m L 4 f(tp) B T d (s + c)
@@ -557,8 +557,8 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
             shard = dp_shard_size(cfg, dp)
             shard = n if shard == dp else shard  # FSDP2 over all dp x cp ranks, or HSDP's groups (cp = 1 there)
             out["dp"] = mb * gathers * f(shard) * g * P + reduces * f(shard) * 4 * P
-            if shard < n:  # HSDP: every reduce-scattered shard all-reduced across the groups
-                out["dp_replicate"] = reduces * 2 * f(n // shard) * 4 * P / shard
+            if shard < n:  # HSDP: the step's accumulated shards all-reduced across the groups, once
+                out["dp_replicate"] = 2 * f(n // shard) * 4 * P / shard
     if p.ep > 1 and dp > p.ep:
         out["dp"] += 2 * f(dp // p.ep) * 4 * facts["expert_params"]
     if p.tp > 1:

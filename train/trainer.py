@@ -180,10 +180,16 @@ class Trainer:
         # Replicated (DDP) gradients are all-reduced once per step, after the last micro-batch. Sharded ones are
         # reduce-scattered after every micro-batch: holding them unsharded until the last would cost the memory
         # ZeRO-2/3 exists to save.
+        # Under hybrid sharding the shards are all-reduced across the replica groups (across nodes) once, after the
+        # last micro-batch: until then each group accumulates its reduce-scattered shards.
         sync_last_only = self.mesh.data_ranks > 1 and self.mesh.zero_stage == 0 and accum > 1  # replicated (DDP) only
+        hsdp = [m for m in self.model.modules() if hasattr(m, "set_requires_all_reduce")] \
+            if getattr(self.mesh, "hsdp_mesh", None) is not None and accum > 1 else []
         for i in range(accum):
             if sync_last_only:
                 self.model.set_requires_gradient_sync(i == accum - 1)
+            for m in hsdp:
+                m.set_requires_all_reduce(i == accum - 1, recurse=False)
             b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
             b = local_piece(b, self.mesh)  # context parallel: this rank's piece of every sequence
             doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None

@@ -38,14 +38,21 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
     res = torchrun(small_argv(small_data_dir, out["hsdp"], [*STEPS, *HSDP, *dump_grads()]), nproc=4)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out["hsdp.log"] = res.stdout + res.stderr
+    # 2 micro-batches of 2 per rank: the cross-group all-reduce waits for the last one (set_requires_all_reduce)
+    out["hsdp_accum"] = root / "hsdp_accum"
+    res = torchrun(small_argv(small_data_dir, out["hsdp_accum"], [*STEPS, *HSDP, "--train.micro_batch_size", "2",
+                                                                 "--train.grad_accum_steps", "2", *dump_grads()]),
+                   nproc=4)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out
 
 
 @pytest.mark.slow
-def test_hsdp_trains_like_one_process(runs):
-    assert_same_steps(steps(runs["hsdp"]), steps(runs["single"]))
-    assert_same_grads(runs["hsdp"], runs["single"])  # reduce-scattered, then all-reduced across the groups
-    assert_same_weights(runs["hsdp"], runs["single"])
+@pytest.mark.parametrize("layout", ["hsdp", "hsdp_accum"])
+def test_hsdp_trains_like_one_process(layout, runs):
+    assert_same_steps(steps(runs[layout]), steps(runs["single"]))
+    assert_same_grads(runs[layout], runs["single"])  # reduce-scattered, then all-reduced across the groups
+    assert_same_weights(runs[layout], runs["single"])
     log = runs["hsdp.log"]  # what FSDP2 applied, read back from the blocks
     assert "(HSDP: dp_shard=2)" in log and "replicated across them (HSDP)" in log
 

@@ -44,8 +44,8 @@ def test_plan_divides_state_by_the_zero_stage():
 
 def test_hybrid_sharding_divides_state_by_dp_shard_and_all_reduces_across_groups():
     """dp 4 as dp_replicate 2 x dp_shard 2: a rank holds halves of the weights and optimizer state (FSDP2 over 2), not
-    quarters; the gathers and reduce-scatters run in the groups of 2, and each gradient half is all-reduced across the
-    2 groups after every micro-batch."""
+    quarters; the gathers and reduce-scatters run in the groups of 2, and each accumulated gradient half is
+    all-reduced across the 2 groups once per step."""
     mb = 2
     cfg = load_config("tiny", [*SMALL, ("train.grad_accum_steps", str(mb)), ("parallel.dp_shard", "2")])
     P = n_params(cfg)
@@ -56,7 +56,7 @@ def test_hybrid_sharding_divides_state_by_dp_shard_and_all_reduces_across_groups
         r = rows[z]
         assert r["weights"] == rel(2 * P / GIB, rel=0.05) and r["optimizer"] == rel(4 * P / GIB, rel=0.05)
         assert r["comm_gb"]["dp"] * 1e9 == rel(mb * (gathers * 0.5 * 4 * P + 0.5 * 4 * P))
-        assert r["comm_gb"]["dp_replicate"] * 1e9 == rel(mb * 2 * 0.5 * 4 * P / 2)
+        assert r["comm_gb"]["dp_replicate"] * 1e9 == rel(2 * 0.5 * 4 * P / 2)
     table = format_table(cfg, list(rows.values()), 4, 80)
     assert "dp=4 (HSDP: dp_replicate=2 x dp_shard=2)" in table and "| dp GB/step | dp_replicate GB/step |" in table
 
