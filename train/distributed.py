@@ -303,6 +303,18 @@ class Mesh:
         return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp, ep, expert_mesh, cp, cp_group,
                    dp_shard=dp_shard, hsdp_mesh=hsdp_mesh)
 
+    def pipeline_ends_group(self):
+        """The two-rank group {first stage, last stage} of this rank's (dp, tp) coordinate, or None on a middle
+        stage (a tied embedding's two copies sum their gradients in it). Every rank creates every group, in the
+        same order, as torch.distributed requires."""
+        grid = self.device_mesh.mesh  # (pp, dp[, tp]) rank numbers
+        mine = None
+        for pair in torch.stack([grid[0].flatten(), grid[-1].flatten()], dim=1).tolist():
+            group = dist.new_group(pair)
+            if self.rank in pair:
+                mine = group
+        return mine
+
     # ---- collectives (no-ops on one process) -----------------------------------------------------
     def mean(self, value: float) -> float:
         """The mean of a per-rank scalar over the data-parallel (x context-parallel) ranks."""

@@ -174,7 +174,7 @@ class Pipeline:
         self.model = cut(model, {i for s in self.stage_ids for i in self.ranges[s]}, self.has_first, self.has_last)
         self.stages = [StageModule(model, self.ranges[s], s == 0, s == n_stages - 1, mesh.tp) for s in self.stage_ids]
         self._pp_group = mesh.device_mesh.get_group("pp")
-        self._tied_group = self._make_tied_group() if self.tied else None
+        self._tied_group = self.mesh.pipeline_ends_group() if self.tied else None
         self._pipeline_stage = lambda module, s: PipelineStage(module, s, n_stages, device, group=self._pp_group)
         self._schedule_name = p.pp_schedule
         self.schedule = self._eval_schedule = None  # built by ``finish`` once data parallel wraps the stages
@@ -200,17 +200,6 @@ class Pipeline:
         # Evaluation: one micro-batch at a time, forward only, on stage objects of its own (shapes inferred apart).
         self._eval_schedule = (ScheduleGPipe(eval_stages[0], n_microbatches=1, loss_fn=stage_loss) if single else
                                ScheduleLoopedBFS(eval_stages, n_microbatches=1, loss_fn=stage_loss))
-
-    def _make_tied_group(self):
-        """The two-rank groups {first stage, last stage} of every (dp, tp) coordinate; this rank's, or None."""
-        grid = self.mesh.device_mesh.mesh  # (pp, dp[, tp]) rank numbers
-        ends = torch.stack([grid[0].flatten(), grid[-1].flatten()], dim=1).tolist()
-        mine = None
-        for pair in ends:  # every rank creates every group, in the same order
-            group = dist.new_group(pair)
-            if self.mesh.rank in pair:
-                mine = group
-        return mine
 
     def _run(self, schedule, batch: dict, train: bool) -> list[torch.Tensor]:
         kwargs = {k: batch[k] for k in ("doc_ids", "labels") if k in batch}

@@ -111,3 +111,18 @@ def test_tensor_parallel_layout_resolves():
     assert resolve_layout(cfg, 2) == 1 and resolve_layout(cfg, 8) == 4
     with pytest.raises(ConfigError, match="a multiple of 2"):
         resolve_layout(cfg, 3)
+
+
+def test_only_the_mesh_creates_process_groups():
+    """One object owns the layout: no module but train/distributed.py creates a process group or device mesh
+    (the planner's fake single-process world aside)."""
+    import re
+    from pathlib import Path
+
+    import hybridtron
+
+    root = Path(hybridtron.__file__).parent
+    creating = re.compile(r"\b(new_group|init_process_group|init_device_mesh|DeviceMesh)\(")
+    found = {str(p.relative_to(root)) for folder in ("train", "model", "kernels", "data_pipeline", "slurm")
+             for p in (root / folder).rglob("*.py") if creating.search(p.read_text())}
+    assert found == {"train/distributed.py", "train/plan.py"}, found
