@@ -227,3 +227,17 @@ def test_plan_with_gradient_accumulation_and_checkpointing():
     for z in (0, 3):
         assert acc[z]["optimizer"] == pytest.approx(one[z]["optimizer"])
         assert acc[z]["comm_gb_per_step"] == pytest.approx(one[z]["comm_gb_per_step"] * (3 if z else 1))
+
+
+def test_on_a_gpu_the_allocators_peak_is_what_the_plan_is_checked_against():
+    """compare() reads torch.cuda.max_memory_allocated where the measurement has it (every tensor of the real
+    step), not the trackers' own total."""
+    from hybridtron.train.plan import compare, simulate
+
+    cfg = load_config("tiny", SMALL)
+    pred = simulate(cfg, 1)[0]["memory"]["total"]
+    cpu = compare(cfg, 1, {0: {"total": pred}})
+    gpu = compare(cfg, 1, {0: {"total": pred, "cuda_max_allocated": 2 * pred}})
+    assert cpu["predicted_over_measured"] == pytest.approx(1.0)
+    assert gpu["predicted_over_measured"] == pytest.approx(0.5) and gpu["ranks"][0]["measured_gib"] == pytest.approx(
+        2 * pred / 2**30)
