@@ -282,11 +282,11 @@ def test_resume_at_another_layout_continues_the_same_run(src, dst, runs, small_d
     assert_same_steps(steps(run), steps(runs["single"]))
 
 
-def resume_from_step_2(argv: list[str], one_process: bool) -> None:
+def resume_from_step_2(argv: list[str], one_process: bool, nproc: int = 2) -> None:
     if one_process:
         assert main(argv) == 0
     else:
-        res = torchrun(argv)
+        res = torchrun(argv, nproc=nproc)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert "resumed from" in res.stdout and "step 2" in res.stdout
 

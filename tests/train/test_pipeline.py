@@ -205,10 +205,14 @@ def test_pipeline_log_and_checkpoint_layout(runs):
 
 @slow
 @pytest.mark.parametrize("src, dst", [("pp2_tp2_gpipe", "single"), ("single", "pp2_interleaved"),
-                                      ("pp2_tp2_gpipe", "dp2_zero3")])
+                                      ("pp2_tp2_gpipe", "dp2_zero3"), ("pp2_tp2_gpipe", "dp4_zero3")])
 def test_pipeline_checkpoint_resumes_at_another_layout(src, dst, runs, small_data_dir, small_argv, tmp_path):
     run = rolled_back(runs[src], tmp_path / "run")
     extra = {"single": [], "pp2_interleaved": ["--parallel.pp", "2", *INTERLEAVED],
-             "dp2_zero3": ["--parallel.zero_stage", "3", "--train.grad_accum_steps", "1"]}[dst]
-    resume_from_step_2(small_argv(small_data_dir, run, [*BASE, *extra]), one_process=dst == "single")
+             "dp2_zero3": ["--parallel.zero_stage", "3", "--train.grad_accum_steps", "1"],
+             # 4 data-parallel ranks of micro-batch 2: the same global batch of 8
+             "dp4_zero3": ["--parallel.zero_stage", "3", "--train.grad_accum_steps", "1",
+                           "--train.micro_batch_size", "2"]}[dst]
+    resume_from_step_2(small_argv(small_data_dir, run, [*BASE, *extra]), one_process=dst == "single",
+                       nproc=4 if dst.startswith("dp4") else 2)
     assert_same_steps(steps(run), steps(runs["single"]))
