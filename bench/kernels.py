@@ -588,18 +588,24 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
     return out
 
 
+def _timed_pair(rows: list[Row], ours: str, peer: str) -> tuple[Row | None, Row | None, str]:
+    """One shape's rows of ``ours`` and ``peer``, and why either has no time ("" when both were timed)."""
+    by = {r.impl: r for r in rows}
+    pair = by.get(ours), by.get(peer)
+    missing = [f"{n}: {r.note if r else 'not run'}" for n, r in zip((ours, peer), pair, strict=True)
+               if r is None or r.seconds is None]
+    return *pair, "; ".join(missing)
+
+
 def _delta_rule_verdict(rows: list[Row]) -> str:
     """One shape's line: ours vs fla (not measured, and why, where either has no time)."""
     where = f"- delta_rule {rows[0].shape}"
     x = rows[0].extra
     if "seq" in x and not (x["head_dim"] == DR_HEAD_DIM and DR_SEQS[0] <= x["seq"] <= DR_SEQS[1]):
         where += " (outside the target's head dim 128 and sequences 4k-16k)"
-    by = {r.impl: r for r in rows}
-    ours, fla = by.get(DR_OURS), by.get(DR_FLA)
-    missing = [f"{n}: {r.note if r else 'not run'}" for n, r in ((DR_OURS, ours), (DR_FLA, fla))
-               if r is None or r.seconds is None]
+    ours, fla, missing = _timed_pair(rows, DR_OURS, DR_FLA)
     if missing:
-        return f"{where}: vs fla not measured ({'; '.join(missing)})"
+        return f"{where}: vs fla not measured ({missing})"
     t = ours.seconds / fla.seconds
     return f"{where}: {t:.2f}x fla's time (target <= 1: {'met' if t <= 1 else 'NOT met'})"
 
@@ -609,12 +615,9 @@ def _attention_verdict(rows: list[Row]) -> str:
     where = f"- attention seq {x['seq']}, head dim {x['head_dim']}, {'no documents' if x['docs'] == 'none' else 'documents'}"
     if not (x["head_dim"] in ATT_HEAD_DIMS and ATT_SEQS[0] <= x["seq"] <= ATT_SEQS[1]):
         where += " (outside the target's head dims 128/256 and sequences 4k-8k)"
-    by = {r.impl: r for r in rows}
-    ours, sdpa = by.get(ATT_OURS), by.get(ATT_SDPA_FLASH)
-    missing = [f"{n}: {r.note if r else 'not run'}" for n, r in ((ATT_OURS, ours), (ATT_SDPA_FLASH, sdpa))
-               if r is None or r.seconds is None]
+    ours, sdpa, missing = _timed_pair(rows, ATT_OURS, ATT_SDPA_FLASH)
     if missing:
-        return f"{where}: vs SDPA-flash + gate not measured ({'; '.join(missing)})"
+        return f"{where}: vs SDPA-flash + gate not measured ({missing})"
     s = sdpa.seconds / ours.seconds
     return f"{where}: {s:.2f}x SDPA-flash + gate's speed (target >= {ATT_TARGET}: {'met' if s >= ATT_TARGET else 'NOT met'})"
 
