@@ -368,10 +368,11 @@ class Mesh:
         """Tear the process group down together: a rank that destroys its group while another still uses
         it makes gloo abort that one. After a failure on this rank the others may be inside another
         collective, so nothing is awaited: the process exits and the launcher stops the rest."""
+        if self.owns_group and dist.is_initialized():  # our one-process group: nobody else to wait for
+            dist.destroy_process_group()
+            return
         if failed:
             return
-        if self.owns_group and dist.is_initialized():
-            dist.destroy_process_group()
         if self.distributed and dist.is_initialized():
             try:
                 dist.barrier()

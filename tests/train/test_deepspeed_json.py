@@ -114,3 +114,15 @@ def test_a_users_json_trains_on_two_processes_like_one_process(small_data_dir, s
     assert parsed.communication_data_type == torch.float32 and parsed.gradient_clipping == t.grad_clip
     assert_same_steps(steps(ds), steps(single))
     assert_same_weights(ds, single)
+
+
+def test_a_refused_run_leaves_no_process_group_behind(tmp_path, small_data_dir, small_argv):
+    """DeepSpeed on one process gets a one-rank group of its own; a run refused after it was made must not leave
+    it to the next run in the same process (the planner, for one, refuses to start inside a process group)."""
+    import torch.distributed as dist
+
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"scheduler": {"type": "WarmupLR"}}')
+    assert main(small_argv(small_data_dir, tmp_path / "run", ["--parallel.engine", "deepspeed",
+                                                              "--parallel.deepspeed_config", str(ds)])) == 2
+    assert not dist.is_initialized()
