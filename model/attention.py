@@ -40,12 +40,19 @@ def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal)[:, None]
 
 
+def doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) document ids -> (B, T) bool, True where a new document begins (never at t = 0: nothing
+    precedes it in the row, so a call continues the cached document)."""
+    starts = torch.zeros_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return starts
+
+
 def _doc_numbers(doc_ids: torch.Tensor | None, B: int, T: int, device) -> torch.Tensor:
     """(B, T) documents numbered 0, 1, ... from the first position, a new one wherever doc_ids change."""
-    starts = torch.zeros(B, T, dtype=torch.long, device=device)
-    if doc_ids is not None:
-        starts[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).long()
-    return starts.cumsum(1)
+    if doc_ids is None:
+        return torch.zeros(B, T, dtype=torch.long, device=device)
+    return doc_starts(doc_ids).long().cumsum(1)
 
 
 def doc_ids_from_mask(attn_mask: torch.Tensor) -> torch.Tensor:

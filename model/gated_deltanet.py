@@ -31,17 +31,10 @@ from torch import nn
 from ..configs import ModelConfig
 from ..kernels.gated_delta_rule import gated_delta_rule
 from ..kernels.short_conv import causal_conv, short_conv
+from .attention import doc_starts
 from .linear import make_linear
 from .norm import RMSNorm
 from .scale import norm_kwargs
-
-
-def doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) document ids -> (B, T) bool, True where a new document begins (never at t = 0: nothing
-    precedes it in the row)."""
-    starts = torch.zeros_like(doc_ids, dtype=torch.bool)
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    return starts
 
 
 class GatedDeltaNet(nn.Module):

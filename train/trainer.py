@@ -183,8 +183,7 @@ class Trainer:
         # Under hybrid sharding the shards are all-reduced across the replica groups (across nodes) once, after the
         # last micro-batch: until then each group accumulates its reduce-scattered shards.
         sync_last_only = self.mesh.data_ranks > 1 and self.mesh.zero_stage == 0 and accum > 1  # replicated (DDP) only
-        hsdp = [m for m in self.model.modules() if hasattr(m, "set_requires_all_reduce")] \
-            if getattr(self.mesh, "hsdp_mesh", None) is not None and accum > 1 else []
+        hsdp = self._hsdp_modules() if accum > 1 else []
         for i in range(accum):
             if sync_last_only:
                 self.model.set_requires_gradient_sync(i == accum - 1)
@@ -226,6 +225,13 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, b["input_ids"].numel(), finite
+
+    def _hsdp_modules(self) -> list[nn.Module]:
+        """The FSDP2 modules of a hybrid-sharded model (none otherwise), found once."""
+        if not hasattr(self, "_hsdp"):
+            hybrid = getattr(self.mesh, "hsdp_mesh", None) is not None
+            self._hsdp = [m for m in self.model.modules() if hasattr(m, "set_requires_all_reduce")] if hybrid else []
+        return self._hsdp
 
     def _dump_grads(self) -> None:
         """``train.dump_grads``, at the run's first step (not after a resume): the whole fp32 gradient of each named
