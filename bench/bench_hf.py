@@ -9,11 +9,11 @@ model, with flash-linear-attention's kernels installed, training the same config
 
 The two models:
 
-- ours: ``GatedLM`` built as ``hybridtron train`` builds it (``train/cli.build_model``: activation
+- ours: ``GatedLM`` built as ``hybridtron train`` builds it (``train/build.build_model``: activation
   checkpointing and ``torch.compile`` of each block as asked, the preset's ``model.kernels``, i.e. ``auto``:
   our Triton kernels and flash-attn where they run, the torch references elsewhere);
 - transformers': the class ``hybridtron export`` writes for the preset (``Qwen3_5ForCausalLM`` for a dense
-  hybrid), its config made by the export's own mapping (``train/export.hf_config``) and its weights copied
+  hybrid), its config made by the export's own mapping (``train/hf/export.hf_config``) and its weights copied
   from ours (``load_state_dict(strict=True)``: every tensor has the same shape, so the two parameter counts
   must be equal; both are printed). Attention is ``--attn`` (SDPA by default); the delta rule and the short
   convolution are whatever transformers picked when its modeling module was imported: flash-linear-attention
@@ -105,7 +105,7 @@ def load(preset: str, seq: int, batch: int, layers: int, ckpt: str, compile_: bo
 
 # ---- the two models --------------------------------------------------------------------------------
 def build_ours(cfg: JobConfig, vocab: int, device: torch.device) -> torch.nn.Module:
-    from hybridtron.train.cli import build_model
+    from hybridtron.train.build import build_model
 
     return build_model(cfg, vocab, device).train()
 
@@ -114,7 +114,7 @@ def build_hf(ours: torch.nn.Module, cfg: JobConfig, vocab: int, device: torch.de
     """transformers' model for ``ours`` as the export maps it, holding ``ours``' weights."""
     from transformers import AutoModelForCausalLM
 
-    from hybridtron.train.export import CUSTOM_TARGETS, choose_target, hf_config, plain_state, to_hf_names
+    from hybridtron.train.hf.export import CUSTOM_TARGETS, choose_target, hf_config, plain_state, to_hf_names
 
     target = choose_target(cfg.model)
     if target in CUSTOM_TARGETS:
@@ -208,7 +208,7 @@ def _sync(device: torch.device) -> None:
 
 def run_steps(side: Side, batches, step0: int, n: int, cfg: JobConfig, device: torch.device) -> float:
     """``n`` training steps of ``side`` from step ``step0``; records the losses and the step peak, returns tokens/s."""
-    from hybridtron.train.parallelize import autocast_context, autocast_dtype
+    from hybridtron.train.device import autocast_context, autocast_dtype
 
     amp = autocast_dtype(cfg.train, device)
     params = [p for p in side.model.parameters() if p.requires_grad]

@@ -89,7 +89,7 @@ class GatedAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_backend = cfg.kernels.rotary  # QK-norm + rotary in one kernel on the triton backend
-        self.context_parallel = None  # set from outside under context parallelism (train/context_parallel.py)
+        self.context_parallel = None  # set from outside under context parallelism (train/parallel/context_parallel.py)
 
     def forward(
         self,

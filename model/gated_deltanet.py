@@ -63,7 +63,7 @@ class GatedDeltaNet(nn.Module):
         # A decay rate and a time-step bias are not weights to shrink: decaying A_log towards 0 would pull
         # every head towards the same forgetting rate (Mamba-2 and GDN exclude both).
         self.param_decay = {"A_log": False, "dt_bias": False}
-        self.context_parallel = None  # set from outside under context parallelism (train/context_parallel.py)
+        self.context_parallel = None  # set from outside under context parallelism (train/parallel/context_parallel.py)
         self.conv_backend = cfg.kernels.conv  # conv + SiLU: kernels/short_conv (the reference is causal_conv)
         self.delta_rule_backend = cfg.kernels.delta_rule  # kernels/gated_delta_rule (beside its torch reference)
 

@@ -107,10 +107,10 @@ class GatedLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = build_norm(cfg.norm_type, cfg.d_model, cfg.norm_eps, **norm_kwargs(cfg, feeds_linear=True))
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, vocab_size, bias=False)
-        # Context parallel (set from outside, train/context_parallel.py): input_ids are then one piece of each
+        # Context parallel (set from outside, train/parallel/context_parallel.py): input_ids are then one piece of each
         # sequence, and its positions start where the hooks say.
         self.context_parallel = None
-        # Tensor parallel (set from outside, train/tensor_parallel.py): the loss over a head split by vocabulary
+        # Tensor parallel (set from outside, train/parallel/tensor_parallel.py): the loss over a head split by vocabulary
         # rows, (normed h, head shard, labels, z_loss, backend) -> loss.
         self.vocab_parallel_loss = None
         self.loss_backend = cfg.kernels.cross_entropy

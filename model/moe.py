@@ -112,10 +112,10 @@ class MoE(nn.Module):
         self.register_buffer("_load", torch.zeros(self.n_experts, dtype=torch.float64), persistent=False)
         self._stats = {"aux_loss": 0.0, "z_loss": 0.0, "dropped": 0.0, "forwards": 0}
         self.aux_loss: torch.Tensor | None = None
-        # Expert parallel (set from outside, ``train/expert_parallel.py``): a callable that runs the expert-sorted
+        # Expert parallel (set from outside, ``train/parallel/expert_parallel.py``): a callable that runs the expert-sorted
         # assignments through experts held by other ranks too; None runs every expert here.
         self.expert_dispatch = None
-        # Context parallel (set from outside, ``train/context_parallel.py``): x is one piece of each sequence, and
+        # Context parallel (set from outside, ``train/parallel/context_parallel.py``): x is one piece of each sequence, and
         # the balance loss needs the whole sequences' expert loads (``sum_counts``).
         self.context_parallel = None
 

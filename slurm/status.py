@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 
 from hybridtron.configs import ConfigError
-from hybridtron.train.cli import LAST_STOP
+from hybridtron.train.run_dir import LAST_STOP
 
 from .submit import JOBS_FILE
 

@@ -120,7 +120,7 @@ def check_numbers(args) -> int:
 
 def check_layout(cfg, nodes: int, nproc: int, gpus_per_node: int) -> int:
     """The config's parallel layout on nodes x nproc processes (ConfigError naming both), returns dp."""
-    from hybridtron.train.distributed import resolve_layout
+    from hybridtron.train.parallel.mesh import resolve_layout
 
     p = cfg.parallel
     world, others = nodes * nproc, p.tp * p.pp * p.cp
@@ -152,7 +152,7 @@ def check_sources(cfg) -> None:
 def check_resume(cfg, run_dir: Path) -> None:
     """A run directory that already holds a run continues only with its model and data (as the job would check
     after its queue wait): the same check, now."""
-    from hybridtron.train.cli import check_resume_compatible, read_saved_config
+    from hybridtron.train.run_dir import check_resume_compatible, read_saved_config
 
     saved = read_saved_config(run_dir)
     if saved is None:
@@ -264,7 +264,7 @@ def torchrun_path(container: bool) -> str:
 
 def build_job(args) -> tuple[Job, str, str]:
     """Validate everything and render: (job, script text, config YAML)."""
-    from hybridtron.train.cli import resolve_job
+    from hybridtron.train.run_dir import resolve_job
 
     nproc = check_numbers(args)
     cfg, run_dir = resolve_job(args)  # the config and its overrides, validated
@@ -275,7 +275,7 @@ def build_job(args) -> tuple[Job, str, str]:
     if cfg.parallel.engine == "deepspeed":  # a user's DeepSpeed JSON: refused now, not when the job starts
         import torch
 
-        from hybridtron.train.deepspeed_engine import deepspeed_config
+        from hybridtron.train.parallel.deepspeed_engine import deepspeed_config
 
         deepspeed_config(cfg, dp, torch.device("cuda" if args.gpus_per_node else "cpu"))
     check_sources(cfg)

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
 
-from .distributed import launch_world
-from .tensor_parallel import canonical_state_dicts, to_row_order
+from .parallel.mesh import launch_world
+from .parallel.tensor_parallel import canonical_state_dicts, to_row_order
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
@@ -529,7 +529,7 @@ def _has_dtensors(model: torch.nn.Module) -> bool:
 
 
 def _is_pipeline_part(model: torch.nn.Module) -> bool:
-    """The layers of one pipeline-parallel rank (``train/pipeline.py``): the others are None."""
+    """The layers of one pipeline-parallel rank (``train/parallel/pipeline.py``): the others are None."""
     return any(layer is None for layer in getattr(model, "layers", ()))
 
 

@@ -16,32 +16,32 @@ import sys
 from pathlib import Path
 
 import torch
-import yaml
 
-from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
-from hybridtron.configs.base import from_dict
-from hybridtron.data_pipeline import DataError, build_dataset, build_loader, load_tokenizer, prepare_data
+from hybridtron.configs import ConfigError, JobConfig, parse_overrides
+from hybridtron.data_pipeline import DataError, build_dataset, build_loader, prepare_data
 from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
-from .checkpoint import DEEPSPEED, SHARDED, STEP_RE, CheckpointError, CheckpointManager, DiskFullError, verify_manifest
-from .context_parallel import apply_context_parallel
-from .distributed import Mesh, launch_world
-from .expert_parallel import apply_expert_parallel
-from .model_hooks import self_guided_end_step, structure_for_step
+from .build import build_model, checkpoint_step, load_for_inference, select_rank_device
+from .checkpoint import CheckpointError, CheckpointManager, DiskFullError
+from .device import autocast_dtype
+from .model_hooks import self_guided_end_step
 from .optim import build_optimizer
-from .parallelize import (
-    apply_data_parallel,
-    apply_tensor_parallel,
-    autocast_dtype,
-    data_parallel_summary,
-    parallelize,
-    select_device,
+from .parallel.context_parallel import apply_context_parallel
+from .parallel.expert_parallel import apply_expert_parallel
+from .parallel.mesh import Mesh, launch_world
+from .parallel.parallelize import apply_data_parallel, apply_tensor_parallel, data_parallel_summary
+from .run_dir import (
+    DEFAULT_PRESET,
+    LAST_STOP,
+    check_resume_compatible,
+    check_resume_tokenizer,
+    default_run_dir,
+    resolve_job,
 )
 from .sample import generate
 from .trainer import NonFiniteLossError, Trainer, evaluate
 
-DEFAULT_PRESET = "tiny"
 EXIT_CODES = (
     "exit codes: 0 done; 2 bad input or state (a config, data, a checkpoint or run directory that is missing, "
     "damaged or does not match; permission denied), one line on stderr naming the file and what to do; "
@@ -58,130 +58,6 @@ def _log(msg: str) -> None:
 
 def _quiet(_msg: str) -> None:
     pass
-
-
-# ---- config + run directory ---------------------------------------------------------------------
-def default_run_dir(config: str | None) -> Path:
-    return Path("runs") / Path(config or DEFAULT_PRESET).stem
-
-
-def resolve_job(args) -> tuple[JobConfig, Path]:
-    """The run's config: --config (or the run dir's saved config when resuming, or the tiny preset) + overrides."""
-    overrides = parse_overrides(args.overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
-    saved = run_dir / "config.yaml"
-    resuming = args.config is None and saved.is_file()
-    if resuming:
-        read_saved_config(run_dir)  # a damaged one is named as the run's, with the way to restore it
-    return load_config(str(saved) if resuming else args.config or DEFAULT_PRESET, overrides), run_dir
-
-
-# Data settings that do not change which tokens are trained on, nor their order: where the prepared data
-# lives (its tokenizer is compared by fingerprint instead), how it is read, and what prepare does about
-# bad records (a prepare that succeeded under "error" produced what "skip" would have).
-RESUME_FREE_DATA = ("out_dir", "streaming", "num_workers", "on_bad_record", "max_malformed_fraction",
-                    "on_source_change")
-_ABSENT = object()
-
-
-def read_saved_config(run_dir: Path) -> dict | None:
-    """The run directory's saved ``config.yaml`` as a mapping (None if there is none); ConfigError if damaged."""
-    saved = run_dir / "config.yaml"
-    if not saved.is_file():
-        return None
-    ckpt = CheckpointManager(run_dir).latest(warn=False)
-    fix = (f"copy {ckpt / 'config.yaml'} (the latest checkpoint's copy) over it" if ckpt is not None
-           else "delete it (no checkpoint was saved yet)")
-    try:
-        old = yaml.safe_load(saved.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
-        raise ConfigError(f"the run's saved config {saved} is unreadable ({type(e).__name__}); {fix}, or start a "
-                          f"new --run-dir") from None
-    if not isinstance(old, dict):
-        raise ConfigError(f"the run's saved config {saved} holds no config mapping; {fix}, or start a new --run-dir")
-    return old
-
-
-def _first_difference(old, new, key: str):
-    """(key, old, new) of the first setting in ``new`` that ``old`` holds with another value, or None."""
-    if old is _ABSENT:  # a setting the saved config does not know (and its defaults could not fill in)
-        return None
-    if isinstance(new, dict) and isinstance(old, dict):
-        for k, v in new.items():
-            if (d := _first_difference(old.get(k, _ABSENT), v, f"{key}.{k}")) is not None:
-                return d
-        return None
-    if isinstance(new, list) and isinstance(old, list) and len(new) == len(old):
-        for i, (a, b) in enumerate(zip(old, new, strict=True)):
-            if (d := _first_difference(a, b, f"{key}[{i}]")) is not None:
-                return d
-        return None
-    return None if old == new else (key, old, new)
-
-
-def check_resume_compatible(cfg: JobConfig, run_dir: Path, sections: tuple[str, ...] = ("model", "data")) -> None:
-    """A run directory continues only with the model it was started with and the same data: every model
-    setting, and every data setting that changes which tokens are trained on (sources, tokenizer settings,
-    seq_len, split, seed, ...). The tokenizer itself is compared by fingerprint in check_resume_tokenizer."""
-    old = read_saved_config(run_dir)
-    if old is None:
-        return
-    try:  # settings added since the run was saved compare with their defaults
-        old = from_dict(JobConfig, old).to_dict()
-    except (ConfigError, TypeError, ValueError, AttributeError, KeyError):
-        pass  # a config of another version: compare the keys it has
-    new = cfg.to_dict()
-    for section in sections:
-        # model.kernels says how the same function is computed (kernels/backend.py), not what is trained
-        free = RESUME_FREE_DATA if section == "data" else ("kernels",)
-        before = old.get(section)
-        before = before if isinstance(before, dict) else {}
-        for k, v in new[section].items():
-            d = None if k in free else _first_difference(before.get(k, _ABSENT), v, f"{section}.{k}")
-            if d is not None:
-                key, was, now = d
-                raise ConfigError(
-                    f"--run-dir {run_dir} holds a run with {key}={was!r}, but this config has {key}={now!r}; resume "
-                    f"with the run's {section} settings (drop the override or --config) or choose another --run-dir"
-                )
-
-
-def check_resume_tokenizer(ckpt: Path | None, tokenizer, tokenizer_dir: Path) -> None:
-    """The checkpoint was trained with the tokenizer the data now resolves to (the same file bytes), not another
-    one of the same size: continuing would train on differently tokenized data."""
-    if ckpt is None or not (ckpt / "tokenizer").is_dir():
-        return
-    verify_manifest(ckpt, only=("tokenizer",))
-    old = load_tokenizer(ckpt / "tokenizer").fingerprint
-    if old != tokenizer.fingerprint:
-        raise ConfigError(
-            f"checkpoint {ckpt} was trained with tokenizer {old[:12]} ({ckpt / 'tokenizer'}), but the data in "
-            f"{tokenizer_dir.parent} uses tokenizer {tokenizer.fingerprint[:12]} ({tokenizer_dir}); resume with the "
-            f"data.out_dir the run was prepared with, or start a new --run-dir"
-        )
-
-
-# ---- builders shared by the subcommands ---------------------------------------------------------
-def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int = 0, cut=None):
-    """The model as it is at training step ``step`` (structure that changes with the step, such as
-    self-guided FFN weights leaving the model, is applied), ready for a checkpoint of that step. ``cut``: drops
-    the parts another rank holds (pipeline parallel) before any weight is allocated."""
-    with torch.device("meta"):
-        model = GatedLM(cfg.model, vocab_size)
-    if cut is not None:
-        cut(model)
-    model = parallelize(model, cfg.train)
-    model.to_empty(device=device)
-    torch.manual_seed(cfg.train.seed)
-    model.init_weights()
-    structure_for_step(model, cfg, step)
-    return model
-
-
-def checkpoint_step(ckpt: Path | None) -> int:
-    """The step a checkpoint directory was saved at (its name says it); 0 for None."""
-    m = STEP_RE.match(ckpt.name) if ckpt is not None else None
-    return int(m.group(1)) if m else 0
 
 
 def _val_factory(val_ds, cfg: JobConfig):
@@ -204,21 +80,11 @@ def cmd_train(args) -> int:
     cfg, run_dir = resolve_job(args)  # 1. config, validated before any heavy work
     init_from = None
     if args.init_from:
-        from .hf_import import apply_init_from
+        from .hf.load import apply_init_from
 
         init_from = apply_init_from(cfg, args.init_from)  # model section + tokenizer from the HF directory
     train_run(cfg, run_dir, init_from=init_from)
     return 0
-
-
-def select_rank_device(cfg: JobConfig) -> torch.device:
-    """This process's device: with several processes on CUDA, the GPU of its local rank."""
-    device = select_device(cfg.train)
-    _rank, local, world = launch_world()
-    if device.type == "cuda" and world > 1 and device.index is None:
-        device = torch.device("cuda", local)
-        torch.cuda.set_device(device)
-    return device
 
 
 def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = None):
@@ -228,7 +94,7 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     device = select_rank_device(cfg)
     with Mesh.setup(cfg, device) as mesh:  # refuses an impossible layout before anything is allocated
         if cfg.parallel.engine == "deepspeed":  # and a DeepSpeed JSON it cannot honour, before data or model
-            from .deepspeed_engine import deepspeed_config
+            from .parallel.deepspeed_engine import deepspeed_config
 
             deepspeed_config(cfg, mesh.dp, device)
         result, model = _train_run(cfg, run_dir, log if mesh.is_main else _quiet, init_from, device, mesh)
@@ -239,11 +105,6 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
             gc.collect()
             model = None
     return result, model
-
-
-# Why the last `train` stopped ({"stopped_by", "step", "max_steps", "checkpoint"}), written by rank 0 when it stops
-# cleanly: the SLURM job script requeues a run that a signal stopped, never a finished or crashed one.
-LAST_STOP = "last_stop.json"
 
 
 def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, device: torch.device, mesh: Mesh):
@@ -269,12 +130,12 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
     resume_step = checkpoint_step(latest)
     stages_only = None
     if mesh.pp > 1 and cfg.parallel.engine == "torch":  # a pipeline rank builds the parts of its stages only
-        from .pipeline import rank_cut
+        from .parallel.pipeline import rank_cut
 
         stages_only = rank_cut(cfg, mesh, cfg.model.vocab_size)
     model = build_model(cfg, cfg.model.vocab_size, device, resume_step, cut=stages_only)  # 3. model, initialised
     if init_from is not None and resume_step == 0:
-        from .hf_import import load_hf_weights
+        from .hf.load import load_hf_weights
 
         load_hf_weights(model, init_from)
         log(f"initialised from Hugging Face weights in {init_from}")
@@ -287,14 +148,14 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
     amp_dtype = autocast_dtype(t, device)
     engine = pipeline = None
     if cfg.parallel.engine == "deepspeed":
-        from .deepspeed_engine import initialize
+        from .parallel.deepspeed_engine import initialize
 
         optimizer = build_optimizer(model, t)
         engine = initialize(model, optimizer, cfg, mesh, device, run_dir)  # ZeRO partitions, bf16, offload: its own
         optimizer = engine.optimizer
     else:
         if mesh.pp > 1:  # cut into this rank's pipeline stages first: every later step sees only its part
-            from .pipeline import Pipeline
+            from .parallel.pipeline import Pipeline
 
             pipeline = Pipeline(cfg, model, mesh, device, cfg.model.vocab_size)
             log(f"pipeline: {len(pipeline.ranges)} stages of layers "
@@ -342,29 +203,19 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
     return result, model
 
 
-def _load_checkpoint_for_inference(args):
-    """(cfg, model, tokenizer, ckpt path, device) from --run-dir's latest (or --checkpoint)."""
+def _checkpoint_for_inference(args) -> Path:
+    """--checkpoint, or --run-dir's latest checkpoint."""
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(None)
     ckpt = Path(args.checkpoint) if args.checkpoint else CheckpointManager(run_dir).latest()
     if ckpt is None or not ckpt.is_dir():
         where = args.checkpoint or f"{run_dir}/checkpoints"
         raise CheckpointError(f"no checkpoint in {where}; train first or pass --checkpoint DIR")
-    for name in ("config.yaml", "tokenizer"):
-        if not (ckpt / name).exists():
-            raise CheckpointError(f"checkpoint {ckpt} has no {name}; it is incomplete or not a checkpoint")
-    inference_files = ("model.safetensors", SHARDED, DEEPSPEED, "trainer_state.json", "config.yaml", "tokenizer")
-    verify_manifest(ckpt, only=inference_files)  # before any of them is read
-    cfg = load_config(str(ckpt / "config.yaml"), parse_overrides(args.overrides))
-    tokenizer = load_tokenizer(ckpt / "tokenizer")
-    device = select_device(cfg.train)
-    cfg.train.activation_checkpointing = False
-    model = build_model(cfg, cfg.model.vocab_size, device, checkpoint_step(ckpt))
-    CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False, verify=False)
-    return cfg, model, tokenizer, ckpt, device
+    return ckpt
 
 
 def cmd_eval(args) -> int:
-    cfg, model, _tok, ckpt, device = _load_checkpoint_for_inference(args)
+    ckpt = _checkpoint_for_inference(args)
+    cfg, model, _tok, device = load_for_inference(ckpt, parse_overrides(args.overrides))
     prepare_data(cfg.data, log=_log)
     val_ds = build_dataset(cfg.data, "val")
     n = args.batches or cfg.train.eval_batches
@@ -375,7 +226,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    cfg, model, tok, _ckpt, device = _load_checkpoint_for_inference(args)
+    cfg, model, tok, device = load_for_inference(_checkpoint_for_inference(args), parse_overrides(args.overrides))
     gen = torch.Generator(device=device).manual_seed(args.seed)
     # In the packed training stream every document follows the previous one's EOS, so EOS (not BOS, which
     # training never shows) is the context the model knows as "a document starts here".
@@ -387,7 +238,7 @@ def cmd_sample(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .export import export, resolve_checkpoint
+    from .hf.export import export, resolve_checkpoint
 
     ckpt = resolve_checkpoint(Path(args.path))
     _log(f"exporting {ckpt} -> {args.out}")

@@ -5,7 +5,7 @@ tensors (``FakeTensorMode``: shapes and dtypes, no storage) over a fake process 
 (``FakeStore``, backend "fake": DTensor and device meshes work on it, collectives move nothing), and over the
 second (the steady state: optimizer state exists) torch's memory trackers record the peak by category: sharded and gathered weights, gradients, optimizer state,
 activations and temporaries. The rank is built by the trainer's own code, in the trainer's order: the layout
-checks and the device mesh (``Mesh.setup``), the pipeline cut (``train/pipeline.py``), tensor parallelism
+checks and the device mesh (``Mesh.setup``), the pipeline cut (``train/parallel/pipeline.py``), tensor parallelism
 (``apply_tensor_parallel``: the model's own DTensor plan), expert parallelism (``apply_expert_parallel``: this
 rank's experts), context parallelism (``apply_context_parallel``: the rank runs T/cp positions; attention
 passes key/value blocks round a ring, delta-rule layers gather each piece's state map), FSDP2
@@ -91,9 +91,10 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from hybridtron.configs import ConfigError, JobConfig
 
-from .context_parallel import local_piece
-from .distributed import Mesh, dp_shard_size, resolve_layout
-from .parallelize import autocast_context, autocast_dtype, clip_grad_norm
+from .device import autocast_context, autocast_dtype
+from .parallel.context_parallel import local_piece
+from .parallel.mesh import Mesh, dp_shard_size, resolve_layout
+from .parallel.parallelize import clip_grad_norm
 
 GIB = 1 << 30
 CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
@@ -265,10 +266,10 @@ def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp
     the autocast dtype FSDP's mixed precision follows."""
     from hybridtron.model import GatedLM
 
-    from .context_parallel import apply_context_parallel
-    from .expert_parallel import apply_expert_parallel
     from .optim import build_optimizer
-    from .parallelize import apply_data_parallel, apply_tensor_parallel, parallelize
+    from .parallel.context_parallel import apply_context_parallel
+    from .parallel.expert_parallel import apply_expert_parallel
+    from .parallel.parallelize import apply_data_parallel, apply_tensor_parallel, parallelize
 
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
@@ -276,7 +277,7 @@ def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp
         model.init_weights()
     pipeline = None
     if mesh.pp > 1:
-        from .pipeline import Pipeline
+        from .parallel.pipeline import Pipeline
 
         pipeline = Pipeline(cfg, model, mesh, device, vocab)
     apply_tensor_parallel(model, mesh)
@@ -317,7 +318,7 @@ class ReplayedSchedule:
     def step(self, *args, target=None, losses=None, return_outputs=False, **kwargs):
         from torch.distributed.fsdp import FSDPModule
 
-        from .pipeline import stage_loss
+        from .parallel.pipeline import stage_loss
 
         ids = args[0].chunk(self.n_micro) if args else None
         labels = target.chunk(self.n_micro) if target is not None else None
@@ -373,7 +374,7 @@ def _batches(cfg: JobConfig, vocab: int, n: int):
 def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n_micro: int, vocab: int) -> None:
     """One optimizer step over ``n_micro`` micro-batches, as ``Trainer._torch_micro_batches`` and
     ``_pipeline_micro_batches`` take it (without the scalars they log)."""
-    from .expert_parallel import sync_expert_grads
+    from .parallel.expert_parallel import sync_expert_grads
 
     if pipeline is not None:
         parts = list(_batches(cfg, vocab, n_micro))
@@ -415,7 +416,7 @@ def _tracker(roots: list[nn.Module], model, optimizer, pipeline):
 
 class _MemTracker(MemTracker):
     """torch's plain tracker, which hooks the gradient of every parameter of a module when the module first runs.
-    Tensor-parallel layers that run on their parameters' local shards (``train/tensor_parallel.py``) lend their
+    Tensor-parallel layers that run on their parameters' local shards (``train/parallel/tensor_parallel.py``) lend their
     submodules those shards, non-leaf views, as parameters for the call: their gradients reach the DTensor
     parameters, hooked already, so such submodules get no hooks (torch refuses hooks on non-leaf tensors)."""
 
@@ -441,7 +442,7 @@ def _receive_buffers(pipeline) -> list[torch.Tensor]:
 def rank_facts(cfg: JobConfig, model, pipeline) -> dict:
     """What the communication of the rank depends on: its parameters (without the ep-sharded experts, and those)
     and the layers and pipeline stages it holds."""
-    from .expert_parallel import expert_params
+    from .parallel.expert_parallel import expert_params
 
     def local(p):
         return p.to_local().numel() if isinstance(p, DTensor) else p.numel()

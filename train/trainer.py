@@ -22,14 +22,15 @@ from hybridtron.configs import ConfigError, JobConfig
 from hybridtron.data_pipeline.atomic import write_bytes_atomic
 
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
-from .context_parallel import local_piece
-from .distributed import Mesh
-from .expert_parallel import sync_expert_grads
+from .device import autocast_context
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
-from .parallelize import autocast_context, clip_grad_norm
+from .parallel.context_parallel import local_piece
+from .parallel.expert_parallel import sync_expert_grads
+from .parallel.mesh import Mesh
+from .parallel.parallelize import clip_grad_norm
+from .parallel.tensor_parallel import _plain, from_row_order
 from .schedule import lr_at
-from .tensor_parallel import _plain, from_row_order
 
 
 class NonFiniteLossError(RuntimeError):

@@ -71,7 +71,7 @@ def test_config_refuses_what_cannot_run(no_interpreter):
 
 
 def test_resume_may_change_kernels_but_not_the_model(tmp_path, no_interpreter):
-    from hybridtron.train.cli import check_resume_compatible
+    from hybridtron.train.run_dir import check_resume_compatible
 
     (tmp_path / "config.yaml").write_text(load_config("tiny").to_yaml())
     check_resume_compatible(load_config("tiny", [("model.kernels.norm", "reference")]), tmp_path)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridtron.configs import ConfigError, TrainConfig, load_config
-from hybridtron.train.parallelize import apply_compile, parallelize
+from hybridtron.train.parallel.parallelize import apply_compile, parallelize
 
 from .test_model_kernels import batch, build, loss_and_grads
 

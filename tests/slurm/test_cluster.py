@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from hybridtron.train.checkpoint import CheckpointManager, verify_manifest
-from hybridtron.train.cli import LAST_STOP, main
+from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
+from hybridtron.train.run_dir import LAST_STOP
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,9 @@ import sys
 import time
 
 from hybridtron.train.checkpoint import CheckpointManager
-from hybridtron.train.cli import LAST_STOP, main
+from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
+from hybridtron.train.run_dir import LAST_STOP
 
 
 def test_sigusr1_checkpoints_stops_and_says_so(small_data_dir, cli_args, tmp_path):

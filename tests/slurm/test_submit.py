@@ -16,7 +16,8 @@ import pytest
 
 from hybridtron.slurm import status as slurm_status
 from hybridtron.slurm.submit import PLACEHOLDER, TEMPLATE, parse_time
-from hybridtron.train.cli import LAST_STOP, main
+from hybridtron.train.cli import main
+from hybridtron.train.run_dir import LAST_STOP
 
 GPU_JOB = ["--nodes", "4", "--gpus-per-node", "8", "--partition", "p", "--time", "24:00:00", "--account", "a",
            "--qos", "q", "--constraint", "h100", "--exclusive", "--sbatch-arg=--mem=0"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train.distributed import resolve_layout
 from hybridtron.train.metrics import read_metrics
+from hybridtron.train.parallel.mesh import resolve_layout
 
 from .test_data_parallel import (
     MOE,

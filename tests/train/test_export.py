@@ -13,7 +13,7 @@ import torch
 from hybridtron.configs import DeltaNetConfig, ModelConfig, MoEConfig, ScaleVectorConfig, StructuredFFNConfig
 from hybridtron.data_pipeline.tokenizer import load_tokenizer
 from hybridtron.model import GatedLM
-from hybridtron.train.export import ExportError, export_model
+from hybridtron.train.hf.export import ExportError, export_model
 from hybridtron.train.sample import generate
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dependency; install the project")
@@ -178,7 +178,7 @@ def test_cli_export_of_a_trained_run(small_data_dir, cli_args, tmp_path, capsys)
 def test_round_trip_hf_to_hybridtron_to_hf_is_bit_exact(case, tok_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from hybridtron.train.hf_import import load_hf_weights, model_config_from_hf, read_hf_config
+    from hybridtron.train.hf.load import load_hf_weights, model_config_from_hf, read_hf_config
 
     export_model(tiny(**CASES[case]), tok_dir, tmp_path / "a", log=lambda _: None)
     cfg = model_config_from_hf(read_hf_config(tmp_path / "a"), ModelConfig(max_seq_len=64))
@@ -195,7 +195,7 @@ def test_round_trip_hf_to_hybridtron_to_hf_is_bit_exact(case, tok_dir, tmp_path)
 
 def test_import_refuses_unsupported_directories(tmp_path):
     from hybridtron.configs import JobConfig
-    from hybridtron.train.hf_import import HFImportError, apply_init_from
+    from hybridtron.train.hf.load import HFImportError, apply_init_from
 
     with pytest.raises(HFImportError, match="no config.json"):
         apply_init_from(JobConfig(), f"hf:{tmp_path}")

@@ -21,7 +21,7 @@ import torch
 from hybridtron.configs import DeltaNetConfig, ModelConfig, MoEConfig, load_config
 from hybridtron.data_pipeline.tokenizer import load_tokenizer
 from hybridtron.model import GatedLM
-from hybridtron.train.export import ExportError, export_model
+from hybridtron.train.hf.export import ExportError, export_model
 from hybridtron.train.sample import generate
 
 from .test_export import assert_same_greedy
@@ -207,7 +207,7 @@ def test_the_exported_directory_loads_without_hybridtron(tok_dir, tmp_path):
 def test_round_trip_of_a_custom_export_is_bit_exact(tok_dir, tmp_path):
     from safetensors.torch import load_file
 
-    from hybridtron.train.hf_import import load_hf_weights, model_config_from_hf, read_hf_config
+    from hybridtron.train.hf.load import load_hf_weights, model_config_from_hf, read_hf_config
 
     model, _ = export_case("tiny_deltaproduct", tok_dir, tmp_path / "a")
     # The rotary length comes from the run (as with --init-from), not from max_position_embeddings.
@@ -227,8 +227,8 @@ def test_round_trip_of_a_custom_export_is_bit_exact(tok_dir, tmp_path):
 def test_with_qwen35_settings_the_custom_model_is_qwen35(tok_dir, tmp_path):
     """beta = sigmoid(b) and n_h = 1: HybridtronForCausalLM on a native export's weights gives transformers'
     own Qwen3_5ForCausalLM logits (the replaced mixer is Qwen3.5's plus the two options, nothing else)."""
-    from hybridtron.train.export_custom.configuration_hybridtron import HybridtronConfig
-    from hybridtron.train.export_custom.modeling_hybridtron import HybridtronForCausalLM
+    from hybridtron.train.hf.export_custom.configuration_hybridtron import HybridtronConfig
+    from hybridtron.train.hf.export_custom.modeling_hybridtron import HybridtronForCausalLM
 
     cfg = replace(CASES["neg_eigval_hybrid"](), deltanet=DeltaNetConfig(**SMALL_DN))
     export_model(build(cfg), tok_dir, tmp_path / "hf", log=lambda _: None)

@@ -12,7 +12,7 @@ import pytest
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.train.checkpoint import SHARDED
 from hybridtron.train.cli import main
-from hybridtron.train.distributed import resolve_layout
+from hybridtron.train.parallel.mesh import resolve_layout
 
 from .test_data_parallel import (
     STEPS,

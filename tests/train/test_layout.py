@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train.distributed import Mesh, launch_world, resolve_layout
+from hybridtron.train.parallel.mesh import Mesh, launch_world, resolve_layout
 
 
 def test_dp_minus_one_takes_every_process():
@@ -59,7 +59,7 @@ def test_deepspeed_json_is_built_from_the_job_and_a_users_file_is_honoured(tmp_p
 
     import torch
 
-    from hybridtron.train.deepspeed_engine import deepspeed_config
+    from hybridtron.train.parallel.deepspeed_engine import deepspeed_config
 
     cpu = torch.device("cpu")
     over = [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "2"), ("train.micro_batch_size", "4"),
@@ -114,7 +114,7 @@ def test_tensor_parallel_layout_resolves():
 
 
 def test_only_the_mesh_creates_process_groups():
-    """One object owns the layout: no module but train/distributed.py creates a process group or device mesh
+    """One object owns the layout: no module but train/parallel/mesh.py creates a process group or device mesh
     (the planner's fake single-process world aside)."""
     import re
     from pathlib import Path
@@ -125,4 +125,4 @@ def test_only_the_mesh_creates_process_groups():
     creating = re.compile(r"\b(new_group|init_process_group|init_device_mesh|DeviceMesh)\(")
     found = {str(p.relative_to(root)) for folder in ("train", "model", "kernels", "data_pipeline", "slurm")
              for p in (root / folder).rglob("*.py") if creating.search(p.read_text())}
-    assert found == {"train/distributed.py", "train/plan.py"}, found
+    assert found == {"train/parallel/mesh.py", "train/plan.py"}, found

@@ -19,11 +19,11 @@ import torch
 
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.model.flops import layer_flops
+from hybridtron.train.build import build_model
 from hybridtron.train.checkpoint import SHARDED
-from hybridtron.train.cli import build_model
-from hybridtron.train.distributed import resolve_layout
 from hybridtron.train.metrics import read_metrics
-from hybridtron.train.pipeline import balance, rank_cut, stage_ranges
+from hybridtron.train.parallel.mesh import resolve_layout
+from hybridtron.train.parallel.pipeline import balance, rank_cut, stage_ranges
 
 from .test_data_parallel import (
     MOE,

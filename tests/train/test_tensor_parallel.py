@@ -1,4 +1,4 @@
-"""Tensor parallel for Gated DeltaNet and MoE layers (train/tensor_parallel.py): real torchrun runs (gloo).
+"""Tensor parallel for Gated DeltaNet and MoE layers (train/parallel/tensor_parallel.py): real torchrun runs (gloo).
 
 A hybrid stack with every kind of reordered weight -- DeltaProduct (two Householder steps, so in_proj_qkv holds
 [q | k_1 k_2 | v_1 v_2] and in_proj_b two segments), grouped value heads, MoE with a shared expert, auxiliary and
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train.distributed import resolve_layout
-from hybridtron.train.tensor_parallel import segment_row_order
+from hybridtron.train.parallel.mesh import resolve_layout
+from hybridtron.train.parallel.tensor_parallel import segment_row_order
 
 from .test_data_parallel import (
     STEPS,
@@ -104,7 +104,7 @@ def test_tensor_parallel_layouts_that_cannot_work_are_refused():
 def test_row_order_round_trip_of_a_state_tensor():
     from types import SimpleNamespace
 
-    from hybridtron.train.tensor_parallel import ROW_ORDERS, to_row_order
+    from hybridtron.train.parallel.tensor_parallel import ROW_ORDERS, to_row_order
 
     order = segment_row_order([2, 2, 4], 2)
     model = SimpleNamespace(**{ROW_ORDERS: {"layers.0.linear_attn.in_proj_qkv.weight": (0, order)}})

@@ -12,7 +12,7 @@ whole (E, ...) tensors, so it loads at any other layout); every other parameter 
 of ``dp`` (DDP or FSDP2, which leave the experts alone). The expert gradients of the ``dp_replicate`` copies
 are summed after the backward and scaled like data-parallel gradients (``sync_expert_grads``).
 
-With tensor parallel as well, every tp rank routes the same tokens (train/tensor_parallel.py), the all-to-all
+With tensor parallel as well, every tp rank routes the same tokens (train/parallel/tensor_parallel.py), the all-to-all
 runs among the ranks of one tp coordinate, and each holds its experts' share of hidden units: the experts are
 DTensors over the (ep, tp) mesh, and their outputs partial sums that the tensor-parallel reduce-scatter adds.
 """
@@ -71,7 +71,7 @@ def apply_expert_parallel(model: nn.Module, mesh) -> nn.Module:
         for name in ("gate_up_proj", "down_proj"):
             whole = getattr(experts, name)
             if isinstance(whole, DTensor):  # tensor parallel split every expert's hidden units already: keep that
-                # split as the second dimension of a (ep, tp) mesh (train/tensor_parallel.py)
+                # split as the second dimension of a (ep, tp) mesh (train/parallel/tensor_parallel.py)
                 mine = whole.to_local().detach()[rank * n:(rank + 1) * n].clone()
                 on, placements = mesh.expert_mesh["ep", "tp"], [Shard(0), *whole.placements]
             else:

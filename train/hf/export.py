@@ -9,7 +9,7 @@ Targets, by what the model is:
 - ``qwen3`` (Qwen3ForCausalLM): ungated attention-only models with QK-norm; ``llama`` without QK-norm;
 - ``hybridtron`` (HybridtronForCausalLM, custom code): a ``qwen3_5_text`` model whose Gated DeltaNet
   layers have what Qwen3.5 lacks, negative eigenvalues (beta in (0, 2)) or DeltaProduct. The directory
-  then also holds ``configuration_hybridtron.py`` and ``modeling_hybridtron.py`` (train/export_custom/,
+  then also holds ``configuration_hybridtron.py`` and ``modeling_hybridtron.py`` (train/hf/export_custom/,
   Qwen3.5's classes with the mixer replaced; torch and transformers only) with ``auto_map`` entries in
   config.json, and loads with ``trust_remote_code=True``. Weight names are those of ``qwen3_5_text``.
 
@@ -153,7 +153,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int, target: str, tok) -> object:
     )
     if target == "qwen3_5_text":
         return transformers.Qwen3_5TextConfig(**common, **qwen)
-    if target == "hybridtron":  # train/export_custom/: the very files written next to the weights
+    if target == "hybridtron":  # train/hf/export_custom/: the very files written next to the weights
         from .export_custom.configuration_hybridtron import HybridtronConfig
 
         hf = HybridtronConfig(**common, **qwen, linear_allow_neg_eigval=cfg.deltanet.neg_eigval,
@@ -222,8 +222,8 @@ def to_hf_names(state: dict[str, torch.Tensor], cfg: ModelConfig, target: str) -
 
 # ---- the export --------------------------------------------------------------------------------------
 def load_for_export(ckpt: Path) -> tuple[JobConfig, GatedLM]:
-    from .checkpoint import CheckpointManager
-    from .cli import build_model, checkpoint_step
+    from ..build import build_model, checkpoint_step
+    from ..checkpoint import CheckpointManager
 
     cfg = load_config(str(ckpt / "config.yaml"))
     cfg.train.activation_checkpointing = False
@@ -351,7 +351,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
 def resolve_checkpoint(path: Path) -> Path:
     """A run directory (its latest checkpoint) or a checkpoint directory, of one process or sharded (``dcp/``,
     loaded whole on this one CPU process whatever layout wrote it)."""
-    from .checkpoint import DEEPSPEED, SHARDED, CheckpointManager
+    from ..checkpoint import DEEPSPEED, SHARDED, CheckpointManager
 
     if (path / "config.yaml").is_file() and ((path / "model.safetensors").is_file() or (path / SHARDED).is_dir()
                                              or (path / DEEPSPEED).is_dir()):

@@ -1,6 +1,6 @@
 """``hybridtron train --init-from hf:DIR``: continued pretraining from a local Hugging Face checkpoint.
 
-The inverse of ``train/export.py`` for the architectures it writes: ``qwen3_5_text`` / ``qwen3_5``
+The inverse of ``train/hf/export.py`` for the architectures it writes: ``qwen3_5_text`` / ``qwen3_5``
 (Qwen3.5 dense and hybrid), ``qwen3_5_moe_text`` / ``qwen3_5_moe``, ``qwen3``, ``llama`` and
 ``hybridtron`` (our custom-code export: Qwen3.5 plus negative eigenvalues / DeltaProduct, read from its
 config.json; its Python files are never run here). The HF config becomes the model section (norms in

@@ -1,6 +1,6 @@
 """Tensor parallelism for the layers torch's Linear styles do not cover: Gated DeltaNet and mixture of experts.
 
-``train/parallelize.py`` shards attention and dense SwiGLU with torch's ``ColwiseParallel``/``RowwiseParallel``.
+``train/parallel/parallelize.py`` shards attention and dense SwiGLU with torch's ``ColwiseParallel``/``RowwiseParallel``.
 A Gated DeltaNet or an MoE layer is more than a chain of linears (a depthwise convolution, per-head gates, a
 recurrence, routing), so each runs on its tp rank as a smaller copy of itself on plain local tensors, Megatron
 style, with one all-gather of the sequence-parallel input before it and one reduce-scatter of its partial output

@@ -23,7 +23,7 @@ from pathlib import Path
 from hybridtron.configs import ConfigError, JobConfig
 from hybridtron.data_pipeline.atomic import write_text_atomic
 
-from .parallelize import autocast_dtype
+from ..device import autocast_dtype
 
 TAG = "state"  # the one tag inside a checkpoint's deepspeed/ directory
 EFFECTIVE = "deepspeed_config.json"  # in the run directory: the JSON the engine was given

@@ -19,35 +19,11 @@ so a run starts from the same weights at every layout.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from hybridtron.configs import TrainConfig
-
-
-def select_device(cfg: TrainConfig) -> torch.device:
-    if cfg.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(cfg.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device={cfg.device!r} but no CUDA device is visible; use train.device=cpu or auto")
-    return dev
-
-
-def autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    """bf16 autocast on GPU (weights and optimizer stay fp32); plain fp32 on CPU unless asked."""
-    if cfg.dtype == "fp32" or (cfg.dtype == "auto" and device.type != "cuda"):
-        return None
-    return torch.bfloat16
-
-
-def autocast_context(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -87,7 +63,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     are split by vocabulary rows, and the loss is the fused linear + cross-entropy over the shards
     (``vocab_parallel_loss``): the logits never exist, whole or split.
     Gated DeltaNet layers are split by heads and MoE layers by every expert's hidden units, each as a smaller copy
-    of itself between the same all-gather and reduce-scatter (``train/tensor_parallel.py``).
+    of itself between the same all-gather and reduce-scatter (``train/parallel/tensor_parallel.py``).
     Parameters become DTensors; torch's DTensor sends every collective.
     """
     if mesh is None or mesh.tp == 1:
@@ -108,7 +84,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
             "norm": SequenceParallel(),
             # tied: no lm_head, the logits come from the embedding's own vocabulary shards
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
-    # A pipeline stage holds some of these only (``train/pipeline.py``); absent parts are None.
+    # A pipeline stage holds some of these only (``train/parallel/pipeline.py``); absent parts are None.
     parallelize_module(model, tp_mesh, {k: v for k, v in root.items() if getattr(model, k) is not None})
     model.vocab_parallel_loss = vocab_parallel_loss(tp_mesh)
     orders = getattr(model, ROW_ORDERS, None) or {}
@@ -133,7 +109,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
             if attn.q_norm is not None:  # over head_dim of (B, T, heads, D): the heads are the split dimension
                 plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
                 plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        else:  # Gated DeltaNet: a head-sharded copy on local tensors (train/tensor_parallel.py)
+        else:  # Gated DeltaNet: a head-sharded copy on local tensors (train/parallel/tensor_parallel.py)
             parallelize_gated_deltanet(block.linear_attn, tp_mesh, orders, f"layers.{i}.linear_attn.")
         if hasattr(block.mlp, "experts"):  # mixture of experts: hidden units of every expert sharded
             parallelize_moe(block.mlp, tp_mesh, orders, f"layers.{i}.mlp.")

@@ -1,0 +1,124 @@
+"""A run directory and the config it holds: which config a command runs with, and whether a run directory
+may continue with it (the same model, the same data, the same tokenizer).
+
+Every command that reads or writes a run directory resolves it here; the SLURM submitter uses the same checks
+before it submits anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
+from hybridtron.configs.base import from_dict
+from hybridtron.data_pipeline import load_tokenizer
+
+from .checkpoint import CheckpointManager, verify_manifest
+
+DEFAULT_PRESET = "tiny"
+
+# Why the last `train` stopped ({"stopped_by", "step", "max_steps", "checkpoint"}), written by rank 0 when it stops
+# cleanly: the SLURM job script requeues a run that a signal stopped, never a finished or crashed one.
+LAST_STOP = "last_stop.json"
+
+
+def default_run_dir(config: str | None) -> Path:
+    return Path("runs") / Path(config or DEFAULT_PRESET).stem
+
+
+def resolve_job(args) -> tuple[JobConfig, Path]:
+    """The run's config: --config (or the run dir's saved config when resuming, or the tiny preset) + overrides."""
+    overrides = parse_overrides(args.overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
+    saved = run_dir / "config.yaml"
+    resuming = args.config is None and saved.is_file()
+    if resuming:
+        read_saved_config(run_dir)  # a damaged one is named as the run's, with the way to restore it
+    return load_config(str(saved) if resuming else args.config or DEFAULT_PRESET, overrides), run_dir
+
+
+# Data settings that do not change which tokens are trained on, nor their order: where the prepared data
+# lives (its tokenizer is compared by fingerprint instead), how it is read, and what prepare does about
+# bad records (a prepare that succeeded under "error" produced what "skip" would have).
+RESUME_FREE_DATA = ("out_dir", "streaming", "num_workers", "on_bad_record", "max_malformed_fraction",
+                    "on_source_change")
+_ABSENT = object()
+
+
+def read_saved_config(run_dir: Path) -> dict | None:
+    """The run directory's saved ``config.yaml`` as a mapping (None if there is none); ConfigError if damaged."""
+    saved = run_dir / "config.yaml"
+    if not saved.is_file():
+        return None
+    ckpt = CheckpointManager(run_dir).latest(warn=False)
+    fix = (f"copy {ckpt / 'config.yaml'} (the latest checkpoint's copy) over it" if ckpt is not None
+           else "delete it (no checkpoint was saved yet)")
+    try:
+        old = yaml.safe_load(saved.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as e:
+        raise ConfigError(f"the run's saved config {saved} is unreadable ({type(e).__name__}); {fix}, or start a "
+                          f"new --run-dir") from None
+    if not isinstance(old, dict):
+        raise ConfigError(f"the run's saved config {saved} holds no config mapping; {fix}, or start a new --run-dir")
+    return old
+
+
+def _first_difference(old, new, key: str):
+    """(key, old, new) of the first setting in ``new`` that ``old`` holds with another value, or None."""
+    if old is _ABSENT:  # a setting the saved config does not know (and its defaults could not fill in)
+        return None
+    if isinstance(new, dict) and isinstance(old, dict):
+        for k, v in new.items():
+            if (d := _first_difference(old.get(k, _ABSENT), v, f"{key}.{k}")) is not None:
+                return d
+        return None
+    if isinstance(new, list) and isinstance(old, list) and len(new) == len(old):
+        for i, (a, b) in enumerate(zip(old, new, strict=True)):
+            if (d := _first_difference(a, b, f"{key}[{i}]")) is not None:
+                return d
+        return None
+    return None if old == new else (key, old, new)
+
+
+def check_resume_compatible(cfg: JobConfig, run_dir: Path, sections: tuple[str, ...] = ("model", "data")) -> None:
+    """A run directory continues only with the model it was started with and the same data: every model
+    setting, and every data setting that changes which tokens are trained on (sources, tokenizer settings,
+    seq_len, split, seed, ...). The tokenizer itself is compared by fingerprint in check_resume_tokenizer."""
+    old = read_saved_config(run_dir)
+    if old is None:
+        return
+    try:  # settings added since the run was saved compare with their defaults
+        old = from_dict(JobConfig, old).to_dict()
+    except (ConfigError, TypeError, ValueError, AttributeError, KeyError):
+        pass  # a config of another version: compare the keys it has
+    new = cfg.to_dict()
+    for section in sections:
+        # model.kernels says how the same function is computed (kernels/backend.py), not what is trained
+        free = RESUME_FREE_DATA if section == "data" else ("kernels",)
+        before = old.get(section)
+        before = before if isinstance(before, dict) else {}
+        for k, v in new[section].items():
+            d = None if k in free else _first_difference(before.get(k, _ABSENT), v, f"{section}.{k}")
+            if d is not None:
+                key, was, now = d
+                raise ConfigError(
+                    f"--run-dir {run_dir} holds a run with {key}={was!r}, but this config has {key}={now!r}; resume "
+                    f"with the run's {section} settings (drop the override or --config) or choose another --run-dir"
+                )
+
+
+def check_resume_tokenizer(ckpt: Path | None, tokenizer, tokenizer_dir: Path) -> None:
+    """The checkpoint was trained with the tokenizer the data now resolves to (the same file bytes), not another
+    one of the same size: continuing would train on differently tokenized data."""
+    if ckpt is None or not (ckpt / "tokenizer").is_dir():
+        return
+    verify_manifest(ckpt, only=("tokenizer",))
+    old = load_tokenizer(ckpt / "tokenizer").fingerprint
+    if old != tokenizer.fingerprint:
+        raise ConfigError(
+            f"checkpoint {ckpt} was trained with tokenizer {old[:12]} ({ckpt / 'tokenizer'}), but the data in "
+            f"{tokenizer_dir.parent} uses tokenizer {tokenizer.fingerprint[:12]} ({tokenizer_dir}); resume with the "
+            f"data.out_dir the run was prepared with, or start a new --run-dir"
+        )
