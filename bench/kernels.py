@@ -34,7 +34,9 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
   in TFLOP/s over the unmasked causal pairs).
 
 Every candidate's outputs and input gradients are first compared with ours (a candidate that computes
-something else is reported, not timed; a case's rate baselines are timed without the comparison). Timing:
+something else is reported, not timed; a case's rate baselines are timed without the comparison). Each
+candidate runs on its own copies of the inputs and cotangents, so a peer that writes into them in place
+cannot change what the others are checked and timed on. Timing:
 CUDA events, ``--repeats`` rounds after a warm-up, the candidates alternating within a round; the median
 is reported. Bandwidth counts the bytes an op must move
 at least (inputs read once, outputs written once, forward and backward), against the device's copy
@@ -419,6 +421,11 @@ def _tuple(x):
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
+def _fresh(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Private copies of ``tensors`` (leaves, requires_grad kept) for one candidate."""
+    return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
+
+
 def _fwd_bwd(fn, inputs, cotangents=None):
     """One forward + backward; returns outputs and input gradients (detached)."""
     leaves = [t for t in inputs if t.requires_grad]
@@ -485,14 +492,18 @@ def run_case(case: Case, device, repeats: int, warmup: int, copy_gbs: float | No
     rows, live = [], {}
     ours = case.candidates.get(case.ours)
     ref_fn = ours if callable(ours) else next(f for f in case.candidates.values() if callable(f))
-    ref_out, ref_grad = _fwd_bwd(ref_fn, case.inputs)
+    ref_out, ref_grad = _fwd_bwd(ref_fn, _fresh(case.inputs))
     cot = [torch.ones_like(o) / o.numel() ** 0.5 for o in ref_out]
     for name, fn in case.candidates.items():
         if not callable(fn):
             rows.append(Row(case.op, case.shape, name, note=fn, extra=dict(case.extra)))
             continue
+        # Each candidate checks and times on its own copies of the inputs and cotangents: a peer that writes
+        # into them in place (Liger's SwiGLU backward stores its gradients in the saved inputs; its rope
+        # rotates in place) then changes only what it computes on itself, never a later candidate's data.
+        args, c = _fresh(case.inputs), _fresh(cot)
         try:
-            out, grad = _fwd_bwd(fn, case.inputs, cot)
+            out, grad = _fwd_bwd(fn, args, c)
         except Exception as e:  # a peer's version or layout that does not fit: report, do not time
             rows.append(Row(case.op, case.shape, name, note=f"failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}",
                             extra=dict(case.extra)))
@@ -500,20 +511,23 @@ def run_case(case: Case, device, repeats: int, warmup: int, copy_gbs: float | No
         errs = [] if name in case.baselines else [
             (a.float() - b.float()).abs().max().item() for a, b in zip(out + grad, ref_out + ref_grad, strict=False)
             if a is not None and b is not None and a.shape == b.shape]
-        live[name] = fn
+        del out, grad
+        for t in args:
+            t.grad = None
+        live[name] = (fn, args, c)
         rows.append(Row(case.op, case.shape, name, max_err=max(errs) if errs else None, extra=dict(case.extra)))
     for _ in range(warmup):
-        for fn in live.values():
-            _timed(fn, case.inputs, cot, device)
+        for fn, args, c in live.values():
+            _timed(fn, args, c, device)
     times: dict[str, list[float]] = {n: [] for n in live}
     for _ in range(repeats):
-        for n, fn in live.items():
-            times[n].append(_timed(fn, case.inputs, cot, device))
+        for n, (fn, args, c) in live.items():
+            times[n].append(_timed(fn, args, c, device))
     for row in rows:
         if row.impl not in live:
             continue
         row.seconds = statistics.median(times[row.impl])
-        row.peak_mib = _peak_mib(live[row.impl], case.inputs, cot, device)
+        row.peak_mib = _peak_mib(*live[row.impl], device)
         if case.bytes_moved:
             gbs = case.bytes_moved / row.seconds / 1e9
             row.extra["gbs"] = gbs

@@ -155,3 +155,40 @@ def test_delta_rule_verdicts_per_shape():
         "(target <= 1: met)",
         "- delta_rule T8192 D128: vs fla not measured (fla chunk_gated_delta_rule: fla unavailable (x))",
     ]
+
+
+class _InPlaceSiLUMul(torch.autograd.Function):
+    """silu(g) * u computed right, but as Liger's SwiGLU does it: the backward stores the gradients in the saved
+    inputs and hands those back; it also scales the cotangent it was handed in place, so every tensor a
+    candidate is given gets written."""
+
+    @staticmethod
+    def forward(ctx, g, u):
+        ctx.save_for_backward(g, u)
+        return F.silu(g) * u
+
+    @staticmethod
+    def backward(ctx, dy):
+        g, u = ctx.saved_tensors
+        sig = torch.sigmoid(g)
+        dg = dy * u * sig * (1 + g * (1 - sig))
+        du = dy * F.silu(g)
+        g.copy_(dg)  # in place into the saved inputs, as Liger's kernel does
+        u.copy_(du)
+        dy.mul_(3.0)  # and into the cotangent it was handed
+        return g, u
+
+
+def test_an_in_place_peer_changes_no_other_candidates_data(monkeypatch):
+    """The peer runs before ours (candidate order: eager, compile, liger, ours). With shared inputs its
+    backward would leave gradients in g and u and a scaled cotangent, and our own row would differ from our
+    reference run; with private copies it stays exactly 0, and the peer itself is still checked correctly."""
+    monkeypatch.setattr(bench, "_liger", lambda name: _InPlaceSiLUMul)
+    case = bench.swiglu_case(8, 24, torch.float32, torch.device("cpu"), compile_peers=False, ours=True)
+    shared = [t.clone() for t in case.inputs]
+    rows = {r.impl: r for r in bench.run_case(case, torch.device("cpu"), repeats=2, warmup=1, copy_gbs=None)}
+    assert rows["triton (ours)"].max_err == 0.0, rows["triton (ours)"]
+    assert rows["liger"].seconds is not None and rows["liger"].max_err < 1e-5, rows["liger"]
+    assert rows["torch eager"].max_err < 1e-5
+    for before, after in zip(shared, case.inputs, strict=True):  # the case's own tensors are never written
+        assert torch.equal(before, after.detach())
