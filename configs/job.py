@@ -111,6 +111,10 @@ class TrainConfig:
     schedule: Literal["cosine", "wsd", "constant"] = "cosine"
     warmup_steps: int = 20
     decay_fraction: float = 0.2  # WSD: share of steps in the final decay
+    # A resume whose schedule settings differ from its checkpoint's (train/schedule.py): keep the checkpoint's
+    # curve (only max_steps moves: WSD decays at the new end, a cosine holds its floor), or replan the config's
+    # schedule from the current LR. Neither makes the LR jump.
+    schedule_on_resume: Literal["keep", "replan"] = "keep"
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     decay_norms: bool = False
@@ -155,6 +159,8 @@ class TrainConfig:
                 f"train.warmup_steps={self.warmup_steps} must be below train.max_steps={self.max_steps} "
                 f"for the {self.schedule} schedule"
             )
+        if self.schedule_on_resume not in ("keep", "replan"):
+            raise ConfigError(f"train.schedule_on_resume={self.schedule_on_resume!r} must be 'keep' or 'replan'")
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -6,7 +6,7 @@ Layout of ``<run_dir>/checkpoints/``::
         model.safetensors   weights (safetensors: loading executes no code)
         optimizer.pt        optimizer state, loaded with weights_only=True
         rng.pt              torch RNG states, loaded with weights_only=True
-        trainer_state.json  step, data position, tokens seen, python RNG
+        trainer_state.json  step, data position, tokens seen, python RNG, LR plan, spike-guard history
         config.yaml         the resolved job config
         tokenizer/          the tokenizer the run was trained with (its real files only, never temp files)
         manifest.json       size and sha256 of every file above, written last
@@ -32,7 +32,7 @@ import re
 import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +217,9 @@ class TrainerState:
     step: int = 0  # optimizer steps completed
     consumed_samples: int = 0  # global data position (independent of the DP size)
     tokens_seen: int = 0
+    # The loop's side concerns' own state, saved in trainer_state.json: "schedule" (the LR plan in force),
+    # "spike_guard" (the loss-spike guard's recent history). Empty in checkpoints written before them.
+    extra: dict = field(default_factory=dict)
 
 
 class CheckpointManager:
@@ -308,7 +311,8 @@ class CheckpointManager:
             rng_tensors, rng_plain = capture_rng()
             writing[0] = tmp / "rng.pt"
             torch.save(rng_tensors, writing[0])
-            meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen}
+            meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen,
+                    **({"extra": state.extra} if state.extra else {})}
             writing[0] = tmp / "trainer_state.json"
             writing[0].write_text(json.dumps({**meta, "rng": rng_plain}))
             writing[0] = tmp / "config.yaml"
@@ -473,7 +477,10 @@ def _read_trainer_state(path: Path) -> tuple[TrainerState, dict]:
     """The TrainerState of checkpoint ``path`` and the whole trainer_state.json (its python RNG state too)."""
     try:
         meta = json.loads((path / "trainer_state.json").read_text())
-        return TrainerState(int(meta["step"]), int(meta["consumed_samples"]), int(meta["tokens_seen"])), meta
+        extra = meta.get("extra") or {}
+        if not isinstance(extra, dict):
+            raise TypeError("extra")
+        return TrainerState(int(meta["step"]), int(meta["consumed_samples"]), int(meta["tokens_seen"]), extra), meta
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint {path}: trainer_state.json is unreadable ({type(e).__name__}); "
                               f"{resume_advice(path)}") from None

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hybridtron.configs import ConfigError, JobConfig
+from hybridtron.configs import ConfigError, JobConfig, load_config
 from hybridtron.data_pipeline.atomic import write_bytes_atomic
 
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
@@ -30,7 +30,7 @@ from .parallel.expert_parallel import sync_expert_grads
 from .parallel.mesh import Mesh
 from .parallel.parallelize import clip_grad_norm
 from .parallel.tensor_parallel import _plain, from_row_order
-from .schedule import lr_at
+from .schedule import Plan, resume_plan
 
 
 class NonFiniteLossError(RuntimeError):
@@ -125,6 +125,8 @@ class Trainer:
         self.engine = engine  # a DeepSpeed engine (parallel.engine=deepspeed) wrapping model and optimizer, or None
         self.pipeline = pipeline  # parallel.pp > 1: this rank's stages of ``model`` and their schedule, or None
         self.peak_flops = device_peak_flops(device, cfg.train.peak_flops)
+        self.plan = Plan.from_config(cfg.train)  # the LR schedule; a resume may continue its checkpoint's instead
+        self.resume_note: str | None = None  # what a resume made of a changed schedule, for the log
 
     def resume_if_possible(self) -> Path | None:
         self.ckpt.clean_partial()
@@ -146,10 +148,25 @@ class Trainer:
         else:
             self.state = CheckpointManager.load(latest, self.model, self.optimizer, verify=False)
         self.train_loader.load_state_dict({"consumed_samples": self.state.consumed_samples})
+        self.plan, self.resume_note = resume_plan(self._checkpoint_plan(latest), self.cfg.train, self.state.step,
+                                                  self.cfg.train.schedule_on_resume)
         return latest
+
+    def _checkpoint_plan(self, ckpt: Path) -> Plan:
+        """The LR plan checkpoint ``ckpt`` was on: saved with it, or (older checkpoints) its config's schedule."""
+        if "schedule" in self.state.extra:
+            try:
+                return Plan.from_dict(self.state.extra["schedule"])
+            except TypeError:
+                pass
+        try:
+            return Plan.from_config(load_config(str(ckpt / "config.yaml")).train)
+        except (ConfigError, OSError):
+            return self.plan
 
     def save(self) -> Path:
         self.state.consumed_samples = self.train_loader.state_dict()["consumed_samples"]
+        self.state.extra["schedule"] = self.plan.to_dict()
         return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir,
                               mesh=self.mesh, engine=self.engine)
 
@@ -277,10 +294,10 @@ class Trainer:
             write_bytes_atomic(self.run_dir / "grads_step1.pt", buf.getvalue())
 
     def train_step(self) -> dict:
-        t, accum = self.cfg.train, self.cfg.train.grad_accum_steps
+        accum = self.cfg.train.grad_accum_steps
         if self.engine is None:
             before_step(self.model, self.optimizer, self.cfg, self.state.step)
-        lr = lr_at(self.state.step, t)
+        lr = self.plan.lr(self.state.step)
         for group in self.optimizer.param_groups:  # with DeepSpeed: its optimizer's groups, our schedule
             group["lr"] = lr
         if self.engine is not None:
@@ -304,6 +321,8 @@ class Trainer:
         resumed_from = self.resume_if_possible()
         if resumed_from is not None:
             log(f"resumed from {resumed_from} (step {self.state.step})")
+            if self.resume_note:
+                log(self.resume_note)
         main = self.mesh.is_main
         if not main:
             log = _quiet  # only rank 0 reports progress; every rank still raises its own errors

@@ -222,3 +222,25 @@ def test_peak_flops_picks_the_variant_before_its_family():
     assert peak_flops_for_name("NVIDIA H100 NVL") == 835e12  # not the SXM figure of the bare "H100" key
     assert peak_flops_for_name("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops_for_name("Some Future GPU") is None
+
+
+@pytest.mark.slow
+def test_resume_with_longer_cosine_keeps_the_lr(small_data_dir, cli_args, tmp_path, capsys):
+    """A cosine run resumed with a larger train.max_steps continues at its floor (no jump to a re-stretched
+    curve); the plan is saved in the checkpoint and the resume logs what it made of the new settings."""
+    from hybridtron.configs import load_config
+
+    extra = ["--train.warmup_steps", "2", "--checkpoint.every", "0", "--train.eval_every", "0"]
+    run = tmp_path / "run"
+    assert main(cli_args(small_data_dir, run, extra + ["--train.max_steps", "8"])) == 0
+    saved = json.loads((run / "checkpoints" / "step_00000008" / "trainer_state.json").read_text())
+    assert saved["extra"]["schedule"]["end"] == 8 and saved["extra"]["schedule"]["kind"] == "cosine"
+    capsys.readouterr()
+    assert main(cli_args(small_data_dir, run, extra + ["--train.max_steps", "12", "--train.lr", "1e-2"])) == 0
+    out = capsys.readouterr()
+    assert "schedule_on_resume=keep" in out.out + out.err and "train.lr=0.01" in out.out + out.err
+    lrs = {r["step"]: r["lr"] for r in read_metrics(run)}
+    train = load_config("tiny").train
+    floor = train.lr * train.min_lr_ratio
+    assert floor < lrs[8] < 2 * floor  # the last step of the first run, one step above its floor
+    assert [lrs[s] for s in range(9, 13)] == pytest.approx([floor] * 4, rel=1e-9)
