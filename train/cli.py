@@ -34,8 +34,10 @@ from .parallel.parallelize import apply_data_parallel, apply_tensor_parallel, da
 from .run_dir import (
     DEFAULT_PRESET,
     LAST_STOP,
+    check_output_dir,
     check_resume_compatible,
     check_resume_tokenizer,
+    check_run_paths,
     default_run_dir,
     resolve_job,
 )
@@ -70,6 +72,7 @@ def _val_factory(val_ds, cfg: JobConfig):
 # ---- subcommands --------------------------------------------------------------------------------
 def cmd_prepare(args) -> int:
     cfg, _ = resolve_job(args)
+    check_output_dir(Path(cfg.data.out_dir).expanduser(), f"data.out_dir={cfg.data.out_dir}")
     prepared = prepare_data(cfg.data, log=_log)
     _log(f"prepared data in {prepared.out_dir} (tokenizer: {prepared.tokenizer_dir})")
     _log(json.dumps(prepared.stats))
@@ -91,6 +94,7 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     """Train (or resume) ``cfg`` in ``run_dir``; returns (FitResult, model). ``init_from``: a Hugging Face
     directory whose weights start the run (ignored when resuming from a checkpoint). Under torchrun every
     process runs this; the layout in ``cfg.parallel`` is checked before any of them builds a model."""
+    check_run_paths(cfg, run_dir)  # a run directory or data directory that cannot be written: before anything
     device = select_rank_device(cfg)
     with Mesh.setup(cfg, device) as mesh:  # refuses an impossible layout before anything is allocated
         if cfg.parallel.engine == "deepspeed":  # and a DeepSpeed JSON it cannot honour, before data or model
@@ -240,6 +244,7 @@ def cmd_sample(args) -> int:
 def cmd_export(args) -> int:
     from .hf.export import export, resolve_checkpoint
 
+    check_output_dir(Path(args.out), f"--out {args.out}", empty=True)
     ckpt = resolve_checkpoint(Path(args.path))
     _log(f"exporting {ckpt} -> {args.out}")
     export(ckpt, Path(args.out), max_shard_size=args.max_shard_size, check=not args.no_check, log=_log)

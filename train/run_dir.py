@@ -7,6 +7,10 @@ before it submits anything.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -22,6 +26,99 @@ DEFAULT_PRESET = "tiny"
 # Why the last `train` stopped ({"stopped_by", "step", "max_steps", "checkpoint"}), written by rank 0 when it stops
 # cleanly: the SLURM job script requeues a run that a signal stopped, never a finished or crashed one.
 LAST_STOP = "last_stop.json"
+
+
+# What a run directory holds (besides checkpoints' own layout), with the kind each must be where it exists.
+RUN_DIR_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "config.yaml": "file", "metrics.jsonl": "file",
+                   LAST_STOP: "file"}
+
+
+def check_output_dir(path: Path | str, what: str, *, empty: bool = False, entries: dict[str, str] | None = None
+                     ) -> None:
+    """A directory the command will create or write into (``what`` names it for the user, e.g. ``--run-dir
+    runs/x``) can be: it is, or can be made, a directory this process may write to. Every way it cannot (an
+    existing file, a path under a file, a dangling link, no permission, a read-only file system, a name too long,
+    not empty where ``empty``) is a ConfigError naming the path and what to do, before any data is prepared.
+    ``entries``: names inside it that must be a "dir" or a "file" where they exist."""
+    raw = os.fspath(path)
+    fix = "choose another path"
+    if "\0" in raw:
+        raise ConfigError(f"{what}: the path contains a NUL byte; {fix}")
+    longest = max((len(os.fsencode(part)) for part in Path(raw).parts), default=0)
+    if longest > 255 or len(os.fsencode(os.path.abspath(raw))) >= 4096:
+        raise ConfigError(f"{what}: the path or one of its names is too long for the file system (names up to 255 "
+                          f"bytes, paths up to 4095); {fix}")
+    p = Path(os.path.abspath(raw))
+    if os.path.lexists(p):
+        _check_is_dir(p, what, fix, own=True)
+        _check_writable(p, what, fix)
+        try:
+            names = os.listdir(p)
+        except OSError as e:
+            raise ConfigError(f"{what} cannot be read ({_why(e)}); fix its permissions or {fix}") from None
+        if empty and names:
+            raise ConfigError(f"{what} exists and is not empty; choose a new directory (nothing was written)")
+        for name, kind in (entries or {}).items():
+            q = p / name
+            if not os.path.lexists(q):
+                continue
+            if not (os.path.isdir(q) if kind == "dir" else os.path.isfile(q)):
+                raise ConfigError(f"{what}: {q} should be a {'directory' if kind == 'dir' else 'file'} but is "
+                                  f"{_kind(q)}; move it away or {fix}")
+            if kind == "dir":
+                _check_writable(q, f"{what}: {q}", fix)
+        return
+    up = p.parent
+    while not os.path.lexists(up) and up != up.parent:
+        up = up.parent
+    _check_is_dir(up, what, fix, own=False)
+    _check_writable(up, what, fix, creating=p)
+
+
+def _kind(p: Path) -> str:
+    try:
+        mode = os.lstat(p).st_mode
+    except OSError:
+        return "missing"
+    if stat.S_ISLNK(mode):
+        return "a symbolic link to " + (os.readlink(p) + (" (which does not exist)" if not p.exists() else ""))
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISREG, "a file"), (stat.S_ISFIFO, "a named pipe"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")):
+        if test(mode):
+            return name
+    return "not a directory"
+
+
+def _check_is_dir(p: Path, what: str, fix: str, own: bool) -> None:
+    if os.path.isdir(p):
+        return
+    if own:
+        raise ConfigError(f"{what} is {_kind(p)}, not a directory; {fix} (or move it away)")
+    raise ConfigError(f"{what} cannot be created: {p} is {_kind(p)}, not a directory; {fix}")
+
+
+def _check_writable(d: Path, what: str, fix: str, creating: Path | None = None) -> None:
+    """Create and remove a file in ``d``: the only test that holds for root, ACLs and read-only mounts alike."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".hybridtron-write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = f"{what} cannot be created in {d}" if creating is not None else f"{what} is not writable"
+        extra = "free space there or " if e.errno in (errno.ENOSPC, errno.EDQUOT) else "fix its permissions or "
+        raise ConfigError(f"{where} ({_why(e)}); {extra}{fix}") from None
+
+
+def _why(e: OSError) -> str:
+    return (e.strerror or type(e).__name__).lower()
+
+
+def check_run_paths(cfg: JobConfig, run_dir: Path) -> None:
+    """The run directory and the prepared-data directory of a ``train`` can be written, before any data is
+    prepared."""
+    check_output_dir(run_dir, f"--run-dir {run_dir}", entries=RUN_DIR_ENTRIES)
+    out = Path(cfg.data.out_dir).expanduser()
+    check_output_dir(out, f"data.out_dir={cfg.data.out_dir}")
 
 
 def default_run_dir(config: str | None) -> Path:
