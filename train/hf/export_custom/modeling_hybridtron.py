@@ -130,8 +130,11 @@ class HybridtronGatedDeltaNet(nn.Module):
         self.norm = qwen35.Qwen3_5RMSNormGated(self.head_v_dim, eps=config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, cache_params=None, attention_mask: torch.Tensor | None = None,
-                **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
+                cache_params=None, **kwargs) -> torch.Tensor:
+        # transformers 5.24 passes the layer's cache as ``cache``; earlier 5.x releases as ``cache_params``.
+        # Missing either one would silently run without the cache, every decoding step from a zero state.
+        cache_params = cache if cache is not None else cache_params
         x = hidden_states
         if attention_mask is not None:  # (B, T) padding mask: a padded position writes nothing into the state
             x = x * attention_mask[:, :, None].to(x.dtype)
