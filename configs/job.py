@@ -132,6 +132,11 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 1
     nan_policy: Literal["stop", "skip"] = "stop"
+    # Loss-spike guard (train/spike.py): a step whose loss or gradient norm lies more than spike_threshold standard
+    # deviations above the last spike_window steps' is logged (warn), not applied (skip), or stops the run (stop).
+    spike_policy: Literal["warn", "skip", "stop"] = "warn"
+    spike_threshold: float = 6.0
+    spike_window: int = 100
     peak_flops: float = 0.0  # per-device peak for MFU; 0: look the device up in a table
     progress_bar: bool = True
     # Stop (after saving a checkpoint) when the step is a multiple of this; 0 = never. Like
@@ -159,6 +164,11 @@ class TrainConfig:
                 f"train.warmup_steps={self.warmup_steps} must be below train.max_steps={self.max_steps} "
                 f"for the {self.schedule} schedule"
             )
+        if self.spike_policy not in ("warn", "skip", "stop"):
+            raise ConfigError(f"train.spike_policy={self.spike_policy!r} must be 'warn', 'skip' or 'stop'")
+        if self.spike_threshold <= 0 or self.spike_window < 2:
+            raise ConfigError(f"train.spike_threshold={self.spike_threshold} must be > 0 and train.spike_window="
+                              f"{self.spike_window} >= 2 (steps of history a step is scored against)")
         if self.schedule_on_resume not in ("keep", "replan"):
             raise ConfigError(f"train.schedule_on_resume={self.schedule_on_resume!r} must be 'keep' or 'replan'")
         if not 0.0 < self.decay_fraction <= 1.0:
@@ -283,6 +293,10 @@ class JobConfig:
         self.train.validate()
         self.checkpoint.validate()
         self.parallel.validate()
+        if self.parallel.engine == "deepspeed" and self.train.spike_policy == "skip":
+            raise ConfigError("train.spike_policy=skip is not available with parallel.engine=deepspeed (its engine "
+                              "applies the step before the gradient norm is known); use warn or stop, or the torch "
+                              "engine")
         if self.parallel.engine == "deepspeed" and self.train.nan_policy == "skip":
             raise ConfigError("train.nan_policy=skip is not available with parallel.engine=deepspeed (its engine "
                               "steps on its own count of micro-batches); use train.nan_policy=stop, or the torch engine")

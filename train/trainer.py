@@ -31,10 +31,15 @@ from .parallel.mesh import Mesh
 from .parallel.parallelize import clip_grad_norm
 from .parallel.tensor_parallel import _plain, from_row_order
 from .schedule import Plan, resume_plan
+from .spike import SpikeGuard
 
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient norm became NaN/inf; the run stops before writing a checkpoint."""
+
+
+class LossSpikeError(NonFiniteLossError):
+    """train.spike_policy=stop met a loss spike (or skip met too many in a row): stopped without saving."""
 
 
 class StopSignal:
@@ -127,6 +132,7 @@ class Trainer:
         self.peak_flops = device_peak_flops(device, cfg.train.peak_flops)
         self.plan = Plan.from_config(cfg.train)  # the LR schedule; a resume may continue its checkpoint's instead
         self.resume_note: str | None = None  # what a resume made of a changed schedule, for the log
+        self.spike = SpikeGuard(cfg.train.spike_policy, cfg.train.spike_threshold, cfg.train.spike_window)
 
     def resume_if_possible(self) -> Path | None:
         self.ckpt.clean_partial()
@@ -148,6 +154,7 @@ class Trainer:
         else:
             self.state = CheckpointManager.load(latest, self.model, self.optimizer, verify=False)
         self.train_loader.load_state_dict({"consumed_samples": self.state.consumed_samples})
+        self.spike.load_state_dict(self.state.extra.get("spike_guard", {}))
         self.plan, self.resume_note = resume_plan(self._checkpoint_plan(latest), self.cfg.train, self.state.step,
                                                   self.cfg.train.schedule_on_resume)
         return latest
@@ -167,6 +174,7 @@ class Trainer:
     def save(self) -> Path:
         self.state.consumed_samples = self.train_loader.state_dict()["consumed_samples"]
         self.state.extra["schedule"] = self.plan.to_dict()
+        self.state.extra["spike_guard"] = self.spike.state_dict()
         return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir,
                               mesh=self.mesh, engine=self.engine)
 
@@ -220,7 +228,7 @@ class Trainer:
         self._dump_grads()
         grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip)  # over every rank's shards (FSDP, TP, EP)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
+        if finite and self.spike.allows(loss, grad_norm):  # the loss-spike guard may hold the update back
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, tokens, finite
@@ -239,7 +247,7 @@ class Trainer:
         self._dump_grads()  # after the tied embedding's two copies were summed
         grad_norm = self.pipeline.clip_grad_norm(t.grad_clip)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:
+        if finite and self.spike.allows(loss, grad_norm):  # the loss-spike guard may hold the update back
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, b["input_ids"].numel(), finite
@@ -303,6 +311,8 @@ class Trainer:
         if self.engine is not None:
             loss, grad_norm, tokens = self._deepspeed_micro_batches(accum)
             finite = math.isfinite(loss)
+            if finite and math.isfinite(grad_norm):
+                self.spike.allows(loss, grad_norm)  # the engine applied the step: warn or stop only
         elif self.pipeline is not None:
             loss, grad_norm, tokens, finite = self._pipeline_micro_batches(accum)
         else:
@@ -350,6 +360,9 @@ class Trainer:
                                       / (self.peak_flops * self.mesh.world_size))
                     rec["peak_mem_gib"] = peak_memory_gib(self.device)
                     rec.update(out["model_metrics"])
+                    if (why := self.spike.after_step(step, rec, log)) is not None:
+                        metrics.log(rec)
+                        raise LossSpikeError(why)
                     if out["skipped"]:
                         rec["skipped"] = True
                         if t.nan_policy == "stop":
@@ -367,7 +380,7 @@ class Trainer:
                         tag = f"[hybridtron rank 0/{self.mesh.world_size}] " if self.mesh.world_size > 1 else ""
                         (bar.write if main else _quiet)(f"{tag}step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
                                   f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")
-                    if step % t.log_every == 0 or "val_loss" in rec:
+                    if step % t.log_every == 0 or "val_loss" in rec or "spike" in rec:
                         metrics.log(rec)
                     bar.update(1)
                     bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
