@@ -179,19 +179,25 @@ def slurm_binary(name: str) -> str:
     return path
 
 
-def check_partition(partition: str | None, nodes: int) -> None:
-    """The partition exists and has at least ``nodes`` nodes, by ``sinfo`` (skipped if sinfo cannot answer)."""
+def check_partition(partition: str | None, nodes: int, note=print) -> None:
+    """The partition exists and has at least ``nodes`` nodes, by ``sinfo``; when sinfo cannot answer the check
+    is skipped and ``note`` says so (sbatch then judges the request alone)."""
     from .cluster import find_binary
 
+    what = (f"--partition {partition!r}" if partition else "the default partition") + f" and --nodes {nodes}"
     sinfo = find_binary("sinfo")
     if sinfo is None:
+        note(f"note: SLURM's sinfo is not installed here, so {what} were not checked against the cluster")
         return
     try:
         res = subprocess.run([sinfo, "-h", "-o", "%P %D"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.TimeoutExpired) as e:
+        note(f"note: sinfo did not answer ({type(e).__name__}), so {what} were not checked against the cluster")
         return
-    if res.returncode != 0:
-        return  # sbatch will say what is wrong
+    if res.returncode != 0:  # sbatch will say what is wrong
+        note(f"note: sinfo failed ({(res.stderr.strip().splitlines() or ['no message'])[-1][:160]}), so {what} "
+             f"were not checked against the cluster")
+        return
     sizes: dict[str, int] = {}
     default = None
     for line in res.stdout.split("\n"):
@@ -336,9 +342,10 @@ def submit(args, out=print) -> list[str]:
     job, script, config_yaml = build_job(args)
     if args.dry_run:
         out(script)
+        check_partition(args.partition, args.nodes, note=lambda msg: print(msg, file=sys.stderr))  # stdout: the script
         return []
     slurm_binary("sbatch")
-    check_partition(args.partition, args.nodes)
+    check_partition(args.partition, args.nodes, note=out)
     for d in (job.script_path.parent, job.log_dir):
         d.mkdir(parents=True, exist_ok=True)
     job.config_path.write_text(config_yaml)

@@ -19,10 +19,12 @@ from .parallel.mesh import launch_world
 from .parallel.parallelize import parallelize
 
 
-def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int = 0, cut=None):
+def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int = 0, cut=None,
+                guide: bool | None = None):
     """The model as it is at training step ``step`` (structure that changes with the step, such as
     self-guided FFN weights leaving the model, is applied), ready for a checkpoint of that step. ``cut``: drops
-    the parts another rank holds (pipeline parallel) before any weight is allocated."""
+    the parts another rank holds (pipeline parallel) before any weight is allocated. ``guide``: whether the
+    checkpoint to be loaded holds the self-guided dense guide (`saved_guide`); None: what the step says."""
     with torch.device("meta"):
         model = GatedLM(cfg.model, vocab_size)
     if cut is not None:
@@ -31,8 +33,62 @@ def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int
     model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
     model.init_weights()
-    structure_for_step(model, cfg, step)
+    if guide is None:
+        structure_for_step(model, cfg, step)
+    elif not guide:
+        from hybridtron.model.structured_ffn import drop_self_guided
+
+        drop_self_guided(model)
     return model
+
+
+def saved_guide(ckpt: Path | None) -> bool | None:
+    """Whether checkpoint ``ckpt`` holds self-guided dense guide weights (``*.dense``), read from its files'
+    index (no tensor is read); None without a checkpoint.
+
+    The files, not the step, decide: a checkpoint of the guide's last step was written before the next step
+    dropped the guide, and a run extended to more steps (a later end of the guide) keeps the guide it
+    already dropped dropped. Every loader builds the model for the checkpoint from this."""
+    if ckpt is None:
+        return None
+    if (ckpt / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
+                names = list(f.keys())
+        except Exception as e:  # noqa: BLE001  (safetensors raises its own error type for a torn file)
+            raise CheckpointError(f"checkpoint {ckpt}: model.safetensors cannot be read ({e}); "
+                                  f"resume from an earlier checkpoint or start a new --run-dir") from None
+    elif (ckpt / SHARDED / ".metadata").is_file():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        names = [k.removeprefix("model.") for k in FileSystemReader(str(ckpt / SHARDED)).read_metadata()
+                 .state_dict_metadata if k.startswith("model.")]
+    else:
+        return None  # DeepSpeed refuses self-guided runs (train/parallel/mesh.py): nothing to find there
+    return any(n.endswith(".dense") for n in names)
+
+
+def model_for_checkpoint(cfg: JobConfig, vocab_size: int, device: torch.device, ckpt: Path | None, cut=None):
+    """The model ``ckpt`` loads into (a fresh one for step 0 without a checkpoint): what resume, sample, eval
+    and export all build, so that the self-guided guide is present exactly when the checkpoint saved it."""
+    return build_model(cfg, vocab_size, device, checkpoint_step(ckpt), cut=cut, guide=saved_guide(ckpt))
+
+
+def inference_structure(model, cfg: JobConfig, step: int) -> None:
+    """The loaded model as training's next forward (step ``step``) would run it: the self-guided mix weight of
+    that step, and the guide dropped once the weight is 0 (sample, eval and export compute the same function)."""
+    f = cfg.model.ffn
+    if f.kind == "dense" or not f.self_guided:
+        return
+    from hybridtron.model.structured_ffn import drop_self_guided, self_guided_alpha, set_self_guided_alpha
+
+    alpha = self_guided_alpha(step, cfg.train.max_steps, f.self_guided_fraction)
+    if alpha == 0.0:
+        drop_self_guided(model)
+    else:
+        set_self_guided_alpha(model, alpha)
 
 
 def checkpoint_step(ckpt: Path | None) -> int:
@@ -63,6 +119,7 @@ def load_for_inference(ckpt: Path, overrides: list[tuple[str, str]] = ()):
     tokenizer = load_tokenizer(ckpt / "tokenizer")
     device = select_device(cfg.train)
     cfg.train.activation_checkpointing = False
-    model = build_model(cfg, cfg.model.vocab_size, device, checkpoint_step(ckpt))
+    model = model_for_checkpoint(cfg, cfg.model.vocab_size, device, ckpt)
     CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False, verify=False)
+    inference_structure(model, cfg, checkpoint_step(ckpt))
     return cfg, model, tokenizer, device

@@ -174,6 +174,14 @@ def _is_disk_full(e: BaseException, where: Path | None = None) -> bool:
     return where is not None and any(s in text for s in TORCH_WRITE_FAILURE) and _free_bytes(where) < LOW_SPACE_BYTES
 
 
+def honour_umask(path: Path) -> None:
+    """safetensors creates its files with mode 0600 whatever the umask; give ``path`` the mode every other file
+    of a checkpoint or export gets (0644 under the usual umask 022), so a shared group can read the weights."""
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -304,6 +312,7 @@ class CheckpointManager:
                 return
             writing[0] = tmp / "model.safetensors"
             save_model(model, str(writing[0]))
+            honour_umask(writing[0])
             writing[0] = tmp / "optimizer.pt"
             torch.save(optimizer.state_dict(), writing[0])
 

@@ -22,7 +22,7 @@ from hybridtron.data_pipeline import DataError, build_dataset, build_loader, pre
 from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
-from .build import build_model, checkpoint_step, load_for_inference, select_rank_device
+from .build import checkpoint_step, load_for_inference, model_for_checkpoint, select_rank_device
 from .checkpoint import CheckpointError, CheckpointManager, DiskFullError
 from .device import autocast_dtype
 from .model_hooks import self_guided_end_step
@@ -72,8 +72,18 @@ def _val_factory(val_ds, cfg: JobConfig):
 # ---- subcommands --------------------------------------------------------------------------------
 def cmd_prepare(args) -> int:
     cfg, _ = resolve_job(args)
-    check_output_dir(Path(cfg.data.out_dir).expanduser(), f"data.out_dir={cfg.data.out_dir}")
-    prepared = prepare_data(cfg.data, log=_log)
+    out = Path(cfg.data.out_dir).expanduser()
+    check_output_dir(out, f"data.out_dir={cfg.data.out_dir}")
+    created = [d for d in (out, *out.parents) if not d.exists()]  # what a failure below must not leave behind
+    try:
+        prepared = prepare_data(cfg.data, log=_log)
+    except BaseException:
+        for d in created:  # innermost first; a directory that holds anything stays
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
     _log(f"prepared data in {prepared.out_dir} (tokenizer: {prepared.tokenizer_dir})")
     _log(json.dumps(prepared.stats))
     return 0
@@ -137,7 +147,7 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
         from .parallel.pipeline import rank_cut
 
         stages_only = rank_cut(cfg, mesh, cfg.model.vocab_size)
-    model = build_model(cfg, cfg.model.vocab_size, device, resume_step, cut=stages_only)  # 3. model, initialised
+    model = model_for_checkpoint(cfg, cfg.model.vocab_size, device, latest, cut=stages_only)  # 3. model, initialised
     if init_from is not None and resume_step == 0:
         from .hf.load import load_hf_weights
 
@@ -230,6 +240,10 @@ def cmd_eval(args) -> int:
 
 
 def cmd_sample(args) -> int:
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature {args.temperature:g} must be >= 0 (0 = greedy decoding)")
+    if args.top_k < 0 or args.max_new_tokens < 0:
+        raise ConfigError(f"--top-k {args.top_k} and --max-new-tokens {args.max_new_tokens} must be >= 0")
     cfg, model, tok, device = load_for_inference(_checkpoint_for_inference(args), parse_overrides(args.overrides))
     gen = torch.Generator(device=device).manual_seed(args.seed)
     # In the packed training stream every document follows the previous one's EOS, so EOS (not BOS, which

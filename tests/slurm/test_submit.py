@@ -222,3 +222,15 @@ def test_a_deepspeed_json_the_trainer_would_refuse_is_refused_at_submission(tmp_
                               "deepspeed", "--parallel.deepspeed_config", str(ds)], capsys)
     assert code == 2 and 'sets "scheduler"' in err and "train.schedule" in err, err
     assert not run.exists()
+
+
+def test_a_skipped_partition_check_is_said(tmp_path, capsys, monkeypatch):
+    """Without SLURM's sinfo the partition and node count cannot be checked: the dry run says so on stderr (stdout
+    stays the script alone)."""
+    from hybridtron.slurm import cluster
+
+    monkeypatch.setattr(cluster, "find_binary", lambda name: None)
+    code, script, err = submit(["--run-dir", str(tmp_path / "r"), "--nodes", "2", "--partition", "gpu", "--dry-run"],
+                               capsys)
+    assert code == 0 and script.startswith("#!/bin/bash"), err
+    assert "sinfo is not installed here, so --partition 'gpu' and --nodes 2 were not checked" in err, err

@@ -43,6 +43,8 @@ from hybridtron.configs import ConfigError, JobConfig, ModelConfig, load_config
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.model import GatedLM, fold_scale_vectors
 
+from ..checkpoint import honour_umask
+
 PARITY_TOLERANCE = 1e-4  # max |logit difference| in float32 that the export accepts
 
 
@@ -222,19 +224,11 @@ def to_hf_names(state: dict[str, torch.Tensor], cfg: ModelConfig, target: str) -
 
 # ---- the export --------------------------------------------------------------------------------------
 def load_for_export(ckpt: Path) -> tuple[JobConfig, GatedLM]:
-    from ..build import build_model, checkpoint_step
-    from ..checkpoint import CheckpointManager
+    """The checkpoint's model exactly as ``sample`` and ``eval`` load it (train/build.py: the self-guided
+    guide as saved, the mix weight of the checkpoint's step), in float32 on the CPU."""
+    from ..build import load_for_inference
 
-    cfg = load_config(str(ckpt / "config.yaml"))
-    cfg.train.activation_checkpointing = False
-    cfg.train.device = "cpu"
-    model = build_model(cfg, cfg.model.vocab_size, torch.device("cpu"), checkpoint_step(ckpt))
-    CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False)
-    if cfg.model.ffn.kind != "dense" and cfg.model.ffn.self_guided:
-        from hybridtron.model.structured_ffn import self_guided_alpha, set_self_guided_alpha
-
-        step = checkpoint_step(ckpt)
-        set_self_guided_alpha(model, self_guided_alpha(step, cfg.train.max_steps, cfg.model.ffn.self_guided_fraction))
+    cfg, model, _tok, _device = load_for_inference(ckpt, [("train.device", "cpu")])
     return cfg, model.float().eval()
 
 
@@ -321,6 +315,8 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf_model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        for f in tmp.glob("*.safetensors"):
+            honour_umask(f)
         if custom:
             from .export_custom import FILES, HERE
 
