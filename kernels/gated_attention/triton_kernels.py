@@ -9,20 +9,28 @@ There is no T x T mask anywhere, and no host sync: the grid covers the packed se
 
 Forward (grid: query tiles x query heads). A query tile [m0, m0 + BLOCK_M) visits key blocks from
 ``START[m0]`` (the earliest document any of its rows is in; tiles fully before it are never read) to its
-last row. Those blocks fall in three ranges: the ones some row's document start cuts, the ones fully
-inside every row's document and below the diagonal, and the ones the diagonal cuts. Only the first and
-last get the per-element mask (its cost is visible in the inner loop, so the middle range skips it).
-Softmax is online in fp32 with exp2 (scores pre-multiplied by log2 e); the log-sum-exp (base 2) is saved
-for the backward. Epilogue: the ungated attention A is stored (the backward needs it) and ``out = A *
-sigmoid(g)`` is computed from the fp32 A, so the gate costs one extra read of g and no extra kernel.
+last row: loop bounds, not masks, skip what the causal and document masks remove, so the work follows the
+unmasked pairs (512-token documents in a 4096 sequence: about 1/6 of the tiles). The visited blocks fall in
+three ranges: the ones some row's document start cuts, the ones fully inside every row's document and below
+the diagonal, and the ones the diagonal cuts. Only the first and last get the per-element mask (its cost is
+visible in the inner loop, so the middle range skips it). Softmax is online in fp32 with exp2 (scores
+pre-multiplied by log2 e); the log-sum-exp (base 2) is saved for the backward. Epilogue: the ungated
+attention A is stored (the backward needs it) and ``out = A * sigmoid(g)`` is computed from the fp32 A, so
+the gate costs one extra read of g and no extra kernel.
+
+Causal load balancing: a tile's work varies from one key block to a whole document, so programs take tiles
+heaviest first (`tile_orders`: an argsort of each 128-row super-tile's work, on the device, no host sync),
+and the short tiles fill the tail of the grid, across batch rows and documents alike.
 
 Backward, no atomics:
 1. ``_bwd_pre`` (query tiles x heads): dA = dout * sigmoid(g) (stored: the other two kernels read it per
    tile pair, once instead of dout and g twice); dg = dout * A * s (1 - s) elementwise, or its sum over
    the head's channels headwise; Delta = rowsum(dA * A), from the ungated A and the gated dA.
-2. ``_bwd_dkdv`` (key tiles x kv heads): dK, dV of a kv head accumulate in registers over every query head
-   of its group (GQA without repeating K/V and without atomics) and every query tile that sees the keys:
-   from the tile's diagonal to the end of the last key's document.
+2. ``_bwd_dkdv`` (key tiles x kv heads x splits): dK, dV of a kv head accumulate in registers over the query
+   heads of its group (GQA without repeating K/V) and every query tile that sees the keys: from the tile's
+   diagonal to the end of the last key's document. Where that makes too few programs for the GPU (one
+   sequence: 4096 tokens x 4 kv heads are 128 key tiles), the group's query heads are split over programs
+   whose fp32 partial sums the launcher adds (`dkdv_split`); still no atomics.
 3. ``_bwd_dq`` (query tiles x heads): dQ over the same key blocks as the forward.
 Both recompute P = exp2(scores - lse) and dS = P (dP - Delta).
 
@@ -178,6 +186,19 @@ def _key_ranges(START, m0, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
     return starts, a, b, c, hi
 
 
+@triton.jit
+def _tile_start(ORDER, pid, BLOCK: tl.constexpr, ORDER_BLOCK: tl.constexpr, HEAVY_LAST: tl.constexpr):
+    """First row of the tile program ``pid`` works on. ORDER lists the super-tiles of ORDER_BLOCK rows
+    heaviest first (`tile_orders`); a super-tile's ORDER_BLOCK // BLOCK tiles run in consecutive programs,
+    heaviest first as well (the last one for query tiles, HEAVY_LAST; the first one for key tiles)."""
+    tl.static_assert(ORDER_BLOCK % BLOCK == 0)
+    PER: tl.constexpr = ORDER_BLOCK // BLOCK
+    sub = pid % PER
+    if HEAVY_LAST:
+        sub = PER - 1 - sub
+    return (tl.load(ORDER + pid // PER) * PER + sub) * BLOCK
+
+
 # ----------------------------------------------------------------------------------------------------------
 # forward
 
@@ -185,53 +206,53 @@ def _key_ranges(START, m0, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 @_autotune(_FWD)
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, G, OUT, A, LSE, START,
+    Q, K, V, G, OUT, A, LSE, START, ORDER,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, so_n, so_h,
     N, D, GROUP, qk_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) tiles first: better tail balance
+    m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)  # the longest tiles first
     h = tl.program_id(1)
-    m0 = pid_m * BLOCK_M
-    rows = m0 + tl.arange(0, BLOCK_M)
-    rows64 = rows.to(tl.int64)
-    rmask = rows < N
-    dcols = tl.arange(0, BLOCK_D)
-    dmask = dcols < D
-    starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N)
+    if m0 < N:  # the last super-tile may be short: its missing tiles have nothing to do
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
+        rmask = rows < N
+        dcols = tl.arange(0, BLOCK_D)
+        dmask = dcols < D
+        starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N)
 
-    q = _load_tile(Q + rows64[:, None] * sq_n + h * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
-    kvh = (h // GROUP).to(tl.int64)
-    Kh = K + kvh * sk_h
-    Vh = V + kvh * sv_h
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N,
-                               qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N,
-                               qk_scale, False, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
-    acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N,
-                               qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+        q = _load_tile(Q + rows64[:, None] * sq_n + h * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
+        kvh = (h // GROUP).to(tl.int64)
+        Kh = K + kvh * sk_h
+        Vh = V + kvh * sv_h
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N,
+                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N,
+                                   qk_scale, False, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N,
+                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
 
-    l_i = tl.where(l_i > 0, l_i, 1.0)  # only rows past N can have l = 0 (every real row sees its diagonal)
-    attn = acc / l_i[:, None]
-    offs = rows64[:, None] * so_n + h * so_h + dcols[None, :]
-    omask = rmask[:, None] & dmask[None, :]
-    if GATE == 0:
-        tl.store(OUT + offs, attn.to(OUT.dtype.element_ty), mask=omask)
-    else:
-        tl.store(A + offs, attn.to(A.dtype.element_ty), mask=omask)
-        if GATE == 1:
-            g = tl.load(G + rows64 * sg_n + h * sg_h, mask=rmask, other=0.0).to(tl.float32)
-            out = attn * tl.sigmoid(g)[:, None]
+        l_i = tl.where(l_i > 0, l_i, 1.0)  # only rows past N can have l = 0 (every real row sees its diagonal)
+        attn = acc / l_i[:, None]
+        offs = rows64[:, None] * so_n + h * so_h + dcols[None, :]
+        omask = rmask[:, None] & dmask[None, :]
+        if GATE == 0:
+            tl.store(OUT + offs, attn.to(OUT.dtype.element_ty), mask=omask)
         else:
-            g = tl.load(G + rows64[:, None] * sg_n + h * sg_h + dcols[None, :], mask=omask, other=0.0)
-            out = attn * tl.sigmoid(g.to(tl.float32))
-        tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=omask)
-    tl.store(LSE + h.to(tl.int64) * N + rows, m_i + tl.math.log2(l_i), mask=rmask)
+            tl.store(A + offs, attn.to(A.dtype.element_ty), mask=omask)
+            if GATE == 1:
+                g = tl.load(G + rows64 * sg_n + h * sg_h, mask=rmask, other=0.0).to(tl.float32)
+                out = attn * tl.sigmoid(g)[:, None]
+            else:
+                g = tl.load(G + rows64[:, None] * sg_n + h * sg_h + dcols[None, :], mask=omask, other=0.0)
+                out = attn * tl.sigmoid(g.to(tl.float32))
+            tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=omask)
+        tl.store(LSE + h.to(tl.int64) * N + rows, m_i + tl.math.log2(l_i), mask=rmask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -312,51 +333,55 @@ def _dkdv_range(
 @_autotune(_DKDV)
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DA, LSE, DELTA, END, DK, DV,
-    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdk_n, sdk_h,
-    N, D, GROUP, qk_scale, sm_scale,
+    Q, K, V, DA, LSE, DELTA, END, ORDER, DK, DV,
+    sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdk_s, sdk_n, sdk_h,
+    N, D, GROUP, SPLIT, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    kvh = tl.program_id(1)
-    n0 = pid_n * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
-    cols64 = cols.to(tl.int64)
-    cmask = cols < N
-    dcols = tl.arange(0, BLOCK_D)
-    dmask = dcols < D
-    ends = tl.load(END + tl.minimum(cols, N - 1))
-    end_first = tl.load(END + n0)
-    q_hi = tl.load(END + tl.minimum(n0 + BLOCK_N, N) - 1)  # one past the last row that sees any key here
-    # Query-block ranges: [a, b) cut by the diagonal (masked), [b, c) seeing every key of the tile
-    # (unmasked), [c, q_hi) cut by a document end (masked).
-    a = (n0 // BLOCK_M) * BLOCK_M
-    b = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_hi)
-    c = tl.maximum((end_first // BLOCK_M) * BLOCK_M, b)
+    n0 = _tile_start(ORDER, tl.program_id(0), BLOCK_N, ORDER_BLOCK, False)  # the longest tiles first
+    kvh = tl.program_id(1) // SPLIT
+    part = tl.program_id(1) % SPLIT  # this program's share of the kv head's query heads
+    if n0 < N:
+        cols = n0 + tl.arange(0, BLOCK_N)
+        cols64 = cols.to(tl.int64)
+        cmask = cols < N
+        dcols = tl.arange(0, BLOCK_D)
+        dmask = dcols < D
+        ends = tl.load(END + tl.minimum(cols, N - 1))
+        end_first = tl.load(END + n0)
+        q_hi = tl.load(END + tl.minimum(n0 + BLOCK_N, N) - 1)  # one past the last row that sees any key here
+        # Query-block ranges: [a, b) cut by the diagonal (masked), [b, c) seeing every key of the tile
+        # (unmasked), [c, q_hi) cut by a document end (masked).
+        a = (n0 // BLOCK_M) * BLOCK_M
+        b = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_hi)
+        c = tl.maximum((end_first // BLOCK_M) * BLOCK_M, b)
 
-    kvh64 = kvh.to(tl.int64)
-    k = _load_tile(K + cols64[:, None] * sk_n + kvh64 * sk_h + dcols[None, :], cmask, dmask, True, EVEN_D)
-    v = _load_tile(V + cols64[:, None] * sv_n + kvh64 * sv_h + dcols[None, :], cmask, dmask, True, EVEN_D)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for h in range(kvh * GROUP, kvh * GROUP + GROUP):  # every query head reading this kv head
-        # (the loop variable is a plain int under the interpreter: no .to(); H * N and H * D fit in int32)
-        Qh = Q + h * sq_h
-        DAh = DA + h * sda_h
-        LSEh = LSE + h * N
-        DELTAh = DELTA + h * N
-        dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                             a, b, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
-        dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                             b, c, N, qk_scale, False, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
-        dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                             c, q_hi, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
-    offs = cols64[:, None] * sdk_n + kvh64 * sdk_h + dcols[None, :]
-    mask = cmask[:, None] & dmask[None, :]
-    tl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=mask)
+        kvh64 = kvh.to(tl.int64)
+        k = _load_tile(K + cols64[:, None] * sk_n + kvh64 * sk_h + dcols[None, :], cmask, dmask, True, EVEN_D)
+        v = _load_tile(V + cols64[:, None] * sv_n + kvh64 * sv_h + dcols[None, :], cmask, dmask, True, EVEN_D)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        heads = GROUP // SPLIT
+        h_lo = kvh * GROUP + part * heads
+        for h in range(h_lo, h_lo + heads):  # query heads reading this kv head, this program's share
+            # (the loop variable is a plain int under the interpreter: no .to(); H * N and H * D fit in int32)
+            Qh = Q + h * sq_h
+            DAh = DA + h * sda_h
+            LSEh = LSE + h * N
+            DELTAh = DELTA + h * N
+            dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
+                                 a, b, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+            dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
+                                 b, c, N, qk_scale, False, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+            dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
+                                 c, q_hi, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+        # SPLIT > 1: DK, DV are fp32 partial sums (SPLIT, N, KV, D), summed by the launcher
+        offs = part.to(tl.int64) * sdk_s + cols64[:, None] * sdk_n + kvh64 * sdk_h + dcols[None, :]
+        mask = cmask[:, None] & dmask[None, :]
+        tl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
+        tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -385,40 +410,40 @@ def _dq_range(
 @_autotune(_DQ)
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DA, LSE, DELTA, START, DQ,
+    Q, K, V, DA, LSE, DELTA, START, ORDER, DQ,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdq_n, sdq_h,
     N, D, GROUP, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)
     h = tl.program_id(1)
-    h64 = h.to(tl.int64)
-    m0 = pid_m * BLOCK_M
-    rows = m0 + tl.arange(0, BLOCK_M)
-    rows64 = rows.to(tl.int64)
-    rmask = rows < N
-    dcols = tl.arange(0, BLOCK_D)
-    dmask = dcols < D
-    starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N)
+    if m0 < N:
+        h64 = h.to(tl.int64)
+        rows = m0 + tl.arange(0, BLOCK_M)
+        rows64 = rows.to(tl.int64)
+        rmask = rows < N
+        dcols = tl.arange(0, BLOCK_D)
+        dmask = dcols < D
+        starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N)
 
-    q = _load_tile(Q + rows64[:, None] * sq_n + h64 * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
-    da = _load_tile(DA + rows64[:, None] * sda_n + h64 * sda_h + dcols[None, :], rmask, dmask, True, EVEN_D)
-    lse = tl.load(LSE + h64 * N + rows, mask=rmask, other=0.0)
-    delta = tl.load(DELTA + h64 * N + rows, mask=rmask, other=0.0)
-    kvh = (h // GROUP).to(tl.int64)
-    Kh = K + kvh * sk_h
-    Vh = V + kvh * sv_h
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N, qk_scale,
-                   True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
-    dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N, qk_scale,
-                   False, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
-    dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N, qk_scale,
-                   True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
-    offs = rows64[:, None] * sdq_n + h64 * sdq_h + dcols[None, :]
-    tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        q = _load_tile(Q + rows64[:, None] * sq_n + h64 * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
+        da = _load_tile(DA + rows64[:, None] * sda_n + h64 * sda_h + dcols[None, :], rmask, dmask, True, EVEN_D)
+        lse = tl.load(LSE + h64 * N + rows, mask=rmask, other=0.0)
+        delta = tl.load(DELTA + h64 * N + rows, mask=rmask, other=0.0)
+        kvh = (h // GROUP).to(tl.int64)
+        Kh = K + kvh * sk_h
+        Vh = V + kvh * sv_h
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N, qk_scale,
+                       True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+        dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N, qk_scale,
+                       False, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+        dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N, qk_scale,
+                       True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+        offs = rows64[:, None] * sdq_n + h64 * sdq_h + dcols[None, :]
+        tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -442,12 +467,57 @@ def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
         N=N, D=D, GROUP=H // k.shape[1], EVEN_D=block_d == D, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=triton_utils.interpreted(q.device) and q.dtype == torch.bfloat16,  # see `_dot`
+        ORDER_BLOCK=_order_block(),
     )
 
 
-def attn_fwd(q, k, v, gate, start, scale: float):
+def _order_block() -> int:
+    """Rows per super-tile of the launch order: a multiple of every tile size (the GPU's configs use at most
+    128-row tiles); 32 under the interpreter, so its 16-row tiles run two to a super-tile there too."""
+    return 32 if interpreter_requested() else 128
+
+
+def tile_orders(start: torch.Tensor, end: torch.Tensor | None, block: int):
+    """Launch orders (int32, heaviest first) of the super-tiles of ``block`` rows: causal load balancing.
+    A query tile's work is the keys from its first row's document start to its last row; a key tile's, the
+    queries from its first key to its last key's document end. Grids run roughly in program order, so the
+    longest tiles start first and the short ones fill the tail (the sawtooth of one batch row after another,
+    or documents of mixed lengths, would otherwise leave long tiles for the end). Returns (query order, key
+    order), the key order None without ``end``. Fixed-shape ops: no host sync."""
+    N = start.numel()
+    s0 = torch.arange(0, N, block, device=start.device, dtype=torch.int64)
+    last = torch.clamp(s0 + block, max=N) - 1
+    q_order = torch.argsort(last + 1 - start[s0].long(), descending=True, stable=True).to(torch.int32)
+    if end is None:
+        return q_order, None
+    return q_order, torch.argsort(end[last].long() - s0, descending=True, stable=True).to(torch.int32)
+
+
+def dkdv_split(n_tokens: int, kv_heads: int, group: int, device: torch.device) -> int:
+    """Programs per (key tile, kv head) in the dK/dV kernel, each taking ``group // split`` of the kv head's
+    query heads. One program per kv head accumulates over every query head in registers (no partial sums), but
+    at grouped-query attention on one sequence that is few programs: 4096 tokens, 4 kv heads, 128-key tiles
+    make 128 programs for an H100's 132 SMs, and with causal masking the first tiles do 2x the mean's work.
+    So split until there are two programs per SM; the splits' fp32 partial sums are added by the launcher."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 132  # an H100's (the compile report's target); under the interpreter, splitting is what is tested
+    tiles = triton.cdiv(n_tokens, 128) * kv_heads
+    for split in range(1, group + 1):
+        if group % split == 0 and tiles * split >= 2 * sms:
+            return split
+    return group
+
+
+def _grid(N: int, order_block: int, block: int, heads: int) -> tuple[int, int]:
+    return triton.cdiv(N, order_block) * (order_block // block), heads
+
+
+def attn_fwd(q, k, v, gate, start, scale: float, order: torch.Tensor | None = None):
     """q (N, H, D), k, v (N, KV, D), gate None / (N, H) / (N, H, D), start (N,) int32 ->
-    out (N, H, D), A (N, H, D) the ungated attention (empty without a gate: out is A), lse (H, N) fp32 base 2."""
+    out (N, H, D), A (N, H, D) the ungated attention (empty without a gate: out is A), lse (H, N) fp32 base 2.
+    ``order``: the query tiles' launch order (`tile_orders`), computed here if not given."""
     N, H, D = q.shape
     out = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
     attn = torch.empty_like(out) if gate is not None else out.new_empty(0)
@@ -455,32 +525,44 @@ def attn_fwd(q, k, v, gate, start, scale: float):
     if N == 0:
         return out, attn, lse
     check_interpreted(_fwd_kernel, q.device)
+    common = _common(q, k)
+    if order is None:
+        order = tile_orders(start, None, common["ORDER_BLOCK"])[0]
     sg = _gate_strides(gate)
-
-    def grid(meta):
-        return triton.cdiv(N, meta["BLOCK_M"]), H
-
-    _fwd_kernel[grid](
-        q, k, v, gate, out, attn if gate is not None else None, lse, start,
+    ob = common["ORDER_BLOCK"]
+    _fwd_kernel[lambda meta: _grid(N, ob, meta["BLOCK_M"], H)](
+        q, k, v, gate, out, attn if gate is not None else None, lse, start, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sg[0], sg[1],
-        out.stride(0), out.stride(1), qk_scale=scale * LOG2E, GATE=_gate_mode(gate), **_common(q, k),
+        out.stride(0), out.stride(1), qk_scale=scale * LOG2E, GATE=_gate_mode(gate), **common,
     )
     return out, attn, lse
 
 
-def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float):
+def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float, split: int | None = None):
     """Gradients of `attn_fwd`: dq (N, H, D), dk, dv (N, KV, D), dgate (gate's shape, contiguous; empty
-    without a gate). ``attn`` is the ungated attention output (``out`` itself without a gate)."""
+    without a gate). ``attn`` is the ungated attention output (``out`` itself without a gate). ``split``:
+    programs per kv head in the dK/dV kernel (a divisor of H // KV), `dkdv_split` if None."""
     N, H, D = q.shape
+    KV = k.shape[1]
     dq = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if gate is not None else q.new_empty(0)
     if N == 0:
-        return dq, dk.zero_(), dv.zero_(), dgate
+        return dq, torch.zeros_like(k), torch.zeros_like(v), dgate
     check_interpreted(_bwd_pre_kernel, q.device)
     mode = _gate_mode(gate)
     common = _common(q, k)
+    group = common["GROUP"]
+    split = dkdv_split(N, KV, group, q.device) if split is None else split
+    if split < 1 or group % split:
+        raise ValueError(f"attn_bwd: split={split} must divide the {group} query heads per kv head")
+    if split == 1:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        dk_out, dv_out, sdk = dk, dv, (0, dk.stride(0), dk.stride(1))
+    else:  # fp32 partial sums per split, contiguous (split, N, KV, D)
+        dk_out = torch.empty((split, N, KV, D), dtype=torch.float32, device=q.device)
+        dv_out = torch.empty_like(dk_out)
+        sdk = dk_out.stride()[:3]
     delta = torch.empty((H, N), dtype=torch.float32, device=q.device)
     da = torch.empty_like(dout) if gate is not None else dout
     pre_rows = 16 if interpreter_requested() else max(1, min(64, 8192 // common["BLOCK_D"]))
@@ -492,13 +574,18 @@ def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float):
         N, D, GATE=mode, BLOCK_D=common["BLOCK_D"], BLOCK_M=pre_rows,
         num_warps=4 if common["BLOCK_D"] * pre_rows <= 4096 else 8,
     )
+    ob = common["ORDER_BLOCK"]
+    q_order, k_order = tile_orders(start, end, ob)
     common.update(qk_scale=scale * LOG2E, sm_scale=scale, GATE=mode)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                da.stride(0), da.stride(1))
-    _bwd_dkdv_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), k.shape[1])](
-        q, k, v, da, lse, delta, end, dk, dv, *strides, dk.stride(0), dk.stride(1), **common,
+    _bwd_dkdv_kernel[lambda meta: _grid(N, ob, meta["BLOCK_N"], KV * split)](
+        q, k, v, da, lse, delta, end, k_order, dk_out, dv_out, *strides, *sdk, SPLIT=split, **common,
     )
-    _bwd_dq_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), H)](
-        q, k, v, da, lse, delta, start, dq, *strides, dq.stride(0), dq.stride(1), **common,
+    _bwd_dq_kernel[lambda meta: _grid(N, ob, meta["BLOCK_M"], H)](
+        q, k, v, da, lse, delta, start, q_order, dq, *strides, dq.stride(0), dq.stride(1), **common,
     )
+    if split > 1:
+        dk = dk_out.sum(0).to(k.dtype)
+        dv = dv_out.sum(0).to(v.dtype)
     return dq, dk, dv, dgate
