@@ -36,7 +36,9 @@ def test_bench_runs_tiny_on_cpu(capsys):
     rows = ka.main(TINY)
     text = capsys.readouterr().out
     by = {(r.extra["docs"], r.impl): r for r in rows}
-    assert len(rows) == 8 and {r.op for r in rows} == {"attention"}
+    assert len(rows) == 12 and {r.op for r in rows} == {"attention"}
+    assert {r.impl for r in rows} == {"triton", "sdpa-flash+gate", "sdpa-cudnn+gate", "sdpa-efficient+gate",
+                                      "sdpa-mask+gate", "flash-attn+gate"}
     for docs in ("none", "many"):
         ours, mask = by[(docs, "triton")], by[(docs, "sdpa-mask+gate")]
         for r in (ours, mask):
@@ -48,6 +50,8 @@ def test_bench_runs_tiny_on_cpu(capsys):
             assert r.extra["errors"].keys() == set(ka.TENSORS)
             assert 0 < r.max_err <= ka.TOLERANCE[torch.bfloat16], r.extra["errors"]
         assert "flash-attn runs on CUDA GPUs only" in by[(docs, "flash-attn+gate")].note
+        for forced in ("sdpa-cudnn+gate", "sdpa-efficient+gate"):  # CUDA-only backends: named, not timed
+            assert by[(docs, forced)].seconds is None and by[(docs, forced)].note.startswith("unavailable: ")
     assert by[("many", "triton")].extra["flops"] < by[("none", "triton")].extra["flops"]  # documents mask pairs
     assert by[("none", "sdpa-flash+gate")].seconds is not None  # SDPA's CPU flash kernel; nested causal has none
     assert by[("many", "sdpa-flash+gate")].seconds is None and by[("many", "sdpa-flash+gate")].note
@@ -58,6 +62,11 @@ def test_bench_runs_tiny_on_cpu(capsys):
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert len(cells) == 9 and float(cells[4]) > 0 and float(cells[5]) > 0 and cells[6] == "-" and cells[7] == "1.00x"
     assert "- attention seq 48, head dim 16, no documents (outside the target's" in text
+    fastest = min((r for r in rows if r.extra["docs"] == "none" and r.impl in ka.SDPA_PEERS and r.seconds),
+                  key=lambda r: r.seconds)
+    assert f"- attention T48 D16 no documents: {fastest.seconds / by[('none', 'triton')].seconds:.2f}x the fastest " \
+           f"SDPA backend + gate ({fastest.impl}, " in text
+    assert "- attention T48 D16: ours with documents " in text
     assert "- attention seq 48, head dim 16, documents (outside the target's head dims 128/256 and sequences 4k-8k): " \
            "vs SDPA-flash + gate not measured (sdpa-flash+gate: unavailable" in text
 
@@ -103,3 +112,43 @@ def test_attention_verdict_per_shape():
         "- attention seq 2048, head dim 128, no documents (outside the target's head dims 128/256 and sequences "
         "4k-8k): 2.00x SDPA-flash + gate's speed (target >= 1.1: met)",
     ]
+
+
+def test_fastest_sdpa_verdicts():
+    """The target compares ours with the fastest timed SDPA backend, whichever it is; a shape where no SDPA
+    backend has a time says so; the documents ratio compares ours with itself."""
+    rows = [_att("triton", 4096, 128, "none", 1.0), _att("sdpa-flash+gate", 4096, 128, "none", 1.5),
+            _att("sdpa-cudnn+gate", 4096, 128, "none", 1.05), _att("sdpa-efficient+gate", 4096, 128, "none", 1.3),
+            _att("flash-attn+gate", 4096, 128, "none", 0.5),  # not an SDPA backend: not the target's peer
+            _att("triton", 4096, 128, "many", 0.25), _att("sdpa-flash+gate", 4096, 128, "many", note="unavailable: x"),
+            _att("triton", 8192, 256, "many", 2.0), _att("sdpa-mask+gate", 8192, 256, "many", 2.4)]
+    assert ka.fastest_verdicts(rows) == [
+        "- attention T4096 D128 no documents: 1.05x the fastest SDPA backend + gate (sdpa-cudnn+gate, 1050.000 ms; "
+        "target >= 1.1: NOT met)",
+        "- attention T4096 D128 documents: vs the fastest SDPA backend + gate not measured (ours or every SDPA "
+        "backend has no time)",
+        "- attention T8192 D256 documents: 1.20x the fastest SDPA backend + gate (sdpa-mask+gate, 2400.000 ms; "
+        "target >= 1.1: met)",
+        "- attention T4096 D128: ours with documents 0.25x ours without (target <= 0.3 at 512-token documents: met)",
+    ]
+
+
+def test_forced_sdpa_backend_repeats_kv_where_gqa_is_refused(monkeypatch):
+    """A backend that raises on enable_gqa is retried with K/V repeated per query head (then for every call),
+    and computes the same gated attention."""
+    calls = []
+    real = ka.F.scaled_dot_product_attention
+
+    def no_gqa(*a, enable_gqa=False, **kw):
+        calls.append(enable_gqa)
+        if enable_gqa:
+            raise RuntimeError("No available kernel")
+        return real(*a, **kw)
+
+    (q, k, v, g), _ = ka.make_inputs(12, 4, 2, 8, torch.float32, "cpu")
+    want = gated_attention_reference(q, k, v, g)
+    monkeypatch.setattr(ka.F, "scaled_dot_product_attention", no_gqa)  # (torch.nn.functional's, for the test)
+    fn = ka._SdpaForced("MATH")
+    for _ in range(2):
+        torch.testing.assert_close(fn(q, k, v, g, None), want)
+    assert fn.repeated and calls == [True, False, False]
