@@ -9,6 +9,8 @@ import torch
 from ..backend import pick_for, starts_from_cu_seqlens
 from .reference import short_conv_reference
 
+MAX_K = 4  # widths the Triton kernel takes (kernels/short_conv/triton_kernels.py carries a K-1 row window)
+
 
 @torch.library.custom_op("hybridtron::short_conv_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor | None, past: torch.Tensor | None) -> torch.Tensor:
@@ -84,8 +86,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | No
                              f"B={x.shape[0]}{' and doc_ids' if doc_ids is not None else ''}")
         doc_ids = starts_from_cu_seqlens(cu_seqlens, x.shape[1], "short_conv").long().cumsum(1)
     K = _check(x, weight, doc_ids, past)
-    if pick_for("conv", backend, x, weight, past) == "reference":
+    if pick_for("conv", backend, x, weight, past) == "reference" or (K > MAX_K and backend == "auto"):
         return short_conv_reference(x, weight, doc_ids, past)
+    if K > MAX_K:
+        raise ValueError(f"short_conv: the Triton kernel takes filter widths 1-{MAX_K}, not {K} (its window is "
+                         f"registers); choose model.kernels.conv=reference or auto for wider filters")
     w = weight.reshape(weight.shape[0], K).contiguous()
     ids = None if doc_ids is None else doc_ids.to(torch.int64).contiguous()
     return ShortConvFunction.apply(x.contiguous(), w, ids, None if past is None else past.contiguous())

@@ -28,9 +28,9 @@ def docs(B, T, p, seed=0):
     return torch.cumsum(torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) < p, 1)
 
 
-# (B, T, C, K): one position; T not a multiple of the 16-position tile; C over two channel tiles of 128; K = 2
-# and K = 1 (no past rows at all).
-SHAPES = [(1, 1, 3, 4), (2, 19, 5, 4), (1, 18, 130, 4), (3, 17, 6, 2), (2, 5, 3, 1)]
+# (B, T, C, K): one position; T over two program groups (the interpreter walks chunks of 4 rows, 4 chunks a
+# program) and not a multiple of either; C over two channel blocks of 128; K = 3, 2 and 1 (no past rows at all).
+SHAPES = [(1, 1, 3, 4), (2, 19, 5, 4), (1, 18, 130, 4), (1, 37, 9, 3), (3, 17, 6, 2), (2, 5, 3, 1)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -102,6 +102,14 @@ def test_bad_inputs_are_refused_by_name(bad, match):
     args = dict(x=torch.zeros(2, 5, 3), weight=torch.zeros(3, 1, 4), doc_ids=None, past=None) | bad
     with pytest.raises(ValueError, match=match):
         short_conv(args["x"], args["weight"], args["doc_ids"], args["past"], backend="triton")
+
+
+def test_wider_filters_go_to_the_reference_or_are_refused():
+    """The Triton kernel carries a window of K-1 <= 3 rows: auto takes the reference for K = 5, triton says why."""
+    x, w = randn(1, 6, 3, seed=10), randn(3, 1, 5, seed=11)
+    torch.testing.assert_close(short_conv(x, w, backend="auto"), short_conv_reference(x, w))
+    with pytest.raises(ValueError, match="filter widths 1-4, not 5"):
+        short_conv(x, w, backend="triton")
 
 
 def hybrid(conv_backend: str) -> GatedLM:
