@@ -221,6 +221,9 @@ class ParallelConfig:
     # it sets to another value than this config's (batch sizes, clipping, ZeRO stage) is refused by name.
     deepspeed_config: str = ""
     offload_optimizer: bool = False  # deepspeed: optimizer state and step on the CPU (ZeRO-Offload)
+    # torch engine, ZeRO 2/3: FSDP2's CPUOffloadPolicy: parameter, gradient and optimizer-state shards live in host
+    # memory, each layer's parameters copied to the device for its all-gather, the optimizer step run on the CPU.
+    offload: Literal["none", "cpu"] = "none"
     # FSDP2 mixed precision (GPU): parameters gathered and computed in bf16, gradients reduced in fp32. "auto":
     # on when train.dtype resolves to bf16; the sharded master weights and optimizer state stay fp32.
     mixed_precision: Literal["auto", "off"] = "auto"

@@ -181,7 +181,8 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
         # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
         apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
                             params_may_leave=self_guided_end_step(cfg) is not None,
-                            roots=pipeline.stages if pipeline is not None else None)
+                            roots=pipeline.stages if pipeline is not None else None,
+                            offload=cfg.parallel.offload == "cpu")
         summary = data_parallel_summary(model)
         if summary:
             log(summary)

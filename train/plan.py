@@ -30,6 +30,8 @@ Where fake tensors cannot follow the real run, this is what the plan assumes ins
   counted.
 - The tokens are uniformly random (drawn for real: what is computed from them alone, such as which labels fall in
   a rank's vocabulary shard, is as in a real step). Text is skewed towards frequent tokens.
+- ``parallel.offload: cpu`` (FSDP2's CPU offload): the sharded weights, sharded gradients and optimizer state are
+  counted in host memory (``host``), not in the GPU peak; what is gathered for compute stays on the GPU.
 - ZeRO-0 is planned without DDP's wrapper (its C++ reducer cannot run on fake tensors): with
   ``gradient_as_bucket_view`` its buckets are the gradients, so the replicated model holds what the plain one does.
 
@@ -287,7 +289,7 @@ def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp
     roots = pipeline.stages if pipeline is not None else [model]
     if mesh.zero_stage >= 2:
         apply_data_parallel(model, mesh, amp, cfg.parallel.mixed_precision,
-                            roots=roots if pipeline is not None else None)
+                            roots=roots if pipeline is not None else None, offload=cfg.parallel.offload == "cpu")
     if pipeline is not None:
         pipeline.finish()
     return model, pipeline, build_optimizer(model, cfg.train), roots, facts
@@ -509,12 +511,20 @@ def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | Non
         snap = tracker.get_tracker_snapshot("peak")
     per_dev = snap[device] if device in snap else next(iter(snap.values()))
     out = {"weights": 0.0, "gathered": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    host = {"SHARDED_PARAM": 0.0, "SHARDED_GRAD": 0.0, "OPT": 0.0}  # parallel.offload=cpu: FSDP2 keeps these there
     for key, val in per_dev.items():
         name = getattr(key, "name", key)
         if name == "Total":
             out["total"] = float(val)
         elif name in CATEGORIES:
             out[CATEGORIES[name]] += float(val)
+            if name in host:
+                host[name] += float(val)
+    if cfg.parallel.offload == "cpu" and mesh.zero_stage >= 2:  # the shards and the optimizer live in host memory
+        for name, val in host.items():  # (present all step long: their peaks are their size at the total's peak)
+            out[CATEGORIES[name]] -= val
+            out["total"] -= val
+        out["host"] = sum(host.values())
     if device.type == "cuda":
         out["cuda_max_allocated"] = float(torch.cuda.max_memory_allocated(device))
     return {"memory": out, "facts": facts}
@@ -669,6 +679,10 @@ def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: f
                      f"{r['grads']:.3f} | {r['optimizer']:.3f} | {r['activations']:.3f} | {r['total']:.3f} | "
                      f"{'yes' if r['fits'] else 'NO'} | "
                      + " | ".join(f"{r['comm_gb'][k]:.3f}" for k in dims) + f" | {r['comm_gb_per_step']:.3f} |")
+    for r in rows:
+        if "host" in r:
+            lines.append(f"zero_stage {r['zero_stage']}, parallel.offload=cpu: {r['host']:.3f} GiB of sharded weights, "
+                         f"gradients and optimizer state in host memory per rank, outside the GPU peak")
     for r in rows:
         if "refused" not in r and len(r["rank_peaks_gib"]) > 1:
             peaks = ", ".join(f"rank {k} (stage {i}) {v:.3f}" for i, (k, v) in enumerate(r["rank_peaks_gib"].items()))

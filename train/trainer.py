@@ -240,6 +240,7 @@ class Trainer:
         parts = [next(self.train_loader) for _ in range(accum)]
         keys = ("input_ids", "labels", "doc_ids") if self.cfg.model.doc_mask else ("input_ids", "labels")
         b = {k: torch.cat([p[k] for p in parts]).to(self.device, non_blocking=True) for k in keys}
+        b = local_piece(b, self.mesh)  # context parallel: this rank's piece of every sequence
         with autocast_context(self.device, self.amp_dtype):
             loss = self.pipeline.step(b)
         loss = self.mesh.mean(loss)

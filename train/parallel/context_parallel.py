@@ -52,6 +52,9 @@ class ContextParallel:
         self._global = [dist.get_global_rank(group, i) for i in range(self.n)]
         self._pending: list = []  # (work, tensor) of sends not known to be complete
         self.whole_ids: torch.Tensor | None = None
+        # A pipeline runs several micro-batches' forwards before their backwards (and recomputation runs a forward
+        # again in the backward): the whole document ids of each piece's doc_ids, by that tensor's identity.
+        self._wholes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- shared -----------------------------------------------------------------------------------------------
     def begin(self, doc_ids: torch.Tensor | None) -> None:
@@ -65,6 +68,14 @@ class ContextParallel:
             parts = [torch.empty_like(doc_ids) for _ in range(self.n)]
             dist.all_gather(parts, doc_ids.contiguous(), group=self.group)
             self.whole_ids = torch.cat(parts, dim=1)
+            if len(self._wholes) >= 64:  # a step's micro-batches at most are in flight at once
+                self._wholes.pop(next(iter(self._wholes)))
+            self._wholes[id(doc_ids)] = (doc_ids, self.whole_ids)
+
+    def whole(self, doc_ids: torch.Tensor) -> torch.Tensor:
+        """The whole sequences' document ids of which ``doc_ids`` is this rank's piece (seen by ``begin``)."""
+        known = self._wholes.get(id(doc_ids))
+        return known[1] if known is not None and known[0] is doc_ids else self.whole_ids
 
     def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """A count tensor summed over the pieces (MoE expert loads: the balance loss is over whole sequences)."""
@@ -120,7 +131,7 @@ class ContextParallel:
         else:
             mask = torch.ones(1, 1, t, t, dtype=torch.bool, device=device)
         if doc_ids is not None:
-            keys = self.whole_ids[:, src * t:(src + 1) * t]
+            keys = self.whole(doc_ids)[:, src * t:(src + 1) * t]
             mask = mask & (doc_ids[:, None, :, None] == keys[:, None, None, :])
         return mask
 
@@ -137,7 +148,7 @@ class ContextParallel:
         halo_ids = None
         if doc_ids is not None:
             t = doc_ids.shape[1]
-            halo_ids = (self.whole_ids[:, self.rank * t - width:self.rank * t] if self.rank
+            halo_ids = (self.whole(doc_ids)[:, self.rank * t - width:self.rank * t] if self.rank
                         else torch.full_like(doc_ids[:, :width], -1))
         return halo, halo_ids, zero
 
@@ -145,7 +156,7 @@ class ContextParallel:
         """(B,) True where this piece's first token starts a document the previous piece did not end in."""
         if self.rank == 0:
             return torch.zeros(doc_ids.shape[0], dtype=torch.bool, device=doc_ids.device)
-        return doc_ids[:, 0] != self.whole_ids[:, self.rank * doc_ids.shape[1] - 1]
+        return doc_ids[:, 0] != self.whole(doc_ids)[:, self.rank * doc_ids.shape[1] - 1]
 
     def delta_rule(self, fn, q, k, v, g, beta, resets, **kw):
         """``fn`` (a delta rule: reference or kernel) on this piece as if the pieces before it had run first, with

@@ -1,7 +1,7 @@
 """Expert parallelism: each of ``ep`` ranks holds n_experts / ep of every MoE layer's experts.
 
-The ``ep`` ranks are carved out of the data-parallel ranks (``dp = dp_replicate x ep``, ep innermost, next to
-the tp ranks): every rank still routes its own tokens over all experts with the replicated router, then an
+The ``ep`` ranks are carved out of the data- and context-parallel ranks (``dp x cp = dp_replicate x ep``, ep
+innermost, next to the tp ranks; a context-parallel rank's tokens are a piece of a sequence, routed like any): every rank still routes its own tokens over all experts with the replicated router, then an
 all-to-all sends each (token, expert) assignment to the rank that holds the expert, the experts run as a
 grouped matmul over what arrived, and a second all-to-all brings the outputs back, where the token's k
 outputs are combined as on one device. Both all-to-alls are differentiable, so the backward sends the
@@ -90,14 +90,14 @@ def expert_params(model: nn.Module) -> list[nn.Parameter]:
 
 def sync_expert_grads(model: nn.Module, mesh) -> None:
     """After the backward: each expert's gradient summed over the ranks holding a copy of it (dp_replicate) and
-    scaled by 1/dp, as data parallelism averages every other gradient over the dp ranks."""
+    scaled by 1/(dp x cp), as data parallelism averages every other gradient over the dp (x cp) ranks."""
     if mesh is None or mesh.ep == 1:
         return
-    group = mesh.expert_mesh["dp_replicate"].get_group() if mesh.dp > mesh.ep else None
+    group = mesh.expert_mesh["dp_replicate"].get_group() if mesh.data_ranks > mesh.ep else None
     for p in expert_params(model):
         if p.grad is None:
             continue
         grad = _local(p.grad)
         if group is not None:
             dist.all_reduce(grad, group=group)
-        grad.div_(mesh.dp)
+        grad.div_(mesh.data_ranks)

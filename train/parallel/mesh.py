@@ -53,15 +53,13 @@ def resolve_layout(cfg: JobConfig, world: int) -> int:
         check_expert_parallel(cfg, dp)
     if p.cp > 1:
         check_context_parallel(cfg)
+    if p.offload != "none":
+        check_offload(cfg, dp)
     split = [f"parallel.{n}={getattr(p, n)}" for n in ("pp", "ep", "cp") if getattr(p, n) > 1]
     if cfg.train.compile and split:
         raise ConfigError(f"train.compile=true is not yet tested with {', '.join(split)} (their exchanges run inside "
-                          f"the compiled blocks); set train.compile=false for this layout")
-    if cfg.train.compile and p.tp > 1:
-        # Compiled tensor-parallel blocks fail in backward (a DTensor redistribution receives a plain gradient
-        # from the compiled graph) with torch 2.13; compile composes with data parallel (DDP, FSDP2).
-        raise ConfigError(f"train.compile=true does not work with parallel.tp={p.tp} in this version (torch's "
-                          f"compiled DTensor blocks fail in backward); set train.compile=false, or parallel.tp=1")
+                          f"the compiled blocks); set train.compile=false for this layout (compile composes with "
+                          f"data and tensor parallel)")
     if p.tp > 1:
         check_tensor_parallel(cfg)
         if dp * p.cp > 1 and p.zero_stage == 0:
@@ -88,7 +86,8 @@ def dp_shard_size(cfg: JobConfig, dp: int) -> int:
 
 def check_hybrid_shard(cfg: JobConfig, dp: int) -> None:
     """What hybrid sharding (``parallel.dp_shard`` below dp: FSDP2 shards within groups of dp_shard neighbouring dp
-    ranks, replicated over dp / dp_shard groups) needs; ConfigError naming what to change."""
+    ranks, x cp when context parallel, replicated over dp / dp_shard groups) needs; ConfigError naming what to
+    change."""
     p, s = cfg.parallel, cfg.parallel.dp_shard
     if p.zero_stage == 0:
         raise ConfigError(f"parallel.dp_shard={s} says how many ranks FSDP2 shards over, and parallel.zero_stage=0 "
@@ -97,18 +96,24 @@ def check_hybrid_shard(cfg: JobConfig, dp: int) -> None:
     if dp % s:
         raise ConfigError(f"parallel.dp_shard={s} does not divide dp={dp}: the dp ranks form dp / dp_shard groups of "
                           f"dp_shard each; choose a divisor of {dp} (e.g. the GPUs of a node), or -1 (all of dp)")
-    if s == dp:  # plain FSDP2 over all of dp: composes with whatever that does
-        return
-    if s == 1:
+    if s == 1 < dp and p.cp == 1:  # with cp > 1 the shard group is the cp ranks of one dp coordinate
         raise ConfigError("parallel.dp_shard=1 shards nothing (every rank would hold the whole model); set "
                           "parallel.zero_stage=0 to replicate (DDP), or parallel.dp_shard 2 or more")
-    # The other dimensions each build on the one "dp" mesh dimension (expert copies, context pieces, the
-    # pipeline's FSDP stages, tensor-parallel DTensors under FSDP); none is tested over the 2-D one yet.
-    others = [f"parallel.{n}={getattr(p, n)}" for n in ("tp", "pp", "ep", "cp") if getattr(p, n) > 1]
-    if others:
-        raise ConfigError(f"hybrid sharding (parallel.dp_shard={s} < dp={dp}) works with data parallel alone in this "
-                          f"version, not with {', '.join(others)}; set those to 1, or parallel.dp_shard=-1 (or {dp}: "
-                          f"FSDP2 over all of dp)")
+
+
+def check_offload(cfg: JobConfig, dp: int) -> None:
+    """What ``parallel.offload: cpu`` (FSDP2's CPUOffloadPolicy) needs: FSDP2, i.e. the torch engine at ZeRO 2/3
+    over at least two data-parallel ranks; ConfigError naming what to use instead."""
+    p = cfg.parallel
+    if p.engine != "torch":
+        raise ConfigError("parallel.offload=cpu is FSDP2's offload (parallel.engine=torch); with DeepSpeed set "
+                          "parallel.offload_optimizer=true instead")
+    if p.zero_stage < 2:
+        raise ConfigError(f"parallel.offload=cpu keeps FSDP2's parameter, gradient and optimizer shards on the host, "
+                          f"and parallel.zero_stage={p.zero_stage} shards nothing; set parallel.zero_stage 2 or 3")
+    if dp * p.cp == 1:
+        raise ConfigError("parallel.offload=cpu needs FSDP2 over two or more data-parallel ranks, and this layout has "
+                          "one; on one process use parallel.engine=deepspeed with parallel.offload_optimizer=true")
 
 
 def check_pipeline_parallel(cfg: JobConfig, dp: int) -> None:
@@ -126,8 +131,9 @@ def check_pipeline_parallel(cfg: JobConfig, dp: int) -> None:
     if p.pp_stages_per_rank > 1 and accum % p.pp:
         raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs the micro-batches in rounds of parallel.pp="
                           f"{p.pp}; set train.grad_accum_steps to a multiple of {p.pp} (now {accum})")
-    if dp > 1 and p.zero_stage == 0:
-        raise ConfigError(f"parallel.pp={p.pp} with dp={dp} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
+    if dp * p.cp > 1 and p.zero_stage == 0:
+        data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp}"
+        raise ConfigError(f"parallel.pp={p.pp} with {data} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
                           f"the pipeline schedules drive); replicated DDP does not compose with them here")
     if m.ffn.kind != "dense" and m.ffn.self_guided:
         raise ConfigError("model.ffn.self_guided changes the model during the run, which fixed pipeline stages "
@@ -144,15 +150,16 @@ def check_expert_parallel(cfg: JobConfig, dp: int) -> None:
     if m.moe.n_experts % p.ep:
         raise ConfigError(f"model.moe.n_experts={m.moe.n_experts} is not divisible by parallel.ep={p.ep}: every "
                           f"expert-parallel rank holds an equal share; choose an ep that divides it")
-    if dp % p.ep:
-        raise ConfigError(f"parallel.ep={p.ep} groups data-parallel ranks, and dp={dp} is not a multiple of it; "
-                          f"choose an ep that divides dp (ep ranks share their tokens' experts, each still reads "
-                          f"its own batches)")
+    if (dp * p.cp) % p.ep:
+        data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp} = {dp * p.cp}"
+        raise ConfigError(f"parallel.ep={p.ep} groups data- (and context-) parallel ranks, and {data} is not a "
+                          f"multiple of it; choose an ep that divides it (ep ranks share their tokens' experts, each "
+                          f"still runs its own tokens)")
 
 
 def check_context_parallel(cfg: JobConfig) -> None:
-    """What context parallelism of degree ``parallel.cp`` needs: sequences that split evenly, and (in this
-    version) no pipeline or expert parallel."""
+    """What context parallelism of degree ``parallel.cp`` needs: sequences that split evenly (into pieces that
+    sequence parallelism splits again)."""
     p = cfg.parallel
     if cfg.data.seq_len % p.cp:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.cp={p.cp}: every context-"
@@ -162,10 +169,6 @@ def check_context_parallel(cfg: JobConfig) -> None:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} splits into context-parallel pieces of {piece} positions, "
                           f"which sequence parallelism cannot divide by parallel.tp={p.tp}; choose data.seq_len a "
                           f"multiple of cp x tp = {p.cp * p.tp}")
-    others = [f"parallel.{n}={getattr(p, n)}" for n in ("pp", "ep") if getattr(p, n) > 1]
-    if others:
-        raise ConfigError(f"parallel.cp={p.cp} composes with data and tensor parallel only in this version, not with "
-                          f"{', '.join(others)}; set those to 1 or parallel.cp=1")
 
 
 def check_tensor_parallel(cfg: JobConfig) -> None:
@@ -217,14 +220,15 @@ class Mesh:
     device_mesh: object | None = None
     pp: int = 1
     ep: int = 1  # expert parallel: groups of ep neighbouring dp ranks split every MoE layer's experts
-    # parallel.ep > 1: a second view of the same ranks, dims ("pp", "dp_replicate", "ep", "tp"), dp = dp_replicate x ep
+    # parallel.ep > 1: a second view of the same ranks, dims ("pp", "dp_replicate", "ep", "tp"), dp x cp = dp_replicate x ep
     expert_mesh: object | None = None
     cp: int = 1  # context parallel: cp neighbouring ranks of one dp group split each sequence
     # parallel.cp > 1: the process group of this rank's cp neighbours; the device mesh's "dp" spans dp x cp ranks
     cp_group: object | None = None
     # FSDP2's shard group size: all of dp, or (parallel.dp_shard < dp, hybrid sharding) groups of dp_shard
-    # neighbouring dp ranks, replicated over dp / dp_shard; then hsdp_mesh is the device mesh's "dp" dimension seen
-    # as ("dp_replicate", "dp_shard"), which FSDP2 takes for HSDP (everything else keeps using "dp")
+    # neighbouring dp ranks (x the cp ranks of each: torchtitan's dp_shard_cp), replicated over dp / dp_shard; then
+    # hsdp_mesh is the device mesh's "dp" dimension (dp x cp ranks) seen as ("dp_replicate", "dp_shard"), which
+    # FSDP2 takes for HSDP (everything else keeps using "dp")
     dp_shard: int = 1
     hsdp_mesh: object | None = None
 
@@ -285,8 +289,8 @@ class Mesh:
         dims = [(name, n) for name, n in (("pp", pp), ("dp", dp * cp), ("tp", tp)) if n > 1 or name == "dp"]
         mesh = init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
         ep, expert_mesh = cfg.parallel.ep, None
-        if ep > 1:  # the same rank order with dp split in two: experts shard over ep, replicate over dp_replicate
-            expert_mesh = init_device_mesh(device.type, (pp, dp // ep, ep, tp),
+        if ep > 1:  # the same rank order with dp x cp split in two: experts shard over ep, replicate over dp_replicate
+            expert_mesh = init_device_mesh(device.type, (pp, dp * cp // ep, ep, tp),
                                            mesh_dim_names=("pp", "dp_replicate", "ep", "tp"))
         cp_group = None
         if cp > 1:  # groups of their own, even when one spans the world (a device mesh would reuse the default
@@ -298,8 +302,9 @@ class Mesh:
                 if rank in ranks:
                     cp_group = group
         dp_shard, hsdp_mesh = dp_shard_size(cfg, dp), None
-        if dp_shard < dp:  # dp_shard innermost: a shard group is neighbouring ranks (a node), the replicas span nodes
-            hsdp_mesh = mesh["dp"]._unflatten(0, (dp // dp_shard, dp_shard), ("dp_replicate", "dp_shard"))
+        if dp_shard < dp:  # dp_shard innermost: a shard group is neighbouring ranks (a node), the replicas span nodes.
+            # The mesh's "dp" runs over dp x cp (cp inner): FSDP2 shards over dp_shard x cp, as torchtitan's dp_shard_cp
+            hsdp_mesh = mesh["dp"]._unflatten(0, (dp // dp_shard, dp_shard * cp), ("dp_replicate", "dp_shard"))
         return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp, ep, expert_mesh, cp, cp_group,
                    dp_shard=dp_shard, hsdp_mesh=hsdp_mesh)
 

@@ -86,6 +86,13 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
             "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
     # A pipeline stage holds some of these only (``train/parallel/pipeline.py``); absent parts are None.
     parallelize_module(model, tp_mesh, {k: v for k, v in root.items() if getattr(model, k) is not None})
+    if model.embed_tokens is not None:
+        # The embedding's reduce-scatter is asynchronous: its output is an AsyncCollectiveTensor, waited on by the
+        # first op that reads it. A compiled block given one as input traces a backward whose gradient reaches the
+        # scatter's backward as a plain tensor, not the DTensor it expects (torch 2.13, any backend: pytorch/pytorch
+        # #184980, fixed upstream by #179522); a copy made here, outside the compiled blocks, waits and hands the
+        # blocks a plain tensor.
+        model.embed_tokens.register_forward_hook(_settle_async)
     model.vocab_parallel_loss = vocab_parallel_loss(tp_mesh)
     orders = getattr(model, ROW_ORDERS, None) or {}
     for i, block in enumerate(model.layers):
@@ -125,13 +132,22 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     return model
 
 
+def _settle_async(_module, _inputs, out):
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
+
+
 def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, mixed_precision: str = "auto",
-                        params_may_leave: bool = False, roots: list[nn.Module] | None = None):
+                        params_may_leave: bool = False, roots: list[nn.Module] | None = None, offload: bool = False):
     """Replicate (ZeRO 0) or shard (ZeRO 2/3) an initialised model over ``mesh``'s ``dp`` dimension, in place;
     with ``mesh.hsdp_mesh`` (parallel.dp_shard < dp) shard within its ``dp_shard`` groups and replicate over them.
     ``params_may_leave``: parameters leave the model during the run (self-guided FFN guides), so replication
     must not wait for their gradients (DDP's unused-parameter detection, one graph walk per step).
-    ``roots``: the modules that run forward (pipeline stages over ``model``'s blocks); default the model."""
+    ``roots``: the modules that run forward (pipeline stages over ``model``'s blocks); default the model.
+    ``offload`` (parallel.offload=cpu, ZeRO 2/3): FSDP2 keeps the parameter, gradient and optimizer-state shards in
+    host memory (pinned when the device is a GPU); each layer's shards are copied to the device for its all-gather
+    and its gradient shards back after the reduce-scatter, and the optimizer steps on the CPU."""
     if mesh is None or mesh.data_ranks == 1:
         return model
     from .expert_parallel import expert_modules, expert_params
@@ -145,8 +161,12 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
         replicate(model, device_mesh=dp_mesh, find_unused_parameters=params_may_leave, gradient_as_bucket_view=True,
                   ignored_modules=[m.experts for m in expert_modules(model)] if experts else None)
         return model
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    policy = OffloadPolicy()  # the default: none
+    if offload:
+        on_gpu = any(p.device.type == "cuda" for p in model.parameters())
+        policy = CPUOffloadPolicy(pin_memory=on_gpu)  # pinned pages need a GPU driver
     mp = MixedPrecisionPolicy()
     if amp_dtype is not None and mixed_precision == "auto":
         mp = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32)
@@ -158,11 +178,13 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
         dp_mesh = mesh.hsdp_mesh
     for block in model.layers:
         if block is not None:
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=ignored,
+                        offload_policy=policy)
     # The root holds the embeddings, final norm and head; it is gathered last in forward and used first in
     # backward, so it is never resharded after forward.
     for root in roots or [model]:
-        fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored)
+        fully_shard(root, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored,
+                    offload_policy=policy)
     return model
 
 
@@ -179,8 +201,9 @@ def data_parallel_summary(model: nn.Module) -> str | None:
             reshard = "freed after forward (ZeRO-3)" if group.post_forward_mesh_info is not None else \
                 "kept from forward to backward (ZeRO-2)"
             hsdp = " over dp_shard groups, replicated across them (HSDP)" if group.mesh_info.mesh.ndim == 2 else ""
+            host = ", shards kept on the CPU (offload)" if group.fsdp_params[0].offload_to_cpu else ""
             return (f"FSDP2 blocks: parameters {reshard}{hsdp}, gathered {name(mp.param_dtype)}, gradients reduced "
-                    f"{name(mp.reduce_dtype)}")
+                    f"{name(mp.reduce_dtype)}{host}")
     return None
 
 

@@ -104,12 +104,23 @@ class StageModule(nn.Module):
         self._output = model.output
         self.aux_seen = []  # detached auxiliary losses of this step's forwards, for the logged loss
 
+    @property
+    def context_parallel(self):
+        """The LM's context-parallel hooks (train/parallel/context_parallel.py), or None."""
+        return self._output.__self__.context_parallel
+
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states out, or on the last stage the micro-batch's language-model loss (``labels`` reach every
         stage as a keyword argument; the schedule's loss function passes it on)."""
         h = self.embed_tokens(x) if self.first else x
-        cos, sin = self.rotary(x.shape[1] if self.first else x.shape[1] * self.seq_split)
+        T = x.shape[1] if self.first else x.shape[1] * self.seq_split
+        start, cp = 0, self.context_parallel
+        if cp is not None:  # context parallel: x is this rank's piece of each sequence, at global positions
+            cp.begin(doc_ids)
+            start = cp.offset(T)
+        cos, sin = self.rotary(start + T)
+        cos, sin = cos[start:], sin[start:]
         for layer in self.layers:
             if layer is not None:
                 h = layer(h, cos, sin, None, doc_ids, None)  # documents as ids, as in the whole model
