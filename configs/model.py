@@ -34,6 +34,14 @@ class DeltaNetConfig:
     n_householder: int = 1  # DeltaProduct's n_h (Siems et al.): Householder steps per token; 1 = Gated DeltaNet
     chunk_size: int = 64  # training form: chunked WY/UT algorithm over blocks of this many steps
     algo: Literal["chunk", "recurrent"] = "chunk"  # recurrent: token-by-token (slow; a reference)
+    # A single-head sparse attention branch inside the mixer (model/hax.py): "hax" (Zhan et al.: LSH buckets +
+    # learned key selection), "lsh" or "key_selection" alone, "window" (the last sparse_keys keys, a
+    # context-independent baseline); "none": off.
+    sparse_attention: Literal["none", "hax", "lsh", "key_selection", "window"] = "none"
+    sparse_keys: int = 64  # keys per query at most, split evenly between the branch's sources
+    sparse_dim: int = 0  # q/k width of the branch; 0: k_head_dim
+    lsh_bits: int = 8  # sign bits of the random projection: 2^lsh_bits buckets
+    ranking_loss_weight: float = 0.1  # weight of the key scorer's ranking loss (added to the LM loss in training)
 
     def resolved(self, cfg: ModelConfig) -> tuple[int, int, int, int]:
         """(n_k_heads, n_v_heads, k_head_dim, v_head_dim) with the 0 defaults filled in."""
@@ -59,6 +67,15 @@ class DeltaNetConfig:
             raise ConfigError(f"model.deltanet.n_householder={self.n_householder} must be >= 1 (1 = Gated DeltaNet)")
         if self.chunk_size < 1:
             raise ConfigError(f"model.deltanet.chunk_size={self.chunk_size} must be >= 1")
+        if self.sparse_attention != "none":
+            sources = 2 if self.sparse_attention == "hax" else 1
+            if self.sparse_keys < sources:
+                raise ConfigError(f"model.deltanet.sparse_keys={self.sparse_keys} must be >= {sources} for "
+                                  f"sparse_attention={self.sparse_attention} (one key per source at least)")
+            if not 1 <= self.lsh_bits <= 30 or self.sparse_dim < 0 or self.ranking_loss_weight < 0:
+                raise ConfigError(f"model.deltanet: lsh_bits={self.lsh_bits} must be in [1, 30], sparse_dim="
+                                  f"{self.sparse_dim} >= 0 (0 = k_head_dim), ranking_loss_weight="
+                                  f"{self.ranking_loss_weight} >= 0")
 
 
 @dataclass
@@ -185,6 +202,7 @@ class KernelConfig:
     conv: KernelBackend = "auto"  # Gated DeltaNet's short causal depthwise convolution + SiLU
     moe: KernelBackend = "auto"  # MoE token permute (expert-sorted gather) / unpermute (weighted combine)
     delta_rule: KernelBackend = "auto"  # Gated DeltaNet's gated delta rule: chunked (WY/UT) and decoding kernels
+    hax: KernelBackend = "auto"  # gathered sparse attention of the HAX branch (model.deltanet.sparse_attention)
 
     def validate(self) -> None:
         from ..kernels.backend import OPS, BackendError, check_choice

@@ -44,6 +44,7 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "conv": ("triton", "reference"),  # short causal depthwise convolution + SiLU (Gated DeltaNet)
     "moe": ("triton", "reference"),  # MoE token permute / unpermute
     "delta_rule": ("triton", "reference"),  # chunked gated delta rule (training, prefill); recurrent for decoding
+    "hax": ("triton", "reference"),  # gathered sparse attention of the HAX branch (model/hax.py)
 }
 OPS = tuple(AUTO_ORDER)
 

@@ -32,6 +32,7 @@ from ..configs import ModelConfig
 from ..kernels.gated_delta_rule import gated_delta_rule
 from ..kernels.short_conv import causal_conv, short_conv
 from .attention import doc_starts
+from .hax import HAX
 from .linear import make_linear
 from .norm import RMSNorm
 from .scale import norm_kwargs
@@ -66,6 +67,8 @@ class GatedDeltaNet(nn.Module):
         self.context_parallel = None  # set from outside under context parallelism (train/parallel/context_parallel.py)
         self.conv_backend = cfg.kernels.conv  # conv + SiLU: kernels/short_conv (the reference is causal_conv)
         self.delta_rule_backend = cfg.kernels.delta_rule  # kernels/gated_delta_rule (beside its torch reference)
+        # model.deltanet.sparse_attention: HAX's sparse attention over the values, added before the gated norm
+        self.hax = HAX(cfg, self.value_dim) if d.sparse_attention != "none" else None
 
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
@@ -133,6 +136,11 @@ class GatedDeltaNet(nn.Module):
             o, state = rule(q, k, v, g, beta, resets=resets, initial_state=state, output_final_state=cache is not None)
         if cache is not None:
             cache["recurrent_state"] = state
+        if self.hax is not None:  # model/hax.py; values of the first Householder sub-step
+            if cp is not None:
+                raise NotImplementedError("model.deltanet.sparse_attention does not run under context parallelism; "
+                                          "set it to none or train without context parallelism")
+            o = o + self.hax(v[:, :, 0].reshape(B, T, self.value_dim), doc_ids, cache).view(B, T, Hv, Dv).to(o.dtype)
         z = self.in_proj_z(x).view(B, T, Hv, Dv)
         o = self.norm.gated(o, z).to(x.dtype)  # gated RMSNorm per value head: norm(o) * silu(z), one kernel
         return self.out_proj(o.reshape(B, T, self.value_dim))

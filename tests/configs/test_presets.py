@@ -41,6 +41,7 @@ def test_hybrid_presets_are_3_to_1_and_moe_is_sparse():
         ("tiny_moe", lambda m: type(m.layers[1].mlp).__name__ == "MoE" and type(m.layers[0].mlp).__name__ == "SwiGLU"),
         ("tiny_structured", lambda m: type(m.layers[1].mlp).__name__ == "StructuredSwiGLU"),
         ("tiny_scale", lambda m: type(m.layers[0].self_attn.q_proj).__name__ == "ScaledLinear"),
+        ("tiny_hax", lambda m: all(layer.linear_attn.hax.sources == ("lsh", "key_selection") for layer in m.layers)),
     ],
 )
 def test_cpu_presets_build_their_architecture_and_train_a_step(name, feature):

@@ -90,6 +90,11 @@ def choose_target(cfg: ModelConfig) -> str:
     """The transformers model_type for this config, or ExportError naming what has no equivalent."""
     m = cfg.moe
     types = cfg.layer_types()
+    if "L" in types and cfg.deltanet.sparse_attention != "none":
+        raise ExportError(f"model.deltanet.sparse_attention={cfg.deltanet.sparse_attention} cannot be exported yet: "
+                          f"transformers has no such mixer and the custom-code export does not carry the sparse "
+                          f"attention branch (model/hax.py) with its key selection and cache; use the checkpoint with "
+                          f"hybridtron (sample, eval) or train without model.deltanet.sparse_attention")
     custom = custom_features(cfg)
     if custom and m.n_experts:
         raise ExportError(f"{' and '.join(custom)} with MoE layers cannot be exported yet: the custom-code export "
