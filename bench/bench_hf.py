@@ -57,6 +57,7 @@ import torch
 from hybridtron.bench.report import RESULTS, append_results, device_name
 from hybridtron.configs import JobConfig, load_config
 from hybridtron.kernels import backend
+from hybridtron.train.parallel.parallelize import checkpointing_mode
 
 TARGET = 2.0  # ours / transformers' tokens/s
 BATCH_POOL = 4  # distinct random batches, cycled by step
@@ -98,7 +99,7 @@ def load(preset: str, seq: int, batch: int, layers: int, ckpt: str, compile_: bo
     if layers:
         overrides.append(("model.n_layers", str(layers)))
     if ckpt != "preset":
-        overrides.append(("train.activation_checkpointing", str(ckpt == "on").lower()))
+        overrides.append(("train.activation_checkpointing", {"on": "full", "off": "none"}.get(ckpt, ckpt)))
     overrides.append(("train.compile", str(compile_).lower()))
     return load_config(preset, overrides)
 
@@ -128,7 +129,9 @@ def build_hf(ours: torch.nn.Module, cfg: JobConfig, vocab: int, device: torch.de
     if plain_cfg.tie_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     hf.load_state_dict(state, strict=True)
-    if cfg.train.activation_checkpointing:  # one checkpoint per decoder layer, as ours (no RNG state: no dropout)
+    # transformers checkpoints whole decoder layers: it gets that whenever ours recomputes anything (full or
+    # selective), one checkpoint per layer, as ours (no RNG state: no dropout)
+    if checkpointing_mode(cfg.train) != "none":
         kwargs = {"use_reentrant": False, "preserve_rng_state": False}
         if hasattr(hf, "activation_checkpointing_enable"):
             hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -272,7 +275,7 @@ def report(sides: list[Side], cfg: JobConfig, device: torch.device, args) -> str
         "",
         f"- configuration: {args.preset}, {m.n_layers} layers {''.join(m.layer_types())}, d_model {m.d_model}, "
         f"vocab {ours.model.vocab_size}, {t.micro_batch_size} x {cfg.data.seq_len} tokens per step, activation "
-        f"checkpointing {'on' if t.activation_checkpointing else 'off'}, torch.compile {'on' if t.compile else 'off'}, "
+        f"checkpointing {checkpointing_mode(t)}, torch.compile {'on' if t.compile else 'off'}, "
         f"{'bf16 autocast' if cuda else 'fp32'}, AdamW lr {t.lr:g}, {args.warmup} warm-up + {args.steps} steps x "
         f"{args.repeats} alternating repeats",
         f"- parameters: ours {ours.params():,}, transformers {hf.params():,} (difference {100 * diff:.2f}%; "
@@ -318,7 +321,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"],
                     help="transformers' attention implementation")
-    ap.add_argument("--activation-checkpointing", choices=["preset", "on", "off"], default="preset",
+    ap.add_argument("--activation-checkpointing", choices=["preset", "none", "full", "selective", "on", "off"],
+                    default="preset",
                     help="for both models (preset: train.activation_checkpointing)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each layer of both models")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")

@@ -25,6 +25,13 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
+def _choice_text(tp: Any) -> str:
+    """How one member of a Union reads in an error: a Literal's values, true/false, null, or a type's name."""
+    if get_origin(tp) is typing.Literal:
+        return " | ".join(repr(v) for v in get_args(tp))
+    return {bool: "true | false", type(None): "null"}.get(tp, _type_name(tp))
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` against annotation ``tp``; return it (converted where lossless)."""
     origin = get_origin(tp)
@@ -40,7 +47,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return _coerce(value, arg, where)
             except ConfigError:
                 pass
-        raise ConfigError(f"{where}: value {value!r} is not a {_type_name(tp)}")
+        choices = [_choice_text(a) for a in get_args(tp)]
+        raise ConfigError(f"{where}: value {value!r} is not allowed; choose one of {', '.join(choices)}")
     if origin is typing.Literal:
         allowed = get_args(tp)
         if value not in allowed:

@@ -124,7 +124,11 @@ class TrainConfig:
     grad_clip: float = 1.0  # 0 disables clipping
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
-    activation_checkpointing: bool = False
+    # none | full (recompute each whole block in backward) | selective (keep matmul, attention and delta-rule
+    # outputs, recompute the cheap elementwise ops between them); true/false are read as full/none.
+    activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
+    # With full: checkpoint every k-th block only (1 = all); the others keep their activations.
+    activation_checkpointing_every: int = 1
     # torch.compile each block (in place: parameter names and checkpoints unchanged), after activation
     # checkpointing and before data parallel; the fused kernels are custom ops it traces without graph breaks.
     compile: bool = False
@@ -171,6 +175,15 @@ class TrainConfig:
                               f"{self.spike_window} >= 2 (steps of history a step is scored against)")
         if self.schedule_on_resume not in ("keep", "replan"):
             raise ConfigError(f"train.schedule_on_resume={self.schedule_on_resume!r} must be 'keep' or 'replan'")
+        if isinstance(self.activation_checkpointing, bool):
+            self.activation_checkpointing = "full" if self.activation_checkpointing else "none"
+        if self.activation_checkpointing_every < 1:
+            raise ConfigError(f"train.activation_checkpointing_every={self.activation_checkpointing_every} must be >= 1")
+        if self.activation_checkpointing_every > 1 and self.activation_checkpointing != "full":
+            raise ConfigError(
+                f"train.activation_checkpointing_every={self.activation_checkpointing_every} applies to "
+                f"activation_checkpointing=full only (it is {self.activation_checkpointing!r}); set it to 1 or use full"
+            )
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

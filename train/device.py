@@ -33,3 +33,18 @@ def autocast_context(device: torch.device, dtype: torch.dtype | None):
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def step_weight_casts(device: torch.device, dtype: torch.dtype | None, enabled: bool = True):
+    """Keep autocast's bf16 copies of the fp32 weights for a whole optimizer step, not one micro-batch.
+
+    Autocast caches the low-precision copy of each leaf weight it casts, but drops the cache whenever the
+    outermost autocast region exits: with one region per micro-batch every weight was cast again in every
+    micro-batch (8.6% of dense_1b's step on an H100). An enclosing, disabled autocast region around the
+    step's micro-batches keeps the cache alive until the step ends, so each weight is cast once per step;
+    the optimizer then updates the fp32 master weights outside it, and the next step casts afresh. FSDP2
+    casts its own gathered shards (MixedPrecisionPolicy): pass enabled=False there.
+    """
+    if dtype is None or not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)

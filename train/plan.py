@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import warnings
 
@@ -96,7 +97,7 @@ from hybridtron.configs import ConfigError, JobConfig
 from .device import autocast_context, autocast_dtype
 from .parallel.context_parallel import local_piece
 from .parallel.mesh import Mesh, dp_shard_size, resolve_layout
-from .parallel.parallelize import clip_grad_norm
+from .parallel.parallelize import checkpointing_mode, clip_grad_norm
 
 GIB = 1 << 30
 CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
@@ -545,6 +546,20 @@ def simulate(cfg: JobConfig, world: int) -> dict[int, dict]:
 
 
 # ---- communication ---------------------------------------------------------------------------------------------
+def _recomputed_fraction(cfg: JobConfig) -> float:
+    """The share of blocks whose forward runs again in backward, collectives included."""
+    if checkpointing_mode(cfg.train) != "full":
+        return 0.0
+    every, layers = cfg.train.activation_checkpointing_every, cfg.model.n_layers
+    return math.ceil(layers / every) / layers
+
+
+def _checkpointing_label(cfg: JobConfig) -> str:
+    mode = checkpointing_mode(cfg.train)
+    every = cfg.train.activation_checkpointing_every
+    return f"{mode} (every {every} blocks)" if mode == "full" and every > 1 else mode
+
+
 def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     """Bytes each GPU sends per optimizer step in every parallel dimension (formulas: module docstring)."""
     p, m = cfg.parallel, cfg.model
@@ -573,7 +588,8 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     if p.ep > 1 and dp > p.ep:
         out["dp"] += 2 * f(dp // p.ep) * 4 * facts["expert_params"]
     if p.tp > 1:
-        per_layer = (4 + (2 if cfg.train.activation_checkpointing else 0)) * f(p.tp) * B * T * d * (s + c)
+        # full checkpointing repeats the forward's two collectives of each recomputed block; selective keeps them
+        per_layer = (4 + 2 * _recomputed_fraction(cfg)) * f(p.tp) * B * T * d * (s + c)
         ends = (facts["embedding"] + facts["head"]) * 2 * f(p.tp) * B * T * d * s
         out["tp"] = mb * (facts["layers"] * per_layer + ends)
     if p.pp > 1:
@@ -659,7 +675,7 @@ def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: f
     head = (f"{n_params(cfg) / 1e6:.1f}M parameters; {world} GPUs, {layout}; micro-batch "
             f"{cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.train.grad_accum_steps} per step; "
             f"{'bf16' if _compute_dtype(cfg) is not None else 'fp32'} compute; activation checkpointing "
-            f"{'on' if cfg.train.activation_checkpointing else 'off'}; per-GPU peak in GiB of {gpu_memory_gib:g}")
+            f"{_checkpointing_label(cfg)}; per-GPU peak in GiB of {gpu_memory_gib:g}")
     notes = []
     if p.pp > 1:
         notes.append(f"pipeline schedule {p.pp_schedule}: each row is the heaviest stage's first rank (all stages "

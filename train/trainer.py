@@ -16,13 +16,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 from hybridtron.configs import ConfigError, JobConfig, load_config
 from hybridtron.data_pipeline.atomic import write_bytes_atomic
 
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
-from .device import autocast_context
+from .device import autocast_context, step_weight_casts
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
 from .parallel.context_parallel import local_piece
@@ -210,19 +211,21 @@ class Trainer:
         # last micro-batch: until then each group accumulates its reduce-scattered shards.
         sync_last_only = self.mesh.data_ranks > 1 and self.mesh.zero_stage == 0 and accum > 1  # replicated (DDP) only
         hsdp = self._hsdp_modules() if accum > 1 else []
-        for i in range(accum):
-            if sync_last_only:
-                self.model.set_requires_gradient_sync(i == accum - 1)
-            for m in hsdp:
-                m.set_requires_all_reduce(i == accum - 1, recurse=False)
-            b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
-            b = local_piece(b, self.mesh)  # context parallel: this rank's piece of every sequence
-            doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
-            with autocast_context(self.device, self.amp_dtype):
-                loss = self.model(b["input_ids"], doc_ids, labels=b["labels"])
-            (loss / accum).backward()
-            loss_sum += _whole(loss.detach()).float()
-            tokens += b["input_ids"].numel()
+        # bf16 copies of the weights made once per step (not per micro-batch) and reused by every micro-batch
+        with step_weight_casts(self.device, self.amp_dtype, enabled=not self._sharded()):
+            for i in range(accum):
+                if sync_last_only:
+                    self.model.set_requires_gradient_sync(i == accum - 1)
+                for m in hsdp:
+                    m.set_requires_all_reduce(i == accum - 1, recurse=False)
+                b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
+                b = local_piece(b, self.mesh)  # context parallel: this rank's piece of every sequence
+                doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
+                with autocast_context(self.device, self.amp_dtype):
+                    loss = self.model(b["input_ids"], doc_ids, labels=b["labels"])
+                (loss / accum).backward()
+                loss_sum += _whole(loss.detach()).float()
+                tokens += b["input_ids"].numel()
         loss = self.mesh.mean((loss_sum / accum).item())  # the mean over data-parallel ranks: the global batch's
         sync_expert_grads(self.model, self.mesh)
         self._dump_grads()
@@ -252,6 +255,12 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, grad_norm, b["input_ids"].numel(), finite
+
+    def _sharded(self) -> bool:
+        """FSDP2 shards the model: it casts the parameters it gathers itself (MixedPrecisionPolicy)."""
+        if not hasattr(self, "_is_sharded"):
+            self._is_sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
+        return self._is_sharded
 
     def _hsdp_modules(self) -> list[nn.Module]:
         """The FSDP2 modules of a hybrid-sharded model (none otherwise), found once."""

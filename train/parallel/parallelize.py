@@ -25,11 +25,70 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from hybridtron.configs import TrainConfig
 
+# Selective activation checkpointing keeps the outputs of the ops that are expensive to recompute and
+# recomputes the rest of a block (norms, rotary, activations, gates, residual adds: memory-bound ops whose
+# outputs are as large as a matmul's but cost ~1/100 of its time). torchtitan's op-level policy is the model.
+_SAVED_ATEN = {
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::linear",
+    "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_flash_attention_forward", "aten::_efficient_attention_forward",
+    # sequence/tensor-parallel collectives: recomputing them would repeat the communication
+    "_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor",
+    "_c10d_functional::all_reduce", "_c10d_functional::all_to_all_single",
+}
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in backward: memory O(layers) -> O(1) blocks, ~1/3 more compute."""
+
+def _op_name(func) -> str:
+    schema = getattr(func, "_schema", None)
+    return schema.name if schema is not None else str(func)
+
+
+def _saved_by_selective(func) -> bool:
+    """Our fused attention and delta-rule forwards are the expensive ops of a mixer: keep their outputs."""
+    name = _op_name(func)
+    if name in _SAVED_ATEN:
+        return True
+    ns, _, op = name.partition("::")
+    return ns == "hybridtron" and op.endswith("_fwd") and ("attention" in op or "delta_rule" in op)
+
+
+def _selective_policy(ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if _saved_by_selective(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_checkpoint_context():
+    """The ``context_fn`` of torch.utils.checkpoint for train.activation_checkpointing=selective."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
+def checkpointing_mode(cfg: TrainConfig) -> str:
+    """none | full | selective (configs written before the modes existed say true/false)."""
+    mode = cfg.activation_checkpointing
+    if isinstance(mode, bool):
+        return "full" if mode else "none"
+    return mode
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every: int = 1) -> None:
+    """Recompute activations in backward. full: each block (every ``every``-th block) keeps only its input,
+    memory O(layers) -> O(1) blocks for ~1/3 more compute; selective: each block keeps its matmul, attention
+    and delta-rule outputs and recomputes the elementwise ops between them (most of full's saving of the
+    cheap activations, a few percent of its recompute)."""
+    if mode == "none":
+        return
+    if mode not in ("full", "selective"):
+        raise ValueError(f"activation checkpointing mode {mode!r}: use none, full or selective")
     for i, block in enumerate(model.layers):
-        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+        if mode == "selective":
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False,
+                                                 context_fn=selective_checkpoint_context)
+        elif i % every == 0:
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
 def apply_compile(model: nn.Module, **compile_kwargs) -> None:
@@ -43,10 +102,9 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
 
 
 def parallelize(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """What is applied before the weights exist (on the meta device): activation checkpointing, then
-    torch.compile of each block (train.compile)."""
-    if cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    """What is applied before the weights exist (on the meta device): activation checkpointing
+    (train.activation_checkpointing), then torch.compile of each block (train.compile)."""
+    apply_activation_checkpointing(model, checkpointing_mode(cfg), cfg.activation_checkpointing_every)
     if cfg.compile:
         apply_compile(model)
     return model
