@@ -29,6 +29,12 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
   where installed, a per-expert ``torch.matmul`` loop (the eager reference), and the dense baseline: the same
   FLOPs as one plain ``torch.matmul`` per projection over all routed rows (a rate baseline: it computes
   something else, so it is not compared with ours).
+- ``moe_layer``: a whole MoE layer (model/moe.py: router, aux and z losses, permute, grouped expert SwiGLUs,
+  unpermute, shared expert), forward + backward, at the hybrid_moe preset's sizes, as the trainer runs it (fp32
+  parameters, ``--dtype`` autocast, fp32 input from the norm) -- ours, the masked per-expert loop
+  (``moe_reference``, the ground truth), the same layer with autocast off (fp32 experts: the path the layer took
+  before it cast for the grouped GEMM; a rate baseline) and a dense SwiGLU of the same active FLOPs (hidden =
+  top_k x expert hidden + shared hidden; a rate baseline). Rated in TFLOP/s of the active FLOPs.
 - ``attention``: gated attention, delegated to bench/kernels_attention.py (SDPA flash + gate, the masked
   SDPA path, flash-attn varlen + gate, our Triton kernel; each checked against the float32 reference, rated
   in TFLOP/s over the unmasked causal pairs).
@@ -47,7 +53,8 @@ Targets (issue 9, one H100): norm, rotary and SwiGLU at >= 85% of the copy bandw
 torch.compile; fused linear cross-entropy at vocabulary 152k with <= 15% of the plain path's peak memory
 in <= 1.1x its time. Issue 10 (same GPU): the chunked delta rule at least as fast as fla's at head dim 128,
 sequence 4k-16k. MoE (same GPU): the grouped expert matmul at >= 80% of the TFLOP/s of a dense matmul of
-the same FLOPs, megablocks' dMoE kernel timed beside it where installed. Gated attention (same GPU): forward +
+the same FLOPs, megablocks' dMoE kernel timed beside it where installed; the whole MoE layer's forward + backward
+within 1.3x the time of a dense SwiGLU of the same active FLOPs (issue 21). Gated attention (same GPU): forward +
 backward >= 1.1x SDPA-flash + a separate gate at head dims 128 and 256, sequences 4k-8k, with and without
 documents. The summary lines under the table say met / not met (or not measured) for each.
 
@@ -66,6 +73,7 @@ only unless TRITON_INTERPRET=1; the numbers mean nothing there and say so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -92,7 +100,7 @@ from hybridtron.kernels.swiglu import swiglu, swiglu_reference
 from hybridtron.model.moe import _grouped_mm_ok, grouped_linear
 
 OPS = ("norm", "rotary", "swiglu", "conv", "cross_entropy", "delta_rule", "moe_permute", "grouped_gemm",
-       "attention")
+       "moe_layer", "attention")
 
 
 @dataclass
@@ -379,8 +387,8 @@ def grouped_gemm_case(tokens: int, d: int, experts: int, top_k: int, hidden: int
 
     def grouped(backend):
         def fn(xs, h, w_gu, w_d, dense_gu, dense_d):
-            return (grouped_linear(xs, w_gu, counts, offsets, backend),
-                    grouped_linear(h, w_d, counts, offsets, backend))
+            return (grouped_linear(xs, w_gu, offsets, backend, counts),
+                    grouped_linear(h, w_d, offsets, backend, counts))
         return fn
 
     def loop(xs, h, w_gu, w_d, dense_gu, dense_d):
@@ -400,6 +408,63 @@ def grouped_gemm_case(tokens: int, d: int, experts: int, top_k: int, hidden: int
              f"{min(counts)}-{max(counts)}; native = {path}")
     return Case("grouped_gemm", shape, [xs, h, w_gu, w_d, dense_gu, dense_d], cands,
                 flops=18.0 * rows * d * hidden, ours=GG_OURS, baselines=frozenset({GG_DENSE}))
+
+
+ML_OURS = "MoE layer (ours)"
+ML_LOOP = "MoE layer, masked per-expert loop (moe_reference)"
+ML_FP32 = "MoE layer, autocast off: fp32 experts (rate baseline, not compared)"
+ML_DENSE = "dense SwiGLU, same active FLOPs (rate baseline, not compared)"
+ML_TARGET = 1.3  # the MoE layer's fwd+bwd within 1.3x the dense SwiGLU's time
+
+
+def moe_layer_case(tokens: int, d: int, experts: int, top_k: int, hidden: int, shared: int, dtype, device) -> Case:
+    """One MoE layer, forward + backward, as a training step runs it: fp32 parameters under ``dtype`` autocast (no
+    autocast for float32), the input in fp32 as the norm hands it over, the weighted aux and z losses
+    backpropagated with the output, the parameters' gradients accumulated. Routing comes from the router itself
+    (weights N(0, 0.02), so loads are uneven as early in training). FLOPs: the active ones, 6 per weight a token
+    (router, top_k experts, shared expert and its gate); the dense SwiGLU has hidden top_k * hidden + shared, the
+    same FLOPs but the router's and the gate's (under 1%)."""
+    from hybridtron.configs import ModelConfig, MoEConfig
+    from hybridtron.model.mlp import SwiGLU
+    from hybridtron.model.moe import MoE, moe_reference
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=d, moe=MoEConfig(n_experts=experts, top_k=top_k, expert_hidden=hidden,
+                                               shared_expert_hidden=shared, aux_loss_coef=1e-3, z_loss_coef=1e-3,
+                                               bias_update_rate=1e-3))
+    moe, dense = MoE(cfg).to(device), SwiGLU(d, top_k * hidden + shared, cfg).to(device)
+    for p in [*moe.parameters(), *dense.parameters()]:
+        torch.nn.init.normal_(p, std=0.02)
+    moe.train()
+    x = torch.randn(tokens, d, device=device)
+    amp = dtype if dtype != torch.float32 else None
+
+    def autocast():
+        return torch.autocast(device.type, dtype=amp) if amp else contextlib.nullcontext()
+
+    def layer(x):
+        with autocast():
+            y = moe(x)
+        return y, moe.aux_loss
+
+    def loop(x):
+        with autocast():
+            y = moe_reference(moe, x)
+        logits, probs, _, idx = moe.route(x)  # the same losses from the same routing
+        return y, moe._losses(logits, probs, torch.bincount(idx.flatten(), minlength=experts))[0]
+
+    def fp32(x):
+        return moe(x), moe.aux_loss
+
+    def swiglu(x):
+        with autocast():
+            return dense(x)
+
+    cands: dict = {ML_OURS: layer, ML_LOOP: loop, ML_FP32: fp32, ML_DENSE: swiglu}
+    per_token = moe.active_params_per_token()
+    shape = f"N{tokens} E{experts} top{top_k} d{d} I{hidden} shared{shared} {_dt(dtype)} autocast"
+    return Case("moe_layer", shape, [x], cands, flops=6.0 * tokens * per_token, ours=ML_OURS,
+                baselines=frozenset({ML_FP32, ML_DENSE}))
 
 
 def _first(out):
@@ -596,6 +661,15 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
             if mb is not None:
                 line += f"; megablocks' gmm at {100 * dense.seconds / mb.seconds:.0f}%"
             out.append(line)
+    for s in shapes("moe_layer"):
+        ours, dense, fp32 = (by.get(("moe_layer", s, n)) for n in (ML_OURS, ML_DENSE, ML_FP32))
+        if ours is not None and dense is not None:
+            t = ours.seconds / dense.seconds
+            line = (f"- moe_layer: {t:.2f}x the dense SwiGLU's time at the same active FLOPs "
+                    f"(target <= {ML_TARGET}: {'met' if t <= ML_TARGET else 'NOT met'})")
+            if fp32 is not None:
+                line += f"; the fp32-expert path {fp32.seconds / ours.seconds:.2f}x ours"
+            out.append(line)
     att = [r for r in rows if r.op == "attention"]
     for shape in dict.fromkeys(r.shape for r in att):  # one line per (seq, head dim, documents), in run order
         out.append(_attention_verdict([r for r in att if r.shape == shape]))
@@ -668,6 +742,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--moe-top-k", type=int, default=4)
     ap.add_argument("--moe-hidden", type=int, default=768, help="expert hidden width (grouped_gemm rows: tokens "
                                                                  "x top_k)")
+    ap.add_argument("--moe-shared", type=int, default=768, help="shared expert hidden width (moe_layer)")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peers")
@@ -699,6 +774,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                                                  dtype, device, compile_peers, ours)],
         "grouped_gemm": lambda: [grouped_gemm_case(args.tokens, args.moe_d_model, args.moe_experts, args.moe_top_k,
                                                    args.moe_hidden, dtype, device)],
+        "moe_layer": lambda: [moe_layer_case(args.tokens, args.moe_d_model, args.moe_experts, args.moe_top_k,
+                                             args.moe_hidden, args.moe_shared, dtype, device)],
     }
     for op in args.ops:
         if op == "attention":

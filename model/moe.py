@@ -19,6 +19,17 @@ as grouped matmuls over those slices:
 - ``megablocks``: megablocks' grouped GEMM (``grouped_gemm.ops.gmm``, the kernel behind its dMoE) on
   CUDA, with the same routing, weights and layout.
 
+Precision: the router's logits, softmax/sigmoid and top-k are fp32 on purpose (autocast switched off for
+them). Everything else runs in the compute dtype (``expert_dtype``): under bf16 autocast the token rows are
+cast once, before the permutation (which then moves half the bytes), and the expert weights once per forward,
+because autocast does not cover ``torch._grouped_mm`` and torch's CUDA grouped GEMM takes fp32 inputs to a
+per-expert fp32 loop; under FSDP2's bf16 parameters the weights' dtype. The shared expert reads the same cast
+rows.
+
+No host synchronisation: the per-expert counts and the grouped GEMM's offsets stay on the device, and so do
+the balance losses and load statistics (``metrics`` reads them once per optimizer step). Only megablocks'
+gmm, the per-expert fallback and the expert-parallel all-to-all (its split sizes) need counts on the host.
+
 `moe_reference` (a loop over experts with masks, no sorting) is the ground truth the tests compare both
 with. Combining the k outputs of a token is a fixed-order sum, so results do not depend on atomics.
 
@@ -32,6 +43,8 @@ gradient (a persistent buffer, so it is checkpointed). The weighted losses of th
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +52,15 @@ from torch import nn
 from ..configs import ConfigError, ModelConfig
 from ..kernels.moe_permute import moe_permute, moe_unpermute, sort_assignments
 from .mlp import SwiGLU
+
+STATS = ("aux_loss", "z_loss", "dropped", "forwards")  # MoE._sums, summed over the micro-batches of a step
+
+
+def _no_autocast(device_type: str):
+    """Autocast off for a deliberately fp32 computation (a no-op context where it is off already)."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 class Experts(nn.Module):
@@ -56,9 +78,9 @@ class Experts(nn.Module):
         nn.init.normal_(self.down_proj, std=out_std)  # writes into the residual stream
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e on x (n, d) by plain matmuls: the reference path."""
-        gate, up = (x @ self.gate_up_proj[e].T).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.down_proj[e].T
+        """Expert e on x (n, d) by plain matmuls, in x's dtype: the reference path."""
+        gate, up = (x @ self.gate_up_proj[e].T.to(x.dtype)).chunk(2, dim=-1)
+        return (F.silu(gate) * up) @ self.down_proj[e].T.to(x.dtype)
 
 
 def _grouped_mm_ok(x: torch.Tensor, *widths: int) -> bool:
@@ -67,15 +89,32 @@ def _grouped_mm_ok(x: torch.Tensor, *widths: int) -> bool:
     return all(w * x.element_size() % 16 == 0 for w in widths)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], offsets: torch.Tensor,
-                   backend: str) -> torch.Tensor:
-    """Row block e of x (counts[e] rows, consecutive) times weight[e].T; weight (E, out, in)."""
+def expert_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the experts run in: autocast's where autocast is on for x's device (torch's autocast does not
+    cover ``torch._grouped_mm``, so the layer casts itself; float64 stays float64, as autocast leaves it), else
+    the expert weights' (FSDP2 gathers them in its param_dtype)."""
+    dev = x.device.type
+    if x.dtype != torch.float64 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return weight.dtype
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, backend: str = "native",
+                   counts: list[int] | None = None) -> torch.Tensor:
+    """Row block e of x (rows offsets[e-1]:offsets[e], consecutive) times weight[e].T; weight (E, out, in) in x's
+    dtype; offsets (E,) int32, the running row counts, on x's device.
+
+    Where torch's grouped GEMM runs (``native``) the offsets stay on the device: no host synchronisation.
+    megablocks' gmm and the per-expert fallback need the row counts on the host (``counts``, or one device-to-
+    host copy of them here)."""
+    if backend != "megablocks" and _grouped_mm_ok(x, weight.shape[1], weight.shape[2]):
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    if counts is None:
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
     if backend == "megablocks":
-        from grouped_gemm.ops import gmm  # megablocks' grouped GEMM
+        from grouped_gemm.ops import gmm  # megablocks' grouped GEMM: its CUTLASS kernel reads the sizes on the host
 
         return gmm(x, weight, torch.tensor(counts, dtype=torch.int64), trans_b=True)
-    if _grouped_mm_ok(x, weight.shape[1], weight.shape[2]):
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     # unbind, not weight[e]: each indexing would give the backward a zero gradient of the whole (E, out, in)
     # weight to add up (E of them); unbind's backward stacks the E slices once.
     return torch.cat([xe @ we.T for xe, we in zip(x.split(counts), weight.unbind(0), strict=True)])
@@ -109,8 +148,9 @@ class MoE(nn.Module):
             self.shared_expert = self.shared_expert_gate = None
         self.register_buffer("expert_bias", torch.zeros(self.n_experts))  # persistent: resumes exactly
         # Statistics since the last optimizer step (summed over micro-batches), for metrics and the bias.
+        # Both stay on the device (no host synchronisation in the forward); metrics() reads them once per step.
         self.register_buffer("_load", torch.zeros(self.n_experts, dtype=torch.float64), persistent=False)
-        self._stats = {"aux_loss": 0.0, "z_loss": 0.0, "dropped": 0.0, "forwards": 0}
+        self.register_buffer("_sums", torch.zeros(len(STATS), dtype=torch.float64), persistent=False)  # STATS
         self.aux_loss: torch.Tensor | None = None
         # Expert parallel (set from outside, ``train/parallel/expert_parallel.py``): a callable that runs the expert-sorted
         # assignments through experts held by other ranks too; None runs every expert here.
@@ -122,7 +162,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float, out_std: float) -> None:
         self.expert_bias.zero_()
-        self._load.zero_()
+        self.reset_stats()
 
     def active_params_per_token(self) -> int:
         """Router + top_k experts + the shared expert and its gate: the parameters one token uses."""
@@ -133,9 +173,13 @@ class MoE(nn.Module):
         return n
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, d) -> (logits (N, E) fp32, probs (N, E), top-k weights (N, k), top-k experts (N, k))."""
+        """x (N, d) -> (logits (N, E) fp32, probs (N, E), top-k weights (N, k), top-k experts (N, k)).
+
+        The scores are fp32 on purpose, autocast or not: the top-k choice compares them (plus the small balancing
+        bias) and bf16 would tie experts; the router is 2 d E FLOPs a token, under 1% of the layer's."""
         f32 = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (fp64 stays fp64: tests)
-        logits = F.linear(x.to(f32), self.gate.weight.to(f32))
+        with _no_autocast(x.device.type):
+            logits = F.linear(x.to(f32), self.gate.weight.to(f32))
         probs = logits.softmax(-1) if self.router_kind == "softmax" else logits.sigmoid()
         choice = probs + self.expert_bias if self.bias_update_rate else probs
         idx = choice.topk(self.top_k, dim=-1).indices
@@ -144,72 +188,90 @@ class MoE(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, probs, weights, idx
 
-    def _losses(self, logits: torch.Tensor, probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+    def _losses(self, logits: torch.Tensor, probs: torch.Tensor,
+                counts: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """(weighted sum of the balance losses or None, unweighted aux loss, unweighted z-loss), all on the device;
+        counts (E,): assignments per expert (the dispatch's, not a second count)."""
         N, E = probs.shape
-        counts = torch.bincount(idx.flatten(), minlength=E).to(probs.dtype)
+        counts = counts.to(probs.dtype)
+        zero = probs.new_zeros(())
         if self.context_parallel is not None:  # f_e of the whole sequences; each piece's P_e then carries the
             counts = self.context_parallel.sum_counts(counts)  # gradient, and the pieces' mean is the whole loss
             N = N * self.context_parallel.n
         load = counts / (N * self.top_k)  # f_e
-        terms = []
+        terms, aux, z = [], zero, zero
         if self.aux_loss_coef:
             p = probs if self.router_kind == "softmax" else probs / probs.sum(-1, keepdim=True)
             aux = E * (load * p.mean(0)).sum()
-            self._stats["aux_loss"] += float(aux.detach())
             terms.append(self.aux_loss_coef * aux)
         if self.z_loss_coef:
             z = torch.logsumexp(logits, dim=-1).pow(2).mean()
-            self._stats["z_loss"] += float(z.detach())
             terms.append(self.z_loss_coef * z)
-        return sum(terms) if terms else None
+        return (sum(terms) if terms else None), aux, z
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        N, k = x.shape[0], self.top_k
+        N, k, E = x.shape[0], self.top_k, self.n_experts
         logits, probs, weights, idx = self.route(x)
-        self.aux_loss = self._losses(logits, probs, idx) if self.training else None
         flat = idx.flatten()  # assignment a = token * k + j
         order, pos = sort_assignments(flat)  # assignments grouped by expert, and the inverse
-        counts_t = torch.bincount(flat, minlength=self.n_experts)
-        counts = counts_t.tolist()
+        # per-expert counts on the device (bincount would read the largest index back to the host on CUDA)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
         if self.training:
-            with torch.no_grad():
-                self._load += counts_t.double()
-                self._stats["dropped"] += N * k - sum(counts)  # 0: dropless
-                self._stats["forwards"] += 1
-        xs = moe_permute(x, order, pos, k, backend=self.kernel_backend)  # (N k, d), expert-sorted: x[order // k]
+            self.aux_loss, aux, z = self._losses(logits, probs, counts)
+            with torch.no_grad():  # accumulated on the device: nothing here waits for the GPU
+                self._load += counts.to(self._load.dtype)
+                stats = torch.stack([aux.detach().to(self._sums.dtype), z.detach().to(self._sums.dtype),
+                                     N * k - counts.sum().to(self._sums.dtype),  # dropped: 0, dropless
+                                     self._sums.new_ones(())])
+                self._sums += stats
+        else:
+            self.aux_loss = None
+        # The experts, the permutation and the shared expert run in the compute dtype (expert_dtype): under bf16
+        # autocast the rows are cast once here, and the expert weights once per forward in run_experts.
+        xe = x.to(expert_dtype(x, self.experts.gate_up_proj))
+        xs = moe_permute(xe, order, pos, k, backend=self.kernel_backend)  # (N k, d), expert-sorted: x[order // k]
         if self.expert_dispatch is None:
             ys = self.run_experts(xs, counts, self.experts.gate_up_proj, self.experts.down_proj)
         else:
-            ys = self.expert_dispatch(self, xs, counts_t)
+            ys = self.expert_dispatch(self, xs, counts)
         out = moe_unpermute(ys, order, pos, weights, k, backend=self.kernel_backend)  # (N, d): weighted sum per token
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(xe)) * self.shared_expert(xe)
         return out.view(shape)
 
-    def run_experts(self, xs: torch.Tensor, counts: list[int], gate_up_proj: torch.Tensor,
-                    down_proj: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert (counts[e] rows for expert e of the given weights) through their SwiGLU experts."""
-        offsets = torch.tensor(counts, device=xs.device).cumsum(0).to(torch.int32)
-        gate, up = grouped_linear(xs, gate_up_proj, counts, offsets, self.backend).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, down_proj, counts, offsets, self.backend)
+    def run_experts(self, xs: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
+                    down_proj: torch.Tensor, host_counts: list[int] | None = None) -> torch.Tensor:
+        """Rows sorted by expert (counts[e] rows for expert e of the given weights, counts an (E,) tensor on the
+        device) through their SwiGLU experts, in xs's dtype (the weights are cast to it: autocast does not reach
+        the grouped GEMM). host_counts: the same counts on the host where the caller has them already."""
+        dt = xs.dtype
+        gate_up_proj, down_proj = gate_up_proj.to(dt), down_proj.to(dt)
+        offsets = counts.cumsum(0).to(torch.int32)
+        if host_counts is None and self.backend == "megablocks":
+            host_counts = counts.tolist()  # megablocks' gmm takes the sizes on the host: one copy for both matmuls
+        gate, up = grouped_linear(xs, gate_up_proj, offsets, self.backend, host_counts).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, down_proj, offsets, self.backend, host_counts)
 
     # -- between optimizer steps ------------------------------------------------------------------------
 
     def metrics(self) -> dict[str, float]:
         """Load per expert (fraction of assignments), the unweighted losses and the router biases,
-        averaged over the micro-batches since the last optimizer step."""
-        n = max(self._stats["forwards"], 1)
-        total = float(self._load.sum())
-        out = {f"load/e{e}": (float(c) / total if total else 0.0) for e, c in enumerate(self._load.tolist())}
-        out["dropped"] = self._stats["dropped"]
+        averaged over the micro-batches since the last optimizer step (one device-to-host copy)."""
+        E = self.n_experts
+        host = torch.cat([self._load.double(), self._sums.double(), self.expert_bias.detach().double()]).tolist()
+        load, sums, bias = host[:E], dict(zip(STATS, host[E:E + len(STATS)], strict=True)), host[E + len(STATS):]
+        n = max(sums["forwards"], 1)
+        total = sum(load)
+        out = {f"load/e{e}": (c / total if total else 0.0) for e, c in enumerate(load)}
+        out["dropped"] = sums["dropped"]
         if self.aux_loss_coef:
-            out["aux_loss"] = self._stats["aux_loss"] / n
+            out["aux_loss"] = sums["aux_loss"] / n
         if self.z_loss_coef:
-            out["z_loss"] = self._stats["z_loss"] / n
+            out["z_loss"] = sums["z_loss"] / n
         if self.bias_update_rate:
-            out.update({f"bias/e{e}": b for e, b in enumerate(self.expert_bias.tolist())})
+            out.update({f"bias/e{e}": b for e, b in enumerate(bias)})
         return out
 
     @torch.no_grad()
@@ -220,8 +282,9 @@ class MoE(nn.Module):
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
         """Move the routing biases towards balance (an overloaded expert's bias down), then reset the
-        statistics for the next step."""
-        if self.bias_update_rate and self._load.sum() > 0:
+        statistics for the next step. On the device, without a sync: with no load counted (no training forward)
+        every expert sits at the mean and sign(0) leaves the biases as they are."""
+        if self.bias_update_rate:
             load = self._load.float()
             self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         self.reset_stats()
@@ -230,7 +293,7 @@ class MoE(nn.Module):
     def reset_stats(self) -> None:
         """Forget the statistics gathered since the last optimizer step (a forward that was not training)."""
         self._load.zero_()
-        self._stats = {"aux_loss": 0.0, "z_loss": 0.0, "dropped": 0.0, "forwards": 0}
+        self._sums.zero_()
 
 
 def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -238,6 +301,7 @@ def moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x = x.reshape(-1, shape[-1])
     _, _, weights, idx = moe.route(x)
+    x = x.to(expert_dtype(x, moe.experts.gate_up_proj))  # the layer's compute dtype, as MoE.forward casts
     out = torch.zeros_like(x)
     for e in range(moe.n_experts):
         token, slot = (idx == e).nonzero(as_tuple=True)

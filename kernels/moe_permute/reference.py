@@ -17,8 +17,7 @@ import torch
 def sort_assignments(flat_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N k,) expert of each assignment -> (order, pos): the assignments grouped by expert and its inverse."""
     order = torch.argsort(flat_idx, stable=True)
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=order.device)
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     return order, pos
 
 

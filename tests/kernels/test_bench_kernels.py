@@ -92,8 +92,8 @@ def test_grouped_gemm_matches_the_loop_and_rates_against_dense(tmp_path):
 
 
 def test_grouped_gemm_catches_a_wrong_grouped_matmul(tmp_path, monkeypatch):
-    def experts_reversed(x, weight, counts, offsets, backend):  # a plausible bug: block e times weight[E-1-e]
-        return moe.grouped_linear(x, weight.flip(0), counts, offsets, backend)
+    def experts_reversed(x, weight, offsets, backend, counts=None):  # a plausible bug: block e times weight[E-1-e]
+        return moe.grouped_linear(x, weight.flip(0), offsets, backend, counts)
 
     monkeypatch.setattr(bench, "grouped_linear", experts_reversed)
     rows, _ = _grouped_gemm_rows(tmp_path)
@@ -109,6 +109,27 @@ def test_grouped_gemm_verdict(dense_s, verdict):
     met = "met" if dense_s >= 0.8 else "NOT met"
     assert line == (f"- grouped_gemm: ours at {verdict} of the dense matmul's TFLOP/s (target >= 80%: {met}); "
                     f"megablocks' gmm at {round(200 * dense_s)}%")
+
+
+def test_moe_layer_matches_the_loop_and_rates_against_dense_swiglu(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    rows = bench.main(["--device", "cpu", "--dtype", "bfloat16", "--ops", "moe_layer", "--tokens", "24", *TINY_MOE,
+                       "--moe-shared", "8", "--repeats", "1", "--warmup", "0", "--append", str(out)])
+    by = {r.impl: r for r in rows}
+    assert all(by[n].seconds is not None and by[n].rate.endswith("TFLOP/s")
+               for n in (bench.ML_OURS, bench.ML_LOOP, bench.ML_FP32, bench.ML_DENSE))
+    assert by[bench.ML_LOOP].max_err is not None and by[bench.ML_LOOP].max_err < 2e-2  # bf16 output, grads of x
+    assert by[bench.ML_DENSE].max_err is None and by[bench.ML_FP32].max_err is None  # rate baselines
+    assert "- moe_layer: " in out.read_text() and "x the dense SwiGLU's time" in out.read_text()
+
+
+def test_moe_layer_verdict():
+    rows = [bench.Row("moe_layer", "s", bench.ML_OURS, seconds=1.2), bench.Row("moe_layer", "s", bench.ML_DENSE,
+                                                                               seconds=1.0),
+            bench.Row("moe_layer", "s", bench.ML_FP32, seconds=6.0)]
+    (line,) = bench.verdicts(rows, copy_gbs=None)
+    assert line == ("- moe_layer: 1.20x the dense SwiGLU's time at the same active FLOPs (target <= 1.3: met); "
+                    "the fp32-expert path 5.00x ours")
 
 
 def _fake_causal_conv1d_fn(x, weight, bias=None, activation=None):

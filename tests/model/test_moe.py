@@ -3,11 +3,15 @@ losses against their definitions, the auxiliary-loss-free bias, metrics, layout,
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridtron.configs import ConfigError, ModelConfig, MoEConfig
 from hybridtron.model import GatedLM, flops_per_token
@@ -100,9 +104,10 @@ def test_per_expert_fallback_path_equals_grouped_path():
     counts = [4, 0, 6]
     offsets = torch.tensor([4, 4, 10], dtype=torch.int32)
     loop = torch.cat([x[:4] @ w[0].T, x[4:] @ w[2].T])
-    torch.testing.assert_close(grouped_linear(x, w, counts, offsets, "native"), loop)  # grouped GEMM
-    torch.testing.assert_close(grouped_linear(x[:, :7], w[:, :, :7], counts, offsets, "native"),
-                               torch.cat([x[:4, :7] @ w[0, :, :7].T, x[4:, :7] @ w[2, :, :7].T]))  # fallback
+    torch.testing.assert_close(grouped_linear(x, w, offsets, "native"), loop)  # grouped GEMM
+    fallback = torch.cat([x[:4, :7] @ w[0, :, :7].T, x[4:, :7] @ w[2, :, :7].T])
+    torch.testing.assert_close(grouped_linear(x[:, :7], w[:, :, :7], offsets, "native"), fallback)  # counts read back
+    torch.testing.assert_close(grouped_linear(x[:, :7], w[:, :, :7], offsets, "native", counts), fallback)  # given
 
 
 def test_aux_and_z_loss_match_their_definitions():
@@ -285,5 +290,158 @@ def test_grouped_matmul_within_the_float64_error_bound(dtype):
     def loop(xs, ws):
         return torch.cat([xe @ we.T for xe, we in zip(xs.split(counts), ws.unbind(0), strict=True)])
 
-    check_against_reference(f"grouped_linear[{dtype}]", lambda xs, ws: grouped_linear(xs, ws, counts, offsets, "native"),
+    check_against_reference(f"grouped_linear[{dtype}]", lambda xs, ws: grouped_linear(xs, ws, offsets, "native"),
                             loop, [x, w], [dtype, dtype])
+
+
+# ---- precision under autocast, and no host synchronisation ---------------------------------------------------
+
+MATMULS = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "matmul", "linear", "mv", "addmv", "dot"}
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the floating operands of every matmul-family aten op that runs (forward and backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in MATMULS:
+            self.seen.append((func.overloadpacket.__name__,
+                              tuple(a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())))
+        return func(*args, **(kwargs or {}))
+
+
+def fake_megablocks(monkeypatch) -> list[torch.Tensor]:
+    """``grouped_gemm.ops`` as megablocks installs it, for the CPU: ``gmm`` by its contract (a (rows, in), b (E,
+    out, in) with trans_b, the batch sizes an int64 tensor on the host), computed by a loop. Returns the list
+    of batch-size tensors it was handed."""
+    handed, tolist = [], torch.Tensor.tolist  # (the real tolist: the sync tests count the layer's own calls)
+
+    def gmm(a, b, batch_sizes, trans_a=False, trans_b=False):
+        assert batch_sizes.device.type == "cpu" and batch_sizes.dtype == torch.int64 and trans_b and not trans_a
+        assert a.dtype == b.dtype, (a.dtype, b.dtype)
+        handed.append(batch_sizes)
+        return torch.cat([ae @ be.T for ae, be in zip(a.split(tolist(batch_sizes)), b.unbind(0), strict=True)])
+
+    ops = types.ModuleType("grouped_gemm.ops")
+    ops.gmm = gmm
+    pkg = types.ModuleType("grouped_gemm")
+    pkg.ops = ops
+    monkeypatch.setitem(sys.modules, "grouped_gemm", pkg)
+    monkeypatch.setitem(sys.modules, "grouped_gemm.ops", ops)
+    return handed
+
+
+ALL_ON = dict(shared_expert_hidden=24, aux_loss_coef=0.01, z_loss_coef=0.01, bias_update_rate=0.01)
+PATHS = ["native", "fallback", "megablocks", "reference"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_experts_run_in_bf16_under_autocast(path, monkeypatch):
+    """fp32 parameters under bf16 autocast (the trainer's GPU setting): every matmul of the experts, the shared
+    expert and their backward sees bf16 (autocast does not cover torch._grouped_mm: the layer casts), on each
+    backend; the router's three (forward, its input and weight gradients) stay fp32 on purpose."""
+    from hybridtron.model import moe as moe_mod
+
+    if path == "megablocks":
+        handed = fake_megablocks(monkeypatch)
+    if path == "fallback":
+        monkeypatch.setattr(moe_mod, "_grouped_mm_ok", lambda *a: False)
+    m = layer(torch.float32, backend="megablocks" if path == "megablocks" else "native", **ALL_ON)
+    m.train()
+    x = torch.randn(23, 32, generator=torch.Generator().manual_seed(8), requires_grad=True)
+    seen = MatmulDtypes()
+    with seen:
+        with torch.autocast("cpu", torch.bfloat16):
+            y = moe_reference(m, x) if path == "reference" else m(x)
+        y.float().pow(2).sum().backward()
+    assert y.dtype == torch.bfloat16
+    fp32 = [s for s in seen.seen if torch.float32 in s[1]]
+    low = [s for s in seen.seen if s[1] and set(s[1]) == {torch.bfloat16}]
+    assert len(fp32) == 3 and all(set(s[1]) == {torch.float32} for s in fp32), fp32  # the router only
+    assert len(low) == len(seen.seen) - 3 and len(low) >= 12, seen.seen  # experts (2 + 4 bwd), shared (3 + 6)
+    if path == "native":
+        assert any(op == "_grouped_mm" for op, _ in low)
+    if path == "megablocks":
+        assert len(handed) == 2  # both projections went through gmm
+    # and the result is the layer's: within bf16's error of the float64 formula
+    with torch.no_grad():
+        ref = direct(layer(**ALL_ON), x.detach().double())
+    assert float((y.detach().double() - ref).norm() / ref.norm()) < 2e-2
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch, m: torch.nn.Module):
+    """m's parameters and buffers and every tensor made inside become data-less (FakeTensorMode), so .item(),
+    .tolist(), bool(t) and ops whose output shape depends on the data (nonzero, bincount, repeat_interleave
+    without output_size) raise: on a GPU each would wait for the device. Explicit copies to the host raise too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    for mod in m.modules():
+        for name, p in list(mod.named_parameters(recurse=False)):
+            setattr(mod, name, torch.nn.Parameter(mode.from_tensor(p.detach())))
+        for name, b in list(mod.named_buffers(recurse=False)):
+            mod._buffers[name] = mode.from_tensor(b)
+
+    def refuse(name):
+        def f(*a, **k):
+            raise AssertionError(f"{name}: a device-to-host copy in the MoE layer")
+        return f
+
+    for name in ("cpu", "numpy", "tolist", "item"):
+        monkeypatch.setattr(torch.Tensor, name, refuse(name))
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse("torch.cuda.synchronize"))
+    with mode:
+        yield
+
+
+@pytest.mark.parametrize("autocast", [True, False], ids=["fp32 params, bf16 autocast", "bf16 params (FSDP2)"])
+@pytest.mark.parametrize("moe", [{"router": "softmax"}, {"router": "sigmoid", "top_k": 3, "norm_topk_prob": False}])
+def test_forward_backward_and_bias_update_never_wait_for_the_device(moe, autocast, monkeypatch):
+    """Routing, counts, offsets, grouped GEMM, losses, load statistics, the backward and the auxiliary-loss-free
+    bias update all stay on the device: run on data-less (fake) tensors, any host read would raise. (The fake
+    grouped GEMM is CUDA's fast path: it takes bf16 only, so an fp32 expert matmul would fail here too.)"""
+    m = layer(torch.float32 if autocast else torch.bfloat16, **{**ALL_ON, **moe})
+    m.train()
+    with no_host_reads(monkeypatch, m):
+        x = torch.randn(23, 32, dtype=m.gate.weight.dtype, requires_grad=True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            y = m(x)
+        (y.float().pow(2).sum() + m.aux_loss).backward()
+        m.after_optimizer_step()
+        m.reset_stats()
+    assert x.grad is not None and m.experts.gate_up_proj.grad is not None and m.gate.weight.grad is not None
+
+
+def test_the_no_sync_check_catches_a_host_read(monkeypatch):
+    """The check above can fail: a layer reading its counts to the host (as dispatch did with .tolist())."""
+    from hybridtron.model import moe as moe_mod
+
+    m = layer(torch.float32)
+    real = moe_mod.grouped_linear
+    monkeypatch.setattr(moe_mod, "grouped_linear",
+                        lambda x, w, offsets, backend, counts=None: real(x, w, offsets, backend, offsets.tolist()))
+    with no_host_reads(monkeypatch, m), pytest.raises(AssertionError, match="item|tolist"):
+        m(torch.randn(23, 32))
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException
+
+    with no_host_reads(monkeypatch, layer()), pytest.raises(DynamicOutputShapeException):
+        torch.bincount(torch.zeros(4, dtype=torch.int64), minlength=3)  # bincount reads its max on CUDA
+
+
+def test_megablocks_reads_the_counts_to_the_host_once_per_forward(monkeypatch):
+    """megablocks' gmm takes its batch sizes on the host: one read per layer forward for both projections, none
+    in the backward (it keeps them)."""
+    handed = fake_megablocks(monkeypatch)
+    m = layer(torch.float32, backend="megablocks", **ALL_ON)
+    calls, tolist = [], torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: calls.append(1) or tolist(t))
+    x = torch.randn(23, 32, generator=torch.Generator().manual_seed(9), requires_grad=True)
+    y = m(x)
+    assert len(calls) == 1 and len(handed) == 2 and torch.equal(handed[0], handed[1])
+    y.pow(2).sum().backward()
+    assert len(calls) == 1
+    torch.testing.assert_close(y, moe_reference(m, x), rtol=1e-5, atol=1e-6)

@@ -42,13 +42,15 @@ class AllToAllDispatch:
         send = counts.view(ep, local_experts)  # rows for rank r's experts, in their order
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send.contiguous(), group=self.group)  # recv[src, e]: rows from src for expert e
-        to_send, to_recv = send.sum(1).tolist(), recv.sum(1).tolist()
+        # the layer's one device-to-host copy: the row all-to-all takes its split sizes on the host
+        sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()
+        to_send, to_recv = sizes[:ep], sizes[ep:]
         xr = all_to_all_single_autograd(xs, to_recv, to_send, self.group)  # by source rank, then local expert
-        # regroup by local expert (stable: within an expert, the sources in rank order)
-        expert_of_row = torch.arange(local_experts, device=xs.device).repeat(ep).repeat_interleave(recv.flatten())
+        # regroup by local expert (stable: within an expert, the sources in rank order); output_size: no sync
+        expert_of_row = torch.arange(local_experts, device=xs.device).repeat(ep).repeat_interleave(
+            recv.flatten(), output_size=sum(to_recv))
         order = torch.argsort(expert_of_row, stable=True)
-        ys = moe.run_experts(xr[order], recv.sum(0).tolist(), _local(moe.experts.gate_up_proj),
-                             _local(moe.experts.down_proj))
+        ys = moe.run_experts(xr[order], recv.sum(0), _local(moe.experts.gate_up_proj), _local(moe.experts.down_proj))
         yr = torch.empty_like(ys).index_copy(0, order, ys)
         return all_to_all_single_autograd(yr, to_send, to_recv, self.group)
 
