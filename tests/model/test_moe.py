@@ -445,3 +445,16 @@ def test_megablocks_reads_the_counts_to_the_host_once_per_forward(monkeypatch):
     y.pow(2).sum().backward()
     assert len(calls) == 1
     torch.testing.assert_close(y, moe_reference(m, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_layer_traces_whole_under_torch_compile():
+    """Without host reads the layer is one graph (fullgraph=True: a .tolist() would break it), so train.compile
+    hands inductor the router's softmax, top-k, renormalisation, counts and losses to fuse."""
+    m = layer(torch.float32, **ALL_ON)
+    m.train()
+    x = torch.randn(23, 32, generator=torch.Generator().manual_seed(12))
+    compiled = torch.compile(m, fullgraph=True, backend="eager")  # dynamo's tracing is what is checked
+    with torch.autocast("cpu", torch.bfloat16):
+        y = compiled(x)
+        torch.testing.assert_close(y, m(x))

@@ -110,3 +110,42 @@ def test_expert_parallel_checkpoint_resumes_at_another_layout(src, dst, runs, sm
     extra = ["--train.grad_accum_steps", "2"] if dst == "single" else LAYOUTS[dst][1]
     resume_from_step_2(small_argv(small_data_dir, run, [*STEPS, *MOE, *extra]), one_process=dst == "single")
     assert_same_steps(steps(run), steps(runs["single"]))
+
+
+def test_dispatch_reads_split_sizes_to_the_host_once(tmp_path, monkeypatch):
+    """The all-to-all dispatch's only host read in a layer's forward is its split sizes (one copy), none in the
+    backward; one process, ep=1 over gloo: the exchange runs for real and gives the layer's own result."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hybridtron.train.parallel.expert_parallel import AllToAllDispatch
+
+    from ..model.test_moe import ALL_ON, layer
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        plain = layer(torch.float32, **ALL_ON)
+        ep = layer(torch.float32, **ALL_ON)  # the same seeded weights
+        ep.expert_dispatch = AllToAllDispatch(init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))["ep"])
+        x = torch.randn(23, 32, generator=torch.Generator().manual_seed(11))
+        reads, tolist, item = [], torch.Tensor.tolist, torch.Tensor.item
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append("tolist") or tolist(t))
+        monkeypatch.setattr(torch.Tensor, "item", lambda t: reads.append("item") or item(t))
+        outs, grads = [], []
+        for m in (plain, ep):
+            xi = x.clone().requires_grad_()
+            y = m(xi)
+            if m is ep:
+                assert reads == ["tolist"], reads
+            (y.pow(2).sum() + m.aux_loss).backward()
+            outs.append(y.detach())
+            grads.append([xi.grad, m.experts.gate_up_proj.grad, m.gate.weight.grad])
+        assert reads == ["tolist"], reads  # nothing more in the backward, nothing at all without the dispatch
+        torch.testing.assert_close(outs[1], outs[0])
+        for a, b in zip(grads[1], grads[0], strict=True):
+            torch.testing.assert_close(a, b)
+    finally:
+        dist.destroy_process_group()
