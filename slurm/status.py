@@ -1,6 +1,7 @@
-"""``hybridtron status RUN_DIR``: the SLURM job(s) of a run and where the run stands.
+"""``hybridtron status RUN_DIR``: the SLURM jobs of a run and where the run stands.
 
-The job ids come from ``RUN_DIR/slurm/jobs.jsonl`` (written by ``hybridtron submit``); their state from
+The job ids come from ``RUN_DIR/slurm/jobs.jsonl`` (written by ``hybridtron submit``): every job of every
+submission, oldest first, so a job that failed before a resubmission stays in the history; their state from
 ``squeue`` (which knows a finished job for the cluster's MinJobAge), else ``sacct`` (where accounting is on).
 The run's own files say the rest: the last logged step and loss (``metrics.jsonl``), the latest complete
 checkpoint, and why the trainer last stopped (``last_stop.json``).
@@ -108,12 +109,12 @@ def collect(run_dir: Path) -> dict:
     run_dir = Path(run_dir).resolve()
     if not run_dir.is_dir():
         raise ConfigError(f"no run directory {run_dir}; give the --run-dir that hybridtron submit printed")
-    jobs = read_jobs(run_dir)
-    if jobs:  # the last submission: its job and the ones chained after it
-        jobs = [j for j in jobs if j.get("script") == jobs[-1].get("script")]
-    out: dict = {"run_dir": str(run_dir), "jobs": []}
+    jobs = read_jobs(run_dir)  # the run's history: every submission's jobs (a --chain is one submission)
+    scripts = list(dict.fromkeys(j.get("script") for j in jobs))
+    out: dict = {"run_dir": str(run_dir), "jobs": [], "submissions": len(scripts)}
     for j in jobs:
-        out["jobs"].append({"job_id": j["job_id"], **query_job(j["job_id"])})
+        out["jobs"].append({"job_id": j["job_id"], "submission": scripts.index(j.get("script")) + 1,
+                            "submitted": j.get("submitted"), **query_job(j["job_id"])})
     last, last_val = tail_metrics(run_dir)
     max_steps = None
     try:  # a missing or damaged config.yaml leaves the total out; the rest still shows
@@ -160,7 +161,9 @@ def format_status(s: dict) -> str:
         rows.append(("job", f"none submitted from here (no slurm/{JOBS_FILE}); hybridtron submit --run-dir "
                             f"{s['run_dir']} ..."))
     for j in s["jobs"]:
-        rows.append((f"job {j['job_id']}", _job_line(j)))
+        when = f"submission {j['submission']} of {s['submissions']}" + (f", {j['submitted']}" if j.get("submitted")
+                                                                          else "")
+        rows.append((f"job {j['job_id']}", _job_line(j) + (f" ({when})" if s.get("submissions", 1) > 1 else "")))
     if s["step"] is None:
         rows.append(("progress", "no step logged yet"))
     else:

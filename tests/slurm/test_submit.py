@@ -9,6 +9,7 @@ a real SLURM cluster: test_cluster.py.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 
@@ -163,6 +164,26 @@ def test_status_without_slurm_shows_the_run(tmp_path, capsys, monkeypatch):
     assert s["step"] == 11 and s["jobs"][0]["state"] == "UNKNOWN"
     assert main(["status", str(tmp_path / "none")]) == 2
     assert "no run directory" in capsys.readouterr().err
+
+
+def test_status_shows_every_submission_of_the_run(tmp_path, capsys, monkeypatch):
+    """A job that failed, then a resubmission (a chain of two): all three jobs stay in the history."""
+    run = tmp_path / "run"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "jobs.jsonl").write_text("".join(json.dumps(j) + "\n" for j in (
+        {"job_id": "70", "script": "a.sbatch", "submitted": "2026-11-24T10:00:00"},
+        {"job_id": "81", "script": "b.sbatch", "submitted": "2026-11-24T12:00:00"},
+        {"job_id": "82", "script": "b.sbatch", "submitted": "2026-11-24T12:00:00"})))
+    (run / "logs").mkdir()
+    for j in ("70", "81"):
+        (run / "logs" / f"job-{j}.out").write_text("")
+    states = {"70": "FAILED", "81": "COMPLETED", "82": "COMPLETED"}
+    monkeypatch.setattr(slurm_status, "query_job", lambda job: {"state": states[job], "source": "sacct"})
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"job 70 +FAILED \(submission 1 of 2, 2026-11-24T10:00:00\)", out), out
+    assert re.search(r"job 81 +COMPLETED \(submission 2 of 2", out) and re.search(r"job 82 +COMPLETED", out), out
+    assert "job-70.out" in out and "job-81.out" in out
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")

@@ -63,8 +63,18 @@ CASES = {
                                                                   magnitude_direction=True)),
     "lowrank": dict(layer_pattern="LA", ffn=StructuredFFNConfig(kind="lowrank", rank=8, dense_first_layer=False)),
     "blockshuffle_guided": dict(ffn=StructuredFFNConfig(kind="blockshuffle", n_blocks=4, self_guided=True)),
+    # Qwen3-Next: MoE on some layers (dense MLPs between), top-k weights not renormalised, Hv = 2 Hk (grouped
+    # fused projections), ungated attention folded
+    "moe_partial_next": dict(layer_pattern="LA", n_layers=4, moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=24,
+                                                                           shared_expert_hidden=16, every=2)),
+    "moe_no_renorm_next": dict(layer_pattern="LLA", n_layers=3, attn_gate="none", norm_type="rmsnorm_zero_centered",
+                               rotary_fraction=0.5, moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32,
+                                                                  shared_expert_hidden=16, norm_topk_prob=False)),
+    "hybrid_gate_none": dict(layer_pattern="LA", attn_gate="none"),
+    "ungated_partial_rotary": dict(attn_gate="none", rotary_fraction=0.5),  # Qwen3.5 with zero gate rows
 }
-TARGETS = {"ungated_qwen3": "qwen3", "ungated_llama": "llama", "moe": "qwen3_5_moe_text"}
+TARGETS = {"ungated_qwen3": "qwen3", "ungated_llama": "llama", "moe": "qwen3_5_moe_text",
+           "moe_partial_next": "qwen3_next", "moe_no_renorm_next": "qwen3_next"}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -94,6 +104,22 @@ def test_export_loads_in_transformers_with_same_logits_and_generation(case, tok_
     assert_same_greedy(model, ours, theirs, hf.generation_config.eos_token_id)
     meta = json.loads((out / "hybridtron_export.json").read_text())
     assert meta["max_logit_diff"] == pytest.approx(report.max_logit_diff) and meta["max_logit_diff"] < 1e-4
+
+
+def test_the_comparison_catches_a_wrong_qwen3_next_grouping(tok_dir, tmp_path):
+    """Qwen3-Next's fused DeltaNet projection with two key heads' rows swapped, or the dense MLP layers read as MoE
+    layers, is far outside the tolerance: the parity above can fail."""
+    model = tiny(**CASES["moe_partial_next"])
+    export_model(model, tok_dir, tmp_path / "hf", log=lambda _: None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    x = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        w = hf.model.layers[0].linear_attn.in_proj_qkvz.weight
+        half = w.shape[0] // 2
+        w.copy_(torch.cat([w[half:], w[:half]]))  # key head 0's block <-> key head 1's
+        assert (hf(x).logits - model(x)).abs().max().item() > 1e-2
+    assert type(hf.model.layers[0].mlp).__name__ == "Qwen3NextMLP"
+    assert type(hf.model.layers[1].mlp).__name__ == "Qwen3NextSparseMoeBlock"
 
 
 def test_folds_are_reported(tok_dir, tmp_path):
@@ -129,11 +155,10 @@ def test_large_models_are_sharded_with_an_index(tok_dir, tmp_path):
 @pytest.mark.parametrize(
     "kw, message",
     [
-        (dict(moe=MoEConfig(n_experts=4, top_k=2, shared_expert_hidden=16, every=2)), "MoE on layers \\[1\\] only"),
-        (dict(moe=MoEConfig(n_experts=4, top_k=2)), "no shared expert"),
-        (dict(moe=MoEConfig(n_experts=4, top_k=2, shared_expert_hidden=16, bias_update_rate=0.01)), "router biases"),
-        (dict(layer_pattern="LA", attn_gate="none"), "attn_gate=none"),
-        (dict(attn_gate="none", rotary_fraction=0.5), "rotary_fraction=0.5"),
+        (dict(layer_pattern="LA", qk_norm=False), "model.qk_norm=false .* train with model.qk_norm=true"),
+        (dict(qk_norm=False, moe=MoEConfig(n_experts=4, top_k=2, shared_expert_hidden=16)), "model.qk_norm=false"),
+        (dict(attn_gate="none", rotary_fraction=0.5, qk_norm=False), "rotary_fraction=0.5 with model.qk_norm=false "
+                                                                     ".* train with rotary_fraction=1 or qk_norm=true"),
     ],
 )
 def test_features_without_a_transformers_equivalent_are_refused_by_name(kw, message, tok_dir, tmp_path):
@@ -174,7 +199,8 @@ def test_cli_export_of_a_trained_run(small_data_dir, cli_args, tmp_path, capsys)
     assert main(["export", str(run / "checkpoints" / "step_00000002"), "--out", str(out)]) == 0
 
 
-@pytest.mark.parametrize("case", ["dense_gated", "hybrid_qwen35", "hybrid_untied", "moe", "ungated_qwen3", "ungated_llama"])
+@pytest.mark.parametrize("case", ["dense_gated", "hybrid_qwen35", "hybrid_untied", "moe", "ungated_qwen3", "ungated_llama",
+                                  "moe_partial_next", "moe_no_renorm_next", "hybrid_gate_none"])
 def test_round_trip_hf_to_hybridtron_to_hf_is_bit_exact(case, tok_dir, tmp_path):
     from safetensors.torch import load_file
 

@@ -21,7 +21,8 @@ import torch
 from hybridtron.configs import DeltaNetConfig, ModelConfig, MoEConfig, load_config
 from hybridtron.data_pipeline.tokenizer import load_tokenizer
 from hybridtron.model import GatedLM
-from hybridtron.train.hf.export import ExportError, export_model
+from hybridtron.model.moe import MoE
+from hybridtron.train.hf.export import export_model
 from hybridtron.train.sample import generate
 
 from .test_export import assert_same_greedy
@@ -46,6 +47,9 @@ def build(cfg: ModelConfig) -> GatedLM:
         for p in model.parameters():
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.1)
+        for m in model.modules():  # router biases as training leaves them: they change the experts chosen
+            if isinstance(m, MoE) and m.bias_update_rate:
+                m.expert_bias.copy_(torch.randn(m.n_experts) * 0.5)
     return model.eval()
 
 
@@ -60,6 +64,22 @@ CASES = {
         norm_type="rmsnorm_zero_centered", rotary_fraction=0.25,
         deltanet=DeltaNetConfig(**SMALL_DN, neg_eigval=True, chunk_size=16)),
     "tiny_deltaproduct": tiny_deltaproduct,
+    # MoE with what no transformers class holds: the router bias (on layers 1 and 3 only, no renormalisation),
+    # a sigmoid router without a shared expert, DeltaProduct together with MoE; and the tiny_moe preset.
+    "moe_router_bias_partial": lambda: ModelConfig(
+        d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="LA",
+        deltanet=DeltaNetConfig(**SMALL_DN), moe=MoEConfig(n_experts=6, top_k=2, expert_hidden=24,
+                                                           shared_expert_hidden=16, every=2, norm_topk_prob=False,
+                                                           bias_update_rate=0.01)),
+    "moe_sigmoid_no_shared_gate_none": lambda: ModelConfig(
+        d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="LA",
+        attn_gate="none", deltanet=DeltaNetConfig(**SMALL_DN),
+        moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=24, router="sigmoid")),
+    "deltaproduct_moe": lambda: ModelConfig(
+        d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="LA",
+        deltanet=DeltaNetConfig(**SMALL_DN, n_householder=2),
+        moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32, shared_expert_hidden=16)),
+    "tiny_moe": lambda: load_config("tiny_moe").model,
     "deltaproduct3_untied_headwise": lambda: ModelConfig(
         d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="LA",
         tie_embeddings=False, attn_gate="headwise", deltanet=DeltaNetConfig(**SMALL_DN, n_householder=3)),
@@ -104,6 +124,12 @@ def test_custom_export_matches_in_logits_generation_and_cached_decoding(case, to
     assert ("neg_eigval=true" in said) == dn.neg_eigval
     assert (f"n_householder={dn.n_householder} (DeltaProduct)" in said) == (dn.n_householder > 1)
     assert report.max_logit_diff <= 1e-4 and any(line.startswith("parity: max |logit") for line in logs)
+    m = model.cfg.moe
+    if m.n_experts:  # the export's own check routed to several experts in every MoE layer
+        assert len(report.experts_chosen) == sum(m.is_moe_layer(i) for i in range(model.cfg.n_layers))
+        assert min(report.experts_chosen) > m.top_k, report.experts_chosen
+        assert ("router bias chooses the experts" in said) == (m.bias_update_rate > 0)
+        assert (f"router={m.router}" in said) == (m.router != "softmax")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "hybridtron" and cfg["architectures"] == ["HybridtronForCausalLM"]
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_hybridtron.HybridtronForCausalLM"
@@ -165,6 +191,16 @@ def test_the_comparison_catches_a_wrong_mixer(tok_dir, tmp_path):
         for w in (mixer.in_proj_qkv.weight, mixer.conv1d.weight):  # [q | k_1 | k_2 | v..] -> [q | k_2 | k_1 | v..]
             w.copy_(torch.cat([w[:kd], w[2 * kd : 3 * kd], w[kd : 2 * kd], w[3 * kd :]]))
         assert (hf(x).logits - ref).abs().max().item() > 1e-2
+
+
+def test_the_comparison_catches_a_missing_router_bias(tok_dir, tmp_path):
+    """The MoE export read without its router bias (Qwen3.5-MoE's routing) is far outside the tolerance."""
+    model, _ = export_case("moe_router_bias_partial", tok_dir, tmp_path / "hf")
+    x = torch.randint(0, V, (2, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "hf", dtype=torch.float32, trust_remote_code=True, moe_router_bias_update_rate=0.0)
+        assert (hf(x).logits - model(x)).abs().max().item() > 1e-2
 
 
 @pytest.mark.slow
@@ -242,15 +278,6 @@ def test_with_qwen35_settings_the_custom_model_is_qwen35(tok_dir, tmp_path):
         assert (ours(x).logits - native(x).logits).abs().max().item() <= 1e-4  # two chunked algorithms in fp32
     with pytest.raises(ValueError, match="linear_num_householder=0 must be >= 1"):
         HybridtronConfig(**{**raw, "linear_num_householder": 0})
-
-
-def test_custom_features_with_moe_are_refused_by_name(tok_dir, tmp_path):
-    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64,
-                      layer_pattern="LA", deltanet=DeltaNetConfig(**SMALL_DN, n_householder=2),
-                      moe=MoEConfig(n_experts=4, top_k=2, expert_hidden=32, shared_expert_hidden=16))
-    with pytest.raises(ExportError, match=r"n_householder=2 \(DeltaProduct\) with MoE layers cannot be exported"):
-        export_model(build(cfg), tok_dir, tmp_path / "hf", log=lambda _: None)
-    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.tmp-*"))
 
 
 def test_an_attention_only_model_ignores_the_delta_rule_options(tok_dir, tmp_path):

@@ -1,31 +1,37 @@
 """``hybridtron export``: a checkpoint as a Hugging Face model directory that transformers loads.
 
-Targets, by what the model is:
+Targets, by what the model is (`choose_target`: a native class wherever one is exact):
 
-- ``qwen3_5_text`` (Qwen3_5ForCausalLM): gated attention, with or without Gated DeltaNet layers, dense
-  or structured feed-forwards;
+- ``qwen3_5_text`` (Qwen3_5ForCausalLM): gated attention (or none, as zero gate rows), with or without
+  Gated DeltaNet layers, dense or structured feed-forwards;
 - ``qwen3_5_moe_text`` (Qwen3_5MoeForCausalLM): the same with a MoE on every layer, each with a shared
   expert, softmax router and renormalised top-k;
-- ``qwen3`` (Qwen3ForCausalLM): ungated attention-only models with QK-norm; ``llama`` without QK-norm;
-- ``hybridtron`` (HybridtronForCausalLM, custom code): a ``qwen3_5_text`` model whose Gated DeltaNet
-  layers have what Qwen3.5 lacks, negative eigenvalues (beta in (0, 2)) or DeltaProduct. The directory
-  then also holds ``configuration_hybridtron.py`` and ``modeling_hybridtron.py`` (train/hf/export_custom/,
-  Qwen3.5's classes with the mixer replaced; torch and transformers only) with ``auto_map`` entries in
-  config.json, and loads with ``trust_remote_code=True``. Weight names are those of ``qwen3_5_text``.
+- ``qwen3_next`` (Qwen3NextForCausalLM): the same MoE on some layers only (``mlp_only_layers``) or without
+  renormalised top-k (``norm_topk_prob``); its DeltaNet input projections are fused per key head;
+- ``qwen3`` (Qwen3ForCausalLM): ungated attention-only models with QK-norm and full rotary; ``llama``
+  without QK-norm;
+- ``hybridtron`` (HybridtronForCausalLM, custom code): what no transformers class holds (`custom_features`):
+  Gated DeltaNet with negative eigenvalues (beta in (0, 2)) or DeltaProduct; MoE with the
+  auxiliary-loss-free router bias, a sigmoid router or no shared expert. The directory then also holds
+  ``configuration_hybridtron.py`` and ``modeling_hybridtron.py`` (train/hf/export_custom/, Qwen3.5's
+  classes with the mixer and the MoE block replaced; torch and transformers only) with ``auto_map``
+  entries in config.json, and loads with ``trust_remote_code=True``. Weight names are Qwen3.5(-MoE)'s.
 
 Exact folds on the way (each a linear-algebra identity, listed in the report): scale vectors into the
 plain weights (`fold_scale_vectors`), structured FFN factors (and a live self-guided dense guide) into
 one matrix (`dense_state_dict`), a headwise gate expanded to Qwen3.5's elementwise gate rows inside
-q_proj, and norm gains written in the target's convention (Qwen3.5 stores ``w`` of ``1 + w``; Qwen3 and
-Llama the gain itself). What no target expresses is refused by name with the way out: MoE layouts
-Qwen3.5-MoE cannot express, negative eigenvalues or DeltaProduct together with MoE, ungated attention
-in a hybrid.
+q_proj, no gate as zero gate rows with o_proj doubled (sigmoid(0) = 1/2), Qwen3-Next's fused DeltaNet
+projections (a row permutation), and norm gains written in the target's convention (Qwen3.5 stores ``w``
+of ``1 + w``; Qwen3 and Llama the gain itself). What no target expresses exactly is refused in one line
+naming the option and the nearest exact setting: QK-norm off with gates, DeltaNet or MoE layers; partial
+rotary without QK-norm.
 
 The weights go through the transformers class itself (``load_state_dict(strict=True)`` on a model built
 from the written config, then ``save_pretrained``, which shards above ``max_shard_size`` and writes the
 index), so a layout mismatch is an error here, not a silent difference later. The export then loads the
 result with ``AutoModelForCausalLM`` (the custom code from the written directory) and measures the
-largest logit difference against our model on random tokens; everything is written to a temporary
+largest logit difference against our model on random tokens (full forward and transformers' cached
+decoding; for MoE it reports how many experts the batch routed to); everything is written to a temporary
 directory and renamed into place at the end.
 """
 
@@ -61,6 +67,7 @@ class ExportReport:
     max_logit_diff: float | None = None
     out_dir: Path | None = None
     custom_code: list[str] = field(default_factory=list)  # the features that need our modeling code
+    experts_chosen: list[int] = field(default_factory=list)  # per MoE layer: distinct experts the check routed to
 
     def lines(self) -> list[str]:
         out = [f"target: {self.target} ({self.architecture}), {self.params / 1e6:.2f}M parameters"]
@@ -72,22 +79,39 @@ class ExportReport:
         out.append("folded: " + ("; ".join(self.folded) if self.folded else "nothing (plain layout)"))
         if self.max_logit_diff is not None:
             out.append(f"parity: max |logit difference| vs hybridtron = {self.max_logit_diff:.2e} (float32, "
-                       f"random tokens; tolerance {PARITY_TOLERANCE:.0e})")
+                       f"random tokens, full forward and transformers' cached decoding; tolerance "
+                       f"{PARITY_TOLERANCE:.0e})" + (f"; MoE routing exercised: {min(self.experts_chosen)}-"
+                                                     f"{max(self.experts_chosen)} distinct experts chosen per MoE layer"
+                                                     if self.experts_chosen else ""))
         return out
 
 
 # ---- what can go where -------------------------------------------------------------------------------
 def custom_features(cfg: ModelConfig) -> list[str]:
-    """The Gated DeltaNet options Qwen3.5 has no counterpart for (exported with custom code)."""
-    d = cfg.deltanet
-    if "L" not in cfg.layer_types():
-        return []  # the options act on delta-rule layers only: an attention-only model ignores them
-    return (["model.deltanet.neg_eigval=true (beta in (0, 2))"] if d.neg_eigval else []) + (
-        [f"model.deltanet.n_householder={d.n_householder} (DeltaProduct)"] if d.n_householder > 1 else [])
+    """What no transformers class holds, so the export writes our custom code: Gated DeltaNet options Qwen3.5
+    has no counterpart for, and MoE options neither Qwen3.5-MoE nor Qwen3-Next has. Empty: a native class."""
+    d, m = cfg.deltanet, cfg.moe
+    out = []
+    if "L" in cfg.layer_types():  # the options act on delta-rule layers only: an attention-only model ignores them
+        out += (["model.deltanet.neg_eigval=true (beta in (0, 2))"] if d.neg_eigval else []) + (
+            [f"model.deltanet.n_householder={d.n_householder} (DeltaProduct)"] if d.n_householder > 1 else [])
+    if m.n_experts:
+        if m.bias_update_rate:
+            out.append("model.moe.bias_update_rate>0 (the auxiliary-loss-free router bias chooses the experts)")
+        if m.router != "softmax":
+            out.append(f"model.moe.router={m.router}")
+        if not m.shared_expert_hidden:
+            out.append("model.moe.shared_expert_hidden=0 (MoE without a shared expert)")
+    return out
+
+
+def moe_layers(cfg: ModelConfig) -> list[int]:
+    return [i for i in range(cfg.n_layers) if cfg.moe.is_moe_layer(i)]
 
 
 def choose_target(cfg: ModelConfig) -> str:
-    """The transformers model_type for this config, or ExportError naming what has no equivalent."""
+    """The transformers model_type for this config, or ExportError naming what has no exact equivalent and the
+    nearest option that has one."""
     m = cfg.moe
     types = cfg.layer_types()
     if "L" in types and cfg.deltanet.sparse_attention != "none":
@@ -95,42 +119,33 @@ def choose_target(cfg: ModelConfig) -> str:
                           f"transformers has no such mixer and the custom-code export does not carry the sparse "
                           f"attention branch (model/hax.py) with its key selection and cache; use the checkpoint with "
                           f"hybridtron (sample, eval) or train without model.deltanet.sparse_attention")
-    custom = custom_features(cfg)
-    if custom and m.n_experts:
-        raise ExportError(f"{' and '.join(custom)} with MoE layers cannot be exported yet: the custom-code export "
-                          f"(trust_remote_code) covers Qwen3.5-style dense or structured feed-forwards only; export a "
-                          f"model without model.moe, or one trained without these Gated DeltaNet options")
-    if m.n_experts:
-        moe_layers = [i for i in range(cfg.n_layers) if m.is_moe_layer(i)]
-        problems = []
-        if len(moe_layers) != cfg.n_layers:
-            problems.append(f"MoE on layers {moe_layers} only (qwen3_5_moe puts experts on every layer)")
-        if not m.shared_expert_hidden:
-            problems.append("no shared expert (model.moe.shared_expert_hidden=0)")
-        if m.router != "softmax" or not m.norm_topk_prob:
-            problems.append(f"router={m.router}, norm_topk_prob={m.norm_topk_prob} (qwen3_5_moe: softmax, renormalised)")
-        if m.bias_update_rate:
-            problems.append("auxiliary-loss-free router biases (model.moe.bias_update_rate > 0) change the expert choice")
-        if problems:
-            raise ExportError("this MoE cannot be expressed as transformers' qwen3_5_moe: " + "; ".join(problems))
     if cfg.attn_gate == "none" and "L" not in types and not m.n_experts:
-        return "qwen3" if cfg.qk_norm else "llama"
-    if cfg.attn_gate == "none":
-        raise ExportError("model.attn_gate=none with Gated DeltaNet or MoE layers: transformers' Qwen3.5 always gates "
-                          "attention; train with model.attn_gate=elementwise or headwise")
+        if cfg.rotary_fraction == 1.0:
+            return "qwen3" if cfg.qk_norm else "llama"
+        if not cfg.qk_norm:
+            raise ExportError(f"model.rotary_fraction={cfg.rotary_fraction} with model.qk_norm=false cannot be "
+                              f"exported exactly: Llama rotates the whole head and Qwen3.5 (partial rotary) always "
+                              f"normalises queries and keys; train with rotary_fraction=1 or qk_norm=true")
+        # partial rotary: Qwen3.5 with zero gate rows (plain_state)
     if not cfg.qk_norm:
-        raise ExportError("model.qk_norm=false with gated attention: transformers' Qwen3.5 always has QK-norm")
-    if custom:
+        raise ExportError("model.qk_norm=false with gated attention, Gated DeltaNet or MoE layers cannot be exported "
+                          "exactly: every target class for them (Qwen3.5, Qwen3.5-MoE, our custom code) normalises "
+                          "queries and keys; train with model.qk_norm=true")
+    if custom_features(cfg):
         return "hybridtron"
-    return "qwen3_5_moe_text" if m.n_experts else "qwen3_5_text"
+    if not m.n_experts:
+        return "qwen3_5_text"
+    # Qwen3.5-MoE: experts on every layer, renormalised top-k. Qwen3-Next also has dense layers between MoE
+    # layers (mlp_only_layers) and norm_topk_prob; it is otherwise the same model with fused projections.
+    return "qwen3_5_moe_text" if len(moe_layers(cfg)) == cfg.n_layers and m.norm_topk_prob else "qwen3_next"
 
 
 ARCHITECTURES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM", "hybridtron": "HybridtronForCausalLM"}
+                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                 "hybridtron": "HybridtronForCausalLM"}
 CUSTOM_TARGETS = ("hybridtron",)  # written with our modeling code: loading needs trust_remote_code=True
-QWEN35_LAYOUT = ("qwen3_5_text", "qwen3_5_moe_text", "hybridtron")  # Qwen3.5 names and norm convention
-
-
+# Qwen3.5's attention, gated DeltaNet and norm convention (Qwen3-Next fuses the DeltaNet's input projections)
+QWEN35_LAYOUT = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "hybridtron")
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int, target: str, tok) -> object:
@@ -163,12 +178,25 @@ def hf_config(cfg: ModelConfig, vocab_size: int, target: str, tok) -> object:
     if target == "hybridtron":  # train/hf/export_custom/: the very files written next to the weights
         from .export_custom.configuration_hybridtron import HybridtronConfig
 
+        m = cfg.moe
+        moe = dict(
+            num_experts=m.n_experts, num_experts_per_tok=m.top_k, moe_intermediate_size=m.expert_hidden or
+            cfg.resolved_ffn_hidden(), shared_expert_intermediate_size=m.shared_expert_hidden, moe_router=m.router,
+            norm_topk_prob=m.norm_topk_prob, moe_router_bias_update_rate=m.bias_update_rate,
+            router_aux_loss_coef=m.aux_loss_coef,
+            mlp_only_layers=[i for i in range(cfg.n_layers) if not m.is_moe_layer(i)]) if m.n_experts else {}
         hf = HybridtronConfig(**common, **qwen, linear_allow_neg_eigval=cfg.deltanet.neg_eigval,
-                        linear_num_householder=cfg.deltanet.n_householder)
+                              linear_num_householder=cfg.deltanet.n_householder, **moe)
         hf.auto_map = {"AutoConfig": "configuration_hybridtron.HybridtronConfig",
                        "AutoModelForCausalLM": "modeling_hybridtron.HybridtronForCausalLM"}
         return hf
     m = cfg.moe
+    if target == "qwen3_next":
+        return transformers.Qwen3NextConfig(
+            **common, **qwen, moe_intermediate_size=m.expert_hidden or cfg.resolved_ffn_hidden(),
+            shared_expert_intermediate_size=m.shared_expert_hidden, num_experts=m.n_experts,
+            num_experts_per_tok=m.top_k, norm_topk_prob=m.norm_topk_prob, router_aux_loss_coef=m.aux_loss_coef,
+            decoder_sparse_step=1, mlp_only_layers=[i for i in range(cfg.n_layers) if not m.is_moe_layer(i)])
     return transformers.Qwen3_5MoeTextConfig(
         **common, **qwen, moe_intermediate_size=m.expert_hidden or cfg.resolved_ffn_hidden(),
         shared_expert_intermediate_size=m.shared_expert_hidden, num_experts=m.n_experts,
@@ -177,8 +205,9 @@ def hf_config(cfg: ModelConfig, vocab_size: int, target: str, tok) -> object:
 
 
 # ---- weights ---------------------------------------------------------------------------------------------
-def plain_state(model: GatedLM) -> tuple[dict[str, torch.Tensor], ModelConfig, list[str]]:
-    """Our state dict with every reparameterisation folded: (state, the plain config it loads into, folds)."""
+def plain_state(model: GatedLM, target: str) -> tuple[dict[str, torch.Tensor], ModelConfig, list[str]]:
+    """Our state dict with every reparameterisation ``target`` lacks folded: (state, the plain config it loads
+    into, folds)."""
     cfg, folded = model.cfg, []
     if cfg.scale.any:
         state = fold_scale_vectors(model)
@@ -193,10 +222,21 @@ def plain_state(model: GatedLM) -> tuple[dict[str, torch.Tensor], ModelConfig, l
         cfg = replace(cfg, ffn=replace(cfg.ffn, kind="dense", self_guided=False))
     else:
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for k in [k for k in state if k.endswith(".expert_bias")]:
-        if state[k].abs().max() > 0:  # choose_target refused bias updates; a nonzero bias would change routing
-            raise ExportError(f"{k} is nonzero: the router bias has no place in transformers' Qwen3.5-MoE")
+    keep_bias = target in CUSTOM_TARGETS and cfg.moe.bias_update_rate > 0  # our MoE block chooses with it
+    for k in [k for k in state if k.endswith(".expert_bias") and not keep_bias]:
+        if state[k].abs().max() > 0 and cfg.moe.bias_update_rate:  # unused without bias updates
+            raise ExportError(f"{k} is nonzero: the router bias has no place in {target}")
         del state[k]
+    if cfg.attn_gate == "none" and target in QWEN35_LAYOUT:
+        H, D = cfg.n_heads, cfg.resolved_head_dim()
+        for k in [k for k in state if k.endswith("self_attn.q_proj.weight")]:
+            q = state[k].view(H, D, -1)  # zero gate rows: sigmoid(0) = 1/2 on every channel, undone by o_proj x 2
+            state[k] = torch.cat([q, torch.zeros_like(q)], dim=1).reshape(2 * H * D, -1)
+            o = k.replace("q_proj", "o_proj")
+            state[o] = state[o] * 2.0
+        folded.append("ungated attention as zero gate rows in q_proj (sigmoid(0) = 1/2) and o_proj x 2 (exact: "
+                      "powers of two)")
+        cfg = replace(cfg, attn_gate="elementwise")
     if cfg.attn_gate == "headwise":
         H, D = cfg.n_heads, cfg.resolved_head_dim()
         for k in [k for k in state if k.endswith("self_attn.gate_proj.weight")]:
@@ -224,7 +264,28 @@ def to_hf_names(state: dict[str, torch.Tensor], cfg: ModelConfig, target: str) -
             elif not qwen35 and ours_zero:
                 v = v + 1.0
         out[k if k.startswith("lm_head.") else f"model.{k}"] = v.contiguous()
+    if target == "qwen3_next":
+        out = fuse_qwen3_next_projections(out, cfg)
     return out
+
+
+def fuse_qwen3_next_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Qwen3.5's four Gated DeltaNet input projections -> Qwen3-Next's two, grouped by key head: ``in_proj_qkvz``
+    holds per key head g [q_g | k_g | v of its r = Hv/Hk value heads | z of them], ``in_proj_ba`` per key head
+    [b of its value heads | a of them] (a row permutation: exact). The conv1d keeps Qwen3.5's [q | k | v] order."""
+    hk, hv, dk, dv = cfg.deltanet.resolved(cfg)
+    r = hv // hk
+    for qkv_name in [k for k in state if k.endswith("linear_attn.in_proj_qkv.weight")]:
+        pre = qkv_name.removesuffix("in_proj_qkv.weight")
+        qkv = state.pop(qkv_name)
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv])
+        z = state.pop(pre + "in_proj_z.weight")
+        b, a = state.pop(pre + "in_proj_b.weight"), state.pop(pre + "in_proj_a.weight")
+        d = qkv.shape[-1]
+        state[pre + "in_proj_qkvz.weight"] = torch.cat(
+            [q.view(hk, dk, d), k.view(hk, dk, d), v.view(hk, r * dv, d), z.view(hk, r * dv, d)], dim=1).reshape(-1, d)
+        state[pre + "in_proj_ba.weight"] = torch.cat([b.view(hk, r, d), a.view(hk, r, d)], dim=1).reshape(-1, d)
+    return state
 
 
 # ---- the export --------------------------------------------------------------------------------------
@@ -253,16 +314,44 @@ def export_tokenizer(tok_dir: Path, out: Path) -> None:
 
 
 @torch.no_grad()
-def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote_code: bool = False) -> float:
-    """Largest |logit difference| between ``model`` and the directory as transformers loads it (the custom
-    code, if any, is the copy in ``hf_dir``)."""
+def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote_code: bool = False) -> dict:
+    """Largest |logit difference| between ``model`` and the directory as transformers loads it (the custom code,
+    if any, is the copy in ``hf_dir``) on random tokens: the full forward, and transformers' cached decoding (a
+    prompt, single tokens, then a multi-token continuation, through its own cache) against our full forward.
+    Also how many distinct experts each MoE layer chose on that batch (the routing the check exercised)."""
+    import inspect
+
     from transformers import AutoModelForCausalLM
+
+    from hybridtron.model.moe import MoE
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     if trust_remote_code:
         drop_remote_code_copy(type(hf))
-    x = torch.randint(0, vocab, (2, min(64, model.cfg.max_seq_len)), generator=torch.Generator().manual_seed(seed))
-    return float((hf(x).logits - model(x)).abs().max())
+    T = min(64, model.cfg.max_seq_len)
+    x = torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(seed))
+    chosen: list[int] = []
+    hooks = [m.register_forward_hook(lambda m, inp, _out: chosen.append(
+        int(m.route(inp[0].reshape(-1, inp[0].shape[-1]))[3].unique().numel())))
+        for m in model.modules() if isinstance(m, MoE)]
+    try:
+        ref = model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    full = float((hf(x).logits - ref).abs().max())
+    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # renamed in 5.24
+    h = T // 2
+    out = hf(x[:, :h], use_cache=True)
+    pieces = [out.logits]
+    for t in range(h, min(h + 3, T)):
+        cache = getattr(out, "cache", None) or out.past_key_values
+        out = hf(x[:, t : t + 1], use_cache=True, **{key: cache})
+        pieces.append(out.logits)
+    if h + 3 < T:
+        pieces.append(hf(x[:, h + 3 :], use_cache=True, **{key: getattr(out, "cache", None) or out.past_key_values}).logits)
+    cached = float((torch.cat(pieces, dim=1) - ref).abs().max())
+    return {"max_logit_diff": max(full, cached), "full": full, "cached": cached, "experts_chosen": chosen}
 
 
 def drop_remote_code_copy(cls: type) -> None:
@@ -298,7 +387,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory (nothing was written)")
     target = choose_target(model.cfg)
-    state, plain_cfg, folded = plain_state(model)
+    state, plain_cfg, folded = plain_state(model, target)
     hf_cfg = hf_config(plain_cfg, model.vocab_size, target, load_tokenizer(tokenizer_dir))
     hf_cfg.architectures = [ARCHITECTURES[target]]
     hf_state = to_hf_names(state, plain_cfg, target)
@@ -331,13 +420,14 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
         report = ExportReport(target, ARCHITECTURES[target], model.num_params(), folded,
                               custom_code=custom_features(model.cfg))  # [] for every native target
         if check:
-            report.max_logit_diff = parity(model, tmp, model.vocab_size, trust_remote_code=custom)
+            measured = parity(model, tmp, model.vocab_size, trust_remote_code=custom)
+            report.max_logit_diff, report.experts_chosen = measured["max_logit_diff"], measured["experts_chosen"]
             if not report.max_logit_diff <= PARITY_TOLERANCE:
                 raise ExportError(f"exported model differs from the checkpoint: max |logit difference| "
                                   f"{report.max_logit_diff:.2e} > {PARITY_TOLERANCE:.0e}; nothing was written to {out}")
         (tmp / "hybridtron_export.json").write_text(json.dumps(
             {"source": source, "target": target, "custom_code": report.custom_code, "folded": folded,
-             "max_logit_diff": report.max_logit_diff}, indent=1))
+             "max_logit_diff": report.max_logit_diff, "experts_chosen": report.experts_chosen}, indent=1))
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -1,9 +1,9 @@
 """``hybridtron train --init-from hf:DIR``: continued pretraining from a local Hugging Face checkpoint.
 
 The inverse of ``train/hf/export.py`` for the architectures it writes: ``qwen3_5_text`` / ``qwen3_5``
-(Qwen3.5 dense and hybrid), ``qwen3_5_moe_text`` / ``qwen3_5_moe``, ``qwen3``, ``llama`` and
-``hybridtron`` (our custom-code export: Qwen3.5 plus negative eigenvalues / DeltaProduct, read from its
-config.json; its Python files are never run here). The HF config becomes the model section (norms in
+(Qwen3.5 dense and hybrid), ``qwen3_5_moe_text`` / ``qwen3_5_moe``, ``qwen3_next``, ``qwen3``, ``llama`` and
+``hybridtron`` (our custom-code export: Qwen3.5 plus negative eigenvalues / DeltaProduct and MoE with
+our router options, read from its config.json; its Python files are never run here). The HF config becomes the model section (norms in
 the target's own convention, so every tensor is copied bit for bit and an export of the imported model
 reproduces the files' tensors exactly); the directory's ``tokenizer.json`` becomes the run's tokenizer
 (``data.tokenizer.kind=pretrained``). Training settings that HF configs do not carry (document
@@ -20,7 +20,7 @@ import torch
 
 from hybridtron.configs import ConfigError, DeltaNetConfig, JobConfig, ModelConfig, MoEConfig
 
-SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3", "llama", "hybridtron")
+SUPPORTED = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "qwen3_next", "qwen3", "llama", "hybridtron")
 
 
 class HFImportError(ConfigError):
@@ -45,7 +45,8 @@ def read_hf_config(hf_dir: Path) -> dict:
 def model_config_from_hf(raw: dict, base: ModelConfig) -> ModelConfig:
     """The model section for HF config ``raw``; fields HF does not describe are taken from ``base``."""
     mt = raw["model_type"]
-    qwen35 = mt.startswith("qwen3_5") or mt == "hybridtron"  # hybridtron: Qwen3.5 plus two delta-rule options
+    # hybridtron: Qwen3.5 plus delta-rule and MoE options; Qwen3-Next: Qwen3.5's layers, fused DeltaNet projections
+    qwen35 = mt.startswith("qwen3_5") or mt in ("hybridtron", "qwen3_next")
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", "default") != "default":
         raise HFImportError(f"rope_type {rope.get('rope_type')!r} is not supported (plain rotary only)")
@@ -77,6 +78,24 @@ def model_config_from_hf(raw: dict, base: ModelConfig) -> ModelConfig:
             top_k=raw["num_experts_per_tok"], expert_hidden=raw["moe_intermediate_size"],
             shared_expert_hidden=raw["shared_expert_intermediate_size"], router="softmax", norm_topk_prob=True,
             bias_update_rate=0.0, every=1, layers=[]))
+    elif mt == "qwen3_next" and raw.get("num_experts"):
+        n, step, dense = raw["num_hidden_layers"], raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or [])
+        moe = [i for i in range(n) if i not in dense and (i + 1) % step == 0]
+        cfg = replace(cfg, moe=replace(
+            base.moe if base.moe.n_experts else MoEConfig(), n_experts=raw["num_experts"],
+            top_k=raw["num_experts_per_tok"], expert_hidden=raw["moe_intermediate_size"],
+            shared_expert_hidden=raw["shared_expert_intermediate_size"], router="softmax",
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)), bias_update_rate=0.0, every=1,
+            layers=moe if len(moe) != n else []))
+    elif mt == "hybridtron" and raw.get("num_experts"):
+        n, dense = raw["num_hidden_layers"], set(raw.get("mlp_only_layers") or [])
+        cfg = replace(cfg, moe=replace(
+            base.moe if base.moe.n_experts else MoEConfig(), n_experts=raw["num_experts"],
+            top_k=raw["num_experts_per_tok"], expert_hidden=raw["moe_intermediate_size"],
+            shared_expert_hidden=raw.get("shared_expert_intermediate_size", 0), router=raw.get("moe_router", "softmax"),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+            bias_update_rate=float(raw.get("moe_router_bias_update_rate", 0.0)), every=1,
+            layers=[i for i in range(n) if i not in dense] if dense else []))
     else:
         cfg = replace(cfg, moe=replace(cfg.moe, n_experts=0))
     cfg = replace(cfg, ffn=replace(cfg.ffn, kind="dense"),
@@ -107,7 +126,24 @@ def state_from_hf(hf_state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
         if name == "lm_head.weight" and cfg.tie_embeddings:
             continue
         out[name] = v
-    return fuse_experts(out)
+    return fuse_experts(split_qwen3_next_projections(out, cfg))
+
+
+def split_qwen3_next_projections(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Qwen3-Next's fused Gated DeltaNet projections (``in_proj_qkvz``, ``in_proj_ba``, grouped by key head) ->
+    Qwen3.5's four, which the model holds (the inverse of the export's row permutation)."""
+    hk, hv, dk, dv = cfg.deltanet.resolved(cfg)
+    r = hv // hk
+    for name in [k for k in state if k.endswith("linear_attn.in_proj_qkvz.weight")]:
+        pre = name.removesuffix("in_proj_qkvz.weight")
+        qkvz = state.pop(name)
+        d = qkvz.shape[-1]
+        q, k, v, z = qkvz.view(hk, 2 * dk + 2 * r * dv, d).split([dk, dk, r * dv, r * dv], dim=1)
+        state[pre + "in_proj_qkv.weight"] = torch.cat([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)])
+        state[pre + "in_proj_z.weight"] = z.reshape(-1, d)
+        b, a = state.pop(pre + "in_proj_ba.weight").view(hk, 2 * r, d).split([r, r], dim=1)
+        state[pre + "in_proj_b.weight"], state[pre + "in_proj_a.weight"] = b.reshape(-1, d), a.reshape(-1, d)
+    return state
 
 
 def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,11 +1,23 @@
 """Configuration of a hybridtron export that needs custom code (written by ``hybridtron export``).
 
-Everything of transformers' ``Qwen3_5TextConfig`` plus two Gated DeltaNet options it has no field for:
+Everything of transformers' ``Qwen3_5TextConfig`` plus what it has no field for:
 
+Gated DeltaNet
 - ``linear_allow_neg_eigval``: beta = 2 sigmoid(b) instead of sigmoid(b), so the state transition
   I - beta k k^T has eigenvalues in (-1, 1) (negative eigenvalues, Grazzi et al.);
 - ``linear_num_householder``: DeltaProduct's n_h (Siems et al.), the delta-rule steps per token
   (1 = Gated DeltaNet).
+
+Mixture of experts (``num_experts`` > 0; the layers in ``mlp_only_layers`` keep a dense MLP of
+``intermediate_size``)
+- ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``: E SwiGLU experts, top-k of them
+  per token;
+- ``shared_expert_intermediate_size``: a sigmoid-gated shared expert (0: none);
+- ``moe_router``: "softmax" or "sigmoid" router scores; ``norm_topk_prob``: the k chosen scores
+  renormalised to sum 1;
+- ``moe_router_bias_update_rate``: > 0 when the model was trained with auxiliary-loss-free balancing:
+  each MoE layer's ``expert_bias`` is added to the scores to choose the experts (the weights stay the
+  unbiased scores). The rate itself is a training setting, kept so that a re-import trains on the same way.
 
 This file imports only transformers: it is loaded with ``trust_remote_code=True`` from the model
 directory, where the hybridtron package need not be installed.
@@ -19,11 +31,28 @@ class HybridtronConfig(Qwen3_5TextConfig):
 
     linear_allow_neg_eigval: bool = False
     linear_num_householder: int = 1
+    num_experts: int = 0
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    moe_router: str = "softmax"
+    norm_topk_prob: bool = True
+    moe_router_bias_update_rate: float = 0.0
+    router_aux_loss_coef: float = 0.0
+    mlp_only_layers: list[int] | None = None
 
     def __post_init__(self, **kwargs):
         if self.linear_num_householder < 1:
             raise ValueError(f"linear_num_householder={self.linear_num_householder} must be >= 1 (1 = Gated DeltaNet)")
+        if self.moe_router not in ("softmax", "sigmoid"):
+            raise ValueError(f"moe_router={self.moe_router!r} must be 'softmax' or 'sigmoid'")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..{self.num_experts}")
+        self.mlp_only_layers = [] if self.mlp_only_layers is None else list(self.mlp_only_layers)
         super().__post_init__(**kwargs)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers
 
 
 __all__ = ["HybridtronConfig"]

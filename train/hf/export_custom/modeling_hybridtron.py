@@ -1,8 +1,9 @@
 """Modeling code of a hybridtron export that needs custom code (written by ``hybridtron export``).
 
 The model is transformers' Qwen3.5 text model (``Qwen3_5ForCausalLM``: gated attention, SwiGLU,
-zero-centred RMSNorms, partial rotary, the hybrid conv/recurrent/KV cache) with one module replaced:
-the Gated DeltaNet mixer, which here also has
+zero-centred RMSNorms, partial rotary, the hybrid conv/recurrent/KV cache) with two modules replaced:
+the feed-forward of MoE layers (`HybridtronSparseMoeBlock`, below) and the Gated DeltaNet mixer, which
+here also has
 
 - negative eigenvalues (``config.linear_allow_neg_eigval``): beta = 2 sigmoid(b), in (0, 2);
 - DeltaProduct (``config.linear_num_householder`` = n_h > 1): per token one decay, then n_h delta-rule
@@ -19,6 +20,15 @@ Per value head, state S (Dk, Dv), L2-normalised q and k, log decay g <= 0:
 The delta rule runs in plain torch (float32): a chunked form for prompts and a step-by-step form for
 one-token decoding. The states live in transformers' own cache (per layer, the last conv_kernel_size
 convolution inputs and the recurrent state), so ``generate`` works as it does for Qwen3.5.
+
+MoE layers (``config.num_experts`` > 0, all but ``config.mlp_only_layers``), with Qwen3.5-MoE's weight
+names (``mlp.gate.weight`` the router (E, d); ``mlp.experts.gate_up_proj`` (E, 2I, d), gate rows first,
+and ``mlp.experts.down_proj`` (E, d, I); ``mlp.shared_expert.*`` and ``mlp.shared_expert_gate``) and
+what Qwen3.5-MoE lacks:
+    scores = softmax or sigmoid(router(x)) in float32                 (config.moe_router)
+    chosen = top_k(scores + expert_bias)    expert_bias only when config.moe_router_bias_update_rate > 0
+    w      = scores[chosen], renormalised to sum 1 when config.norm_topk_prob
+    y      = sum_j w_j expert_{chosen_j}(x) [+ sigmoid(shared_expert_gate(x)) shared_expert(x)]
 
 This file imports only torch and transformers: it is loaded with ``trust_remote_code=True`` from the
 model directory, where the hybridtron package need not be installed.
@@ -178,8 +188,71 @@ class HybridtronGatedDeltaNet(nn.Module):
         return self.out_proj(o.reshape(B, T, self.value_dim))
 
 
+class HybridtronExperts(nn.Module):
+    """E SwiGLU experts as two stacked weights (Qwen3.5-MoE's layout)."""
+
+    def __init__(self, config: HybridtronConfig):
+        super().__init__()
+        E, d, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inner, d))
+        self.down_proj = nn.Parameter(torch.empty(E, d, inner))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x (N, d); idx, weights (N, k): each token's chosen experts and their weights."""
+        out = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            token, slot = (idx == e).nonzero(as_tuple=True)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * weights[token, slot, None].to(y.dtype))
+        return out
+
+
+class HybridtronSparseMoeBlock(nn.Module):
+    """Top-k token-choice MoE with softmax or sigmoid scores and the auxiliary-loss-free router bias (see the
+    module docstring)."""
+
+    def __init__(self, config: HybridtronConfig):
+        super().__init__()
+        self.top_k, self.norm_topk_prob, self.router = config.num_experts_per_tok, config.norm_topk_prob, config.moe_router
+        self.use_bias = config.moe_router_bias_update_rate > 0
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = HybridtronExperts(config)
+        if self.use_bias:  # saved with the weights: it chooses the experts
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        else:
+            self.expert_bias = None
+        if config.shared_expert_intermediate_size:
+            self.shared_expert = qwen35.Qwen3_5MLP(config, intermediate_size=config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (N, d) -> the chosen experts (N, k) and their weights (N, k), in float32."""
+        f32 = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(f32), self.gate.weight.to(f32))
+        scores = logits.softmax(-1) if self.router == "softmax" else logits.sigmoid()
+        choice = scores + self.expert_bias.to(f32) if self.use_bias else scores
+        idx = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, idx)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return idx, weights
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        idx, weights = self.route(x)
+        out = self.experts(x, idx, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+
 class HybridtronForCausalLM(qwen35.Qwen3_5ForCausalLM):
-    """Qwen3_5ForCausalLM whose linear-attention layers are `HybridtronGatedDeltaNet`."""
+    """Qwen3_5ForCausalLM whose linear-attention layers are `HybridtronGatedDeltaNet` and whose MoE layers'
+    feed-forwards are `HybridtronSparseMoeBlock`."""
 
     config_class = HybridtronConfig
 
@@ -190,6 +263,8 @@ class HybridtronForCausalLM(qwen35.Qwen3_5ForCausalLM):
         for i, layer in enumerate(self.model.layers):
             if config.layer_types[i] == "linear_attention":
                 layer.linear_attn = HybridtronGatedDeltaNet(config, i)
+            if config.is_moe_layer(i):
+                layer.mlp = HybridtronSparseMoeBlock(config)
         self.post_init()
 
     @torch.no_grad()
@@ -198,6 +273,11 @@ class HybridtronForCausalLM(qwen35.Qwen3_5ForCausalLM):
         if isinstance(module, HybridtronGatedDeltaNet):  # the projections and the conv are generic modules
             init.ones_(module.dt_bias)
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log_())
+        elif isinstance(module, HybridtronExperts):
+            init.normal_(module.gate_up_proj, std=self.config.initializer_range)
+            init.normal_(module.down_proj, std=self.config.initializer_range)
+        elif isinstance(module, HybridtronSparseMoeBlock) and module.expert_bias is not None:
+            init.zeros_(module.expert_bias)
 
 
-__all__ = ["HybridtronForCausalLM", "HybridtronGatedDeltaNet"]
+__all__ = ["HybridtronForCausalLM", "HybridtronGatedDeltaNet", "HybridtronSparseMoeBlock"]
