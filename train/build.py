@@ -118,7 +118,7 @@ def load_for_inference(ckpt: Path, overrides: list[tuple[str, str]] = ()):
     cfg = load_config(str(ckpt / "config.yaml"), list(overrides))
     tokenizer = load_tokenizer(ckpt / "tokenizer")
     device = select_device(cfg.train)
-    cfg.train.activation_checkpointing = False
+    cfg.train.activation_checkpointing = "none"
     model = model_for_checkpoint(cfg, cfg.model.vocab_size, device, ckpt)
     CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False, verify=False)
     inference_structure(model, cfg, checkpoint_step(ckpt))
