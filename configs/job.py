@@ -39,6 +39,43 @@ class TokenizerConfig:
 
 
 @dataclass
+class SyntheticConfig:
+    """A generated task instead of a text corpus (data_pipeline/synthetic.py): every row drawn from a seed, a
+    word-level tokenizer of the task's symbols, labels the answer at each position (-100 where none)."""
+
+    task: Literal["", "parity", "modadd", "joint_recall"] = ""  # "": the text corpus of data.sources
+    modulus: int = 5  # modadd: running sums modulo this
+    min_length: int = 0  # parity / modadd: row lengths uniform in [min_length, seq_len]; 0: all seq_len
+    n_contexts: int = 4  # joint_recall: contexts per row, each with its own key -> value table ...
+    n_keys: int = 4  # ... of this many keys
+    n_values: int = 8  # ... over this many values
+    train_rows: int = 100_000  # rows of the train split (each drawn from its index); the val split has 1000
+    eval_scales: list[int] = field(default_factory=lambda: [1, 2, 4])  # eval: accuracy at these multiples of
+    # the training length (parity / modadd: seq_len; joint_recall: n_contexts)
+
+    def validate(self, seq_len: int) -> None:
+        if not self.task:
+            return
+        if not self.eval_scales or min(self.eval_scales) < 1:
+            raise ConfigError(f"data.synthetic.eval_scales={self.eval_scales} must list multiples >= 1 of the "
+                              f"training length, e.g. [1, 2, 4]")
+        if self.train_rows < 1:
+            raise ConfigError(f"data.synthetic.train_rows={self.train_rows} must be >= 1")
+        if self.task == "modadd" and self.modulus < 2:
+            raise ConfigError(f"data.synthetic.modulus={self.modulus} must be >= 2")
+        if self.task in ("parity", "modadd") and not 0 <= self.min_length <= seq_len:
+            raise ConfigError(f"data.synthetic.min_length={self.min_length} must be in [0, data.seq_len={seq_len}]")
+        if self.task == "joint_recall":
+            if min(self.n_contexts, self.n_keys, self.n_values) < 1:
+                raise ConfigError("data.synthetic.n_contexts, n_keys and n_values must be >= 1")
+            need = 2 + 2 * self.n_contexts * (1 + 2 * self.n_keys)
+            if need > seq_len:
+                raise ConfigError(f"data.synthetic: a joint_recall row of {self.n_contexts} contexts x {self.n_keys} "
+                                  f"keys takes {need} tokens, more than data.seq_len={seq_len}; raise seq_len to "
+                                  f"{need} or lower n_contexts / n_keys")
+
+
+@dataclass
 class DataConfig:
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -68,8 +105,10 @@ class DataConfig:
     # rebuild that source's shards (the tokenizer is kept). An interrupted prepare whose files changed meanwhile
     # starts the source over whatever this says (nothing can have trained on it).
     on_source_change: Literal["error", "rebuild"] = "error"
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # a generated task instead of sources
 
     def validate(self) -> None:
+        self.synthetic.validate(self.seq_len)
         if not self.sources:
             raise ConfigError("data.sources is empty; give at least one source (path: stdlib is the default)")
         for i, s in enumerate(self.sources):

@@ -106,6 +106,10 @@ def build_dataset(cfg: DataConfig, split: str):
     """The packed dataset of ``split`` over ``cfg.out_dir``, verified against the tokenizer saved there."""
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r} must be 'train' or 'val'")
+    if cfg.synthetic.task:  # rows generated when read (data_pipeline/synthetic.py)
+        from .synthetic import SyntheticDataset
+
+        return SyntheticDataset(cfg, split)
     out = Path(cfg.out_dir).expanduser()
     meta = read_meta(out / "tokenizer")
     if meta is None:

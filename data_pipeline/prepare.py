@@ -401,6 +401,10 @@ def _set_threads(cfg: DataConfig) -> None:
 def prepare_data(cfg: DataConfig, log: Callable = print) -> PreparedData:
     """Train/load the tokenizer and write shards for every source. A re-run only finishes what is missing."""
     cfg.validate()
+    if cfg.synthetic.task:  # a generated task: only its tokenizer (data_pipeline/synthetic.py)
+        from .synthetic import prepare_synthetic
+
+        return prepare_synthetic(cfg, log)
     _set_threads(cfg)
     out = Path(cfg.out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)

@@ -235,8 +235,13 @@ def cmd_eval(args) -> int:
     val_ds = build_dataset(cfg.data, "val")
     n = args.batches or cfg.train.eval_batches
     loss = evaluate(model, _val_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
-    print(json.dumps({"checkpoint": str(ckpt), "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-                      "batches": n, "tokens": n * cfg.train.micro_batch_size * cfg.data.seq_len}))
+    result = {"checkpoint": str(ckpt), "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+              "batches": n, "tokens": n * cfg.train.micro_batch_size * cfg.data.seq_len}
+    if cfg.data.synthetic.task:  # a generated task: accuracy at the training length and at longer ones
+        from hybridtron.data_pipeline.synthetic import length_accuracy
+
+        result["accuracy"] = length_accuracy(model, cfg, n * cfg.train.micro_batch_size, device)
+    print(json.dumps(result))
     return 0
 
 
