@@ -280,6 +280,8 @@ def cmd_plan(args) -> int:
         raise ConfigError("hybridtron plan models the torch engine (DDP / FSDP2); for DeepSpeed use its own "
                           "estimators (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live), "
                           "or plan with parallel.engine=torch")
+    if args.suggest or args.fit:
+        return _suggest(cfg, args)
     if not args.measure:
         world = args.nodes * args.gpus_per_node
         rows = plan_table(cfg, world, args.gpu_memory_gib)
@@ -295,6 +297,30 @@ def cmd_plan(args) -> int:
     release_distributed_state()
     if mesh.is_main:  # the prediction for this very layout, simulated in this process once the real group is gone
         print(json.dumps(compare(cfg, mesh.world_size, measured)))
+    return 0
+
+
+def _suggest(cfg, args) -> int:
+    """plan --suggest: hyperparameters for the budget from the scaling laws (train/suggest.py)."""
+    from hybridtron.model.lm import GatedLM
+
+    from .suggest import describe_fit, fits_from_sweeps, format_suggestion, read_sweeps, suggest
+
+    p = cfg.parallel
+    dp = max(1, args.nodes * args.gpus_per_node // (p.tp * p.pp * p.cp))
+    t = cfg.train
+    tokens = args.tokens or t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp * cfg.data.seq_len
+    if tokens <= 0:
+        raise ConfigError(f"--tokens {args.tokens:g} must be > 0")
+    tau_fit = routed = None
+    if args.fit:
+        tau_fit, routed = fits_from_sweeps(read_sweeps([Path(d) for d in args.fit]))
+        print(describe_fit(tau_fit, routed))
+    with torch.device("meta"):  # counting only: no memory
+        model = GatedLM(cfg.model, cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size))
+    s = suggest(cfg, model.num_params(), model.num_active_params(), tokens, dp, tau_fit=tau_fit, tau_c=args.tau_c,
+                routed=routed)
+    print(format_suggestion(s))
     return 0
 
 
@@ -344,6 +370,14 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--measure", action="store_true",
                     help="run the planned steps for real in this job's layout (under torchrun) and print the measured "
                          "peak of the rank planned heaviest beside its prediction")
+    sp.add_argument("--suggest", action="store_true",
+                    help="learning rate, weight decay, batch size and steps for the token budget from scaling laws "
+                         "(Power Lines' AdamW timescale; the routed-model law for the expert count)")
+    sp.add_argument("--tokens", type=float, default=0, help="--suggest: token budget (default: the config's)")
+    sp.add_argument("--tau-c", type=float, default=None, metavar="C",
+                    help="--suggest: the constant c of tau_opt = c * TPP^-0.53 (default: the config as reference)")
+    sp.add_argument("--fit", nargs="+", default=None, metavar="RUN_DIR",
+                    help="--suggest: fit the laws' constants to these `hybridtron ablate` sweeps, and report the fit")
     sp.set_defaults(func=cmd_plan)
     sp = add_subcommand("export", help="write a Hugging Face model directory from a checkpoint")
     sp.add_argument("path", help="run directory (its latest checkpoint) or a checkpoint directory")
