@@ -60,22 +60,25 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
 # GPU candidates, (BLOCK_M, BLOCK_N, warps, stages), per head-dim block. Wider head dims hold bigger
 # tiles in registers / shared memory, so they get smaller key blocks and fewer pipeline stages. The
 # forward's and dQ's BLOCK_M is the query tile kept in registers; dK/dV's BLOCK_N is the key tile.
+# Pruned by compiling for sm_90a (bench/compile_report.py; tests/kernels/test_gated_attention.py keeps it):
+# at head dims 128 and 256 no candidate spills or exceeds a block's shared memory, and all run their dots
+# on warpgroup MMA except dK/dV at 256. There the two (BLOCK_N, 256) fp32 accumulators fill the registers:
+# every 64-key tile (which warpgroup MMA needs) spilled 104-992 B a thread at 8 warps, and 16 warps cap a
+# thread at 128 registers and spill more; the 32-key tiles run on mma.sync without spilling.
 _FWD = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 4, 2)],
-    256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (64, 64, 8, 1)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)],
+    256: [(64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 8, 2)],
 }
-# dK/dV holds two (BLOCK_N, D) fp32 accumulators: compiled for sm_90a (bench/compile_report.py, bench/RESULTS.md)
-# most 4-warp tiles spill at D >= 128, so those candidates are mostly 8-warp tiles that do not.
 _DKDV = {
-    64: [(32, 128, 4, 4), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 3)],
-    128: [(32, 128, 8, 3), (16, 128, 8, 3), (32, 128, 8, 1), (32, 64, 8, 3), (64, 64, 8, 1)],
-    256: [(32, 64, 8, 2), (16, 64, 8, 2), (32, 32, 8, 1), (64, 32, 8, 1), (16, 32, 8, 2)],
+    64: [(64, 128, 8, 3), (32, 64, 4, 4)],
+    128: [(16, 128, 8, 3), (32, 128, 8, 1), (32, 64, 8, 3)],
+    256: [(32, 32, 8, 1), (64, 32, 8, 1), (16, 32, 8, 2)],
 }
 _DQ = {
     64: [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 4)],
-    128: [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (128, 16, 4, 3)],
-    256: [(64, 32, 8, 2), (64, 16, 4, 2), (32, 32, 4, 2), (128, 32, 8, 1), (64, 64, 8, 1)],
+    128: [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)],
+    256: [(64, 32, 8, 2), (64, 32, 8, 3)],
 }
 _INTERPRET = _cfg(16, 16, 4, 1)  # tiny tiles: several per test sequence, so every masking branch runs
 
@@ -172,10 +175,11 @@ def _fwd_range(
 
 
 @triton.jit
-def _key_ranges(START, m0, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _key_ranges(START, m0, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MERGE: tl.constexpr):
     """Per-row document starts of query tile [m0, m0 + BLOCK_M) and its key-block ranges: [a, b) cut by a
     document start (masked), [b, c) fully visible to every row (unmasked), [c, hi) cut by the diagonal
-    (masked). Keys before ``a`` (other documents) are never read."""
+    (masked). Keys before ``a`` (other documents) are never read. An unmasked middle of at most MERGE blocks
+    is merged into one masked loop [a, hi) (see `_merge`)."""
     starts = tl.load(START + tl.minimum(rows, N - 1))  # rows past N borrow the last row's start
     lo = tl.load(START + m0)
     lo_last = tl.load(START + tl.minimum(m0 + BLOCK_M, N) - 1)
@@ -183,7 +187,17 @@ def _key_ranges(START, m0, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
     a = (lo // BLOCK_N) * BLOCK_N
     c = ((m0 + 1) // BLOCK_N) * BLOCK_N  # blocks ending at or before row m0's diagonal
     b = tl.minimum(tl.cdiv(lo_last, BLOCK_N) * BLOCK_N, c)  # blocks starting at or after every row's start
+    b, c = _merge(b, c, hi, MERGE * BLOCK_N)
     return starts, a, b, c, hi
+
+
+@triton.jit
+def _merge(b, c, hi, most):
+    """Ranges [a, b) masked, [b, c) unmasked, [c, hi) masked -> [a, hi) masked where c - b <= most. Each loop
+    starts its software pipeline afresh, waiting a full load latency for its first tile; with short documents,
+    where the three ranges are a few blocks each, that costs more than masking a block or two."""
+    short = (c - b) <= most
+    return tl.where(short, hi, b), tl.where(short, hi, c)
 
 
 @triton.jit
@@ -210,7 +224,7 @@ def _fwd_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, so_n, so_h,
     N, D, GROUP, qk_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)  # the longest tiles first
@@ -221,7 +235,7 @@ def _fwd_kernel(
         rmask = rows < N
         dcols = tl.arange(0, BLOCK_D)
         dmask = dcols < D
-        starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N)
+        starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N, MERGE)
 
         q = _load_tile(Q + rows64[:, None] * sq_n + h * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
         kvh = (h // GROUP).to(tl.int64)
@@ -337,7 +351,7 @@ def _bwd_dkdv_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdk_s, sdk_n, sdk_h,
     N, D, GROUP, SPLIT, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     n0 = _tile_start(ORDER, tl.program_id(0), BLOCK_N, ORDER_BLOCK, False)  # the longest tiles first
@@ -357,6 +371,7 @@ def _bwd_dkdv_kernel(
         a = (n0 // BLOCK_M) * BLOCK_M
         b = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_hi)
         c = tl.maximum((end_first // BLOCK_M) * BLOCK_M, b)
+        b, c = _merge(b, c, q_hi, MERGE * BLOCK_M)
 
         kvh64 = kvh.to(tl.int64)
         k = _load_tile(K + cols64[:, None] * sk_n + kvh64 * sk_h + dcols[None, :], cmask, dmask, True, EVEN_D)
@@ -414,7 +429,7 @@ def _bwd_dq_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdq_n, sdq_h,
     N, D, GROUP, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)
@@ -426,7 +441,7 @@ def _bwd_dq_kernel(
         rmask = rows < N
         dcols = tl.arange(0, BLOCK_D)
         dmask = dcols < D
-        starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N)
+        starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N, MERGE)
 
         q = _load_tile(Q + rows64[:, None] * sq_n + h64 * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
         da = _load_tile(DA + rows64[:, None] * sda_n + h64 * sda_h + dcols[None, :], rmask, dmask, True, EVEN_D)
@@ -468,6 +483,7 @@ def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=triton_utils.interpreted(q.device) and q.dtype == torch.bfloat16,  # see `_dot`
         ORDER_BLOCK=_order_block(),
+        MERGE=1 if interpreter_requested() else 2,  # the tests' short sequences run both the merged and split ranges
     )
 
 

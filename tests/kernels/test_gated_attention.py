@@ -288,6 +288,54 @@ def test_compiles_without_graph_breaks(docs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+# Compiles gated attention's kernels for an H100 (bench/compile_report.py's stand-in driver: triton's bundled
+# ptxas, no GPU), every autotune candidate the pruner keeps, at head dims 128 and 256, bf16, elementwise gate.
+_COMPILE_SM90 = """
+import json, sys, torch
+from hybridtron.bench.compile_report import compile_only
+from hybridtron.kernels.gated_attention import gated_attention
+sink, label = {}, ["attention"]
+with compile_only("90a", sink, label):
+    for D in (128, 256):
+        q, k, v = (torch.empty(1, 256, n, D, dtype=torch.bfloat16, requires_grad=True) for n in (4, 1, 1))
+        gate = torch.empty(1, 256, 4, D, dtype=torch.bfloat16, requires_grad=True)
+        docs = torch.cumsum(torch.rand(1, 256) < 0.05, 1)
+        out = gated_attention(q, k, v, gate, doc_ids=docs, backend="triton")
+        out.backward(torch.empty_like(out))
+json.dump([dict(name=k.name, params=k.params, warps=k.warps, stages=k.stages, local=k.local, shared=k.shared,
+                over=k.over_shared, hgmma=k.ops["HGMMA"], hmma=k.ops["HMMA"]) for k in sink.values()], sys.stdout)
+"""
+
+
+@pytest.mark.slow
+def test_autotune_candidates_compile_for_sm90_without_spills():
+    """Every candidate config the GPU's autotuner may pick, at head dims 128 and 256: no register spills (stack
+    frame 0), within an H100 block's shared memory, and the dot products on warpgroup MMA (HGMMA), except dK/dV
+    at 256 on mma.sync (HMMA; why: the tables' comment in triton_kernels.py). A spilling or oversized candidate
+    would be timed (or refused) on the GPU; one added to a table must pass this."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], env=env, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    kernels = json.loads(proc.stdout)
+    tuned = {"_fwd_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"}
+    seen = {(k["name"], k["params"]["BLOCK_D"]) for k in kernels}
+    assert seen >= {(n, d) for n in tuned for d in (128, 256)}, seen
+    for k in kernels:
+        what = f"{k['name']} D{k['params']['BLOCK_D']} {k['params'].get('BLOCK_M')}x{k['params'].get('BLOCK_N')} " \
+               f"{k['warps']} warps {k['stages']} stages"
+        assert k["local"] == 0, f"{what}: spills ({k['local']} B of stack a thread)"
+        assert not k["over"], f"{what}: {k['shared']} B of shared memory, over an H100 block's"
+        if k["name"] == "_bwd_dkdv_kernel" and k["params"]["BLOCK_D"] == 256:
+            assert k["hmma"] > 0, f"{what}: no tensor-core MMA"
+        elif k["name"] in tuned:
+            assert k["hgmma"] > 0, f"{what}: no warpgroup MMA"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the model
 
