@@ -117,11 +117,16 @@ def write_table(out: Path, preset: str, shared: list[tuple[str, str]], results: 
         "| variant | overrides | steps | train loss | val loss | tokens/s | params | active params |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    acc = any("accuracy" in r for r in results.values())  # synthetic tasks: accuracy at each evaluated length
+    if acc:
+        lines[-2:] = [lines[-2] + " accuracy (length: acc) |", lines[-1] + "---|"]
     for name, r in results.items():
         ov = ", ".join(f"{k}={v}" for k, v in overrides[name]) or "(preset)"
         lines.append(
             f"| {name} | {ov} | {r['steps']} | {_fmt(r['final_train_loss'], '.4f')} | {_fmt(r['final_val_loss'], '.4f')} "
             f"| {_fmt(r['tokens_per_s'], ',.0f')} | {r['params'] / 1e6:.3f}M | {r['active_params'] / 1e6:.3f}M |"
+            + (" " + ", ".join(f"{a['length']}: {_fmt(a['accuracy'], '.3f')}" for a in r.get("accuracy", [])) + " |"
+               if acc else "")
         )
     write_text_atomic(out / "ablation.md", "\n".join(lines) + "\n")
     write_text_atomic(out / "ablation.json", json.dumps(
@@ -172,6 +177,11 @@ def run_ablation(args, train_run, log) -> dict[str, dict]:
         log(f"ablate: variant {name} ({len(results) + 1}/{len(configs)})")
         _result, model = train_run(cfg, out / name, log=log)
         results[name] = summarize(out / name, model)
+        if cfg.data.synthetic.task:  # a generated task: accuracy by length (data_pipeline/synthetic.py)
+            from hybridtron.data_pipeline.synthetic import length_accuracy
+
+            results[name]["accuracy"] = length_accuracy(model, cfg, cfg.train.eval_batches * cfg.train.micro_batch_size,
+                                                        next(model.parameters()).device)
     overrides = dict(variants)
     write_table(out, preset, shared, results, overrides)
     plot(out, results)

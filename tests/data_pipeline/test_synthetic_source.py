@@ -106,21 +106,25 @@ def test_length_accuracy_scores_known_answers(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_and_eval_on_parity_from_the_command_line(tmp_path, capsys):
+def test_ablate_and_eval_on_parity_from_the_command_line(tmp_path, capsys):
+    """Two variants trained by `hybridtron ablate` (the table gains accuracy by length), then `eval` of one."""
     from hybridtron.train.cli import main
 
     over = {"data.synthetic.task": "parity", "data.seq_len": "16", "data.out_dir": str(tmp_path / "data"),
             "model.layer_pattern": "L", "model.n_layers": "1", "model.d_model": "32", "model.n_heads": "2",
-            "model.n_kv_heads": "2", "model.max_seq_len": "64", "model.deltanet.neg_eigval": "true",
-            "model.deltanet.chunk_size": "16", "train.max_steps": "4", "train.warmup_steps": "1", "train.micro_batch_size": "4",
+            "model.n_kv_heads": "2", "model.max_seq_len": "64", "model.deltanet.chunk_size": "16",
+            "train.max_steps": "3", "train.warmup_steps": "1", "train.micro_batch_size": "4",
             "train.eval_every": "0", "train.eval_batches": "1", "train.progress_bar": "false",
             "checkpoint.every": "0"}
-    argv = ["train", "--config", "tiny", "--run-dir", str(tmp_path / "run")]
+    argv = ["ablate", "--config", "tiny", "--run-dir", str(tmp_path / "abl"), "--variant", "beta01:",
+            "--variant", "negeig:model.deltanet.neg_eigval=true"]
     for k, v in over.items():
         argv += [f"--{k}", v]
     assert main(argv) == 0
+    table = (tmp_path / "abl" / "ablation.md").read_text()
+    assert "accuracy (length: acc)" in table and table.count("16: ") == 2 and table.count("64: ") == 2
     capsys.readouterr()
-    assert main(["eval", "--run-dir", str(tmp_path / "run")]) == 0
+    assert main(["eval", "--run-dir", str(tmp_path / "abl" / "negeig")]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [r["length"] for r in out["accuracy"]] == [16, 32, 64]
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in out["accuracy"])
