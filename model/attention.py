@@ -63,6 +63,26 @@ def doc_ids_from_mask(attn_mask: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(1)
 
 
+def first_token_attention(q: torch.Tensor, k: torch.Tensor, doc_ids: torch.Tensor | None) -> tuple[float, int]:
+    """The attention-sink measure: how much attention probability queries put on the first token of their
+    document (of the sequence without documents), summed over queries and heads, with the count of (query,
+    head) pairs. A document's first query has nowhere else to look and is left out. q: (B, T, H, D) and
+    k: (B, T, KV, D) as they enter attention (after rotary and QK-norm). Explicit scores: for evaluation only."""
+    B, T, H, D = q.shape
+    kk = k.repeat_interleave(H // k.shape[2], dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), kk.float()) * D ** -0.5
+    doc = _doc_numbers(doc_ids, B, T, q.device)
+    pos = torch.arange(T, device=q.device)
+    visible = (doc[:, :, None] == doc[:, None, :]) & (pos[None, :, None] >= pos[None, None, :])  # (B, T, S)
+    probs = scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
+    starts = doc_starts(doc_ids) if doc_ids is not None else torch.zeros(B, T, dtype=torch.bool, device=q.device)
+    starts[:, 0] = True
+    first = torch.cummax(torch.where(starts, pos, torch.zeros_like(pos)), dim=1).values  # (B, T): doc's first index
+    on_first = probs.gather(-1, first[:, None, :, None].expand(B, H, T, 1)).squeeze(-1)  # (B, H, T)
+    keep = ~starts[:, None, :].expand(B, H, T)
+    return float(on_first[keep].sum()), int(keep.sum())
+
+
 class GatedAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -90,6 +110,7 @@ class GatedAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.rotary_backend = cfg.kernels.rotary  # QK-norm + rotary in one kernel on the triton backend
         self.context_parallel = None  # set from outside under context parallelism (train/parallel/context_parallel.py)
+        self.sink_stats: list | None = None  # a list: each forward appends its first_token_attention (eval only)
 
     def forward(
         self,
@@ -120,6 +141,9 @@ class GatedAttention(nn.Module):
         H = q.shape[2]
 
         q, k = apply_rotary_qk(q, k, cos, sin, self.q_norm, self.k_norm, backend=self.rotary_backend)
+        if self.sink_stats is not None and cache is None:  # evaluation asked for the attention-sink measure
+            self.sink_stats.append(first_token_attention(q, k, doc_ids if doc_ids is not None else (
+                doc_ids_from_mask(attn_mask) if attn_mask is not None else None)))
 
         if self.context_parallel is not None and cache is None:  # x is one piece of the sequence: ring attention
             out = self.context_parallel.attention(q, k, v, doc_ids)  # over all pieces' keys and values

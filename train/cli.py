@@ -229,6 +229,8 @@ def _checkpoint_for_inference(args) -> Path:
 
 
 def cmd_eval(args) -> int:
+    from .probes import attention_sink
+
     ckpt = _checkpoint_for_inference(args)
     cfg, model, _tok, device = load_for_inference(ckpt, parse_overrides(args.overrides))
     prepare_data(cfg.data, log=_log)
@@ -237,6 +239,9 @@ def cmd_eval(args) -> int:
     loss = evaluate(model, _val_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
     result = {"checkpoint": str(ckpt), "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
               "batches": n, "tokens": n * cfg.train.micro_batch_size * cfg.data.seq_len}
+    sink = attention_sink(model, _val_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
+    if sink:  # attention layers: mean probability on each document's first token (train/probes.py)
+        result["attention_sink"] = sink
     if cfg.data.synthetic.task:  # a generated task: accuracy at the training length and at longer ones
         from hybridtron.data_pipeline.synthetic import length_accuracy
 

@@ -1,0 +1,44 @@
+"""Evaluation-time measurements of a trained model beyond its loss.
+
+``attention_sink``: per attention layer, the mean attention probability that queries put on the first token of
+their document (Xiao et al.'s "attention sink"; the gated-attention paper reports that an output gate removes
+most of it). Measured on validation batches with explicit attention scores, so it is for evaluation, not
+training.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridtron.model.attention import GatedAttention
+
+from .device import autocast_context
+
+
+@torch.no_grad()
+def attention_sink(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype) -> dict[str, float]:
+    """{layer name: mean probability on the document's first token} for every attention layer (empty if none)."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, GatedAttention)}
+    if not layers:
+        return {}
+    was_training = model.training
+    model.eval()
+    for m in layers.values():
+        m.sink_stats = []
+    try:
+        loader = val_loader_factory()
+        for _ in range(n_batches):
+            b = {k: v.to(device) for k, v in next(loader).items()}
+            with autocast_context(device, amp_dtype):
+                model(b["input_ids"], b.get("doc_ids"))
+        out = {}
+        for name, m in layers.items():
+            total, count = map(sum, zip(*m.sink_stats, strict=True)) if m.sink_stats else (0.0, 0)
+            out[name.removesuffix(".self_attn").replace("._checkpoint_wrapped_module", "")] = (
+                total / count if count else float("nan"))
+        return out
+    finally:
+        for m in layers.values():
+            m.sink_stats = None
+        model.train(was_training)
