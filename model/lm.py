@@ -34,6 +34,7 @@ from ..kernels.backend import is_distributed
 from ..kernels.cross_entropy import linear_cross_entropy
 from .attention import GatedAttention
 from .ffn import build_ffn
+from .mlp import SwiGLU
 from .norm import RMSNorm, build_norm
 from .rotary import RotaryEmbedding
 from .scale import norm_kwargs
@@ -73,6 +74,11 @@ class Block(nn.Module):
             **norm_kwargs(cfg, feeds_linear=True, branched=not cfg.moe.is_moe_layer(layer_idx)),
         )
         self.mlp = build_ffn(cfg, layer_idx)
+        # Both norms feed only nn.Linear projections (the mixers' q/k/v/gates, a SwiGLU's gate/up) unless scale
+        # vectors multiply first or the FFN is MoE / structured: there they write the autocast dtype directly.
+        plain = not (cfg.scale.two_sided or cfg.scale.branch_specific)
+        self.input_layernorm.autocast_output = plain
+        self.post_attention_layernorm.autocast_output = plain and type(self.mlp) is SwiGLU
 
     def forward(
         self,

@@ -42,6 +42,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.zero_centered = zero_centered
         self.kernel_backend = "auto"
+        # Set (model/lm.py) where every consumer of this norm's output is a plain projection: under autocast the
+        # output is then written in the autocast dtype, the rounding each projection's cast would do, in one pass
+        # (no fp32 output written and read back by every cast).
+        self.autocast_output = False
         # Scale-vector forms (model/scale.py): no gain (its consumers carry one each), or the gain as
         # magnitude * direction (weight_m, weight_d), which is the gain itself, not 1 + w.
         self.has_gain = gain
@@ -81,10 +85,13 @@ class RMSNorm(nn.Module):
         return self.weight, 1.0 if self.zero_centered else 0.0
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x) in x's dtype (computed in fp32 at least; fp64 stays fp64). With ``residual``: h = x +
-        residual, then (norm(h), h) -- the add fused into the norm's kernel."""
+        """norm(x) in x's dtype (computed in fp32 at least; fp64 stays fp64), or the autocast dtype under
+        autocast where ``autocast_output`` is set. With ``residual``: h = x + residual, then (norm(h), h) --
+        the add fused into the norm's kernel."""
         w, offset = self.kernel_gain()
-        return rms_norm(x, w, self.eps, offset=offset, residual=residual, backend=self.kernel_backend)
+        dev = x.device.type
+        out = torch.get_autocast_dtype(dev) if self.autocast_output and torch.is_autocast_enabled(dev) else None
+        return rms_norm(x, w, self.eps, offset=offset, residual=residual, out_dtype=out, backend=self.kernel_backend)
 
     def gated(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """norm(x) * silu(z) in x's dtype, the delta-rule mixer's gated output norm, in one kernel."""

@@ -93,11 +93,12 @@ def _norm_bwd_kernel(
         tl.store(DW + pid * D + cols, dw, mask=cmask)
 
 
-def norm_fwd(x, residual, weight, z, eps: float, offset: float):
-    """x, residual, z: (M, D) contiguous; weight: (D,) or None. -> y, h (empty without residual), rstd (M,)."""
+def norm_fwd(x, residual, weight, z, eps: float, offset: float, out_dtype: torch.dtype | None = None):
+    """x, residual, z: (M, D) contiguous; weight: (D,) or None. -> y (in out_dtype, default h's), h (empty
+    without residual), rstd (M,)."""
     M, D = x.shape
     h_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    y = torch.empty((M, D), dtype=h_dtype, device=x.device)
+    y = torch.empty((M, D), dtype=out_dtype or h_dtype, device=x.device)
     h = torch.empty((M, D) if residual is not None else (0,), dtype=h_dtype, device=x.device)
     cdt = compute_dtype(x, residual, z)
     rstd = torch.empty(M, dtype=torch.float64 if cdt == tl.float64 else torch.float32, device=x.device)

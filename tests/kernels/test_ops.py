@@ -66,6 +66,27 @@ def test_rms_norm_residual(dtype, lead, D):
         [x, r, w], [dtype, F32, F32])
 
 
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("lead,D", [((2, 5), 33), ((300,), 8)])
+def test_rms_norm_writes_the_autocast_dtype(residual, lead, D):
+    """out_dtype: an fp32 stream normalised straight into bf16 (what each projection's autocast cast would
+    round it to), the new stream h staying fp32; the gradients come back through the bf16 output."""
+    x, r, w = randn(*lead, D, seed=4), randn(*lead, D, seed=5) * 2, randn(D, seed=6) * 0.3
+    bf = torch.bfloat16
+
+    def ours(x, w, *r):
+        return rms_norm(x, w, 1e-5, offset=1.0, residual=r[0] if r else None, out_dtype=bf, backend="triton")
+
+    def ref(x, w, *r):
+        return rms_norm_reference(x, w, 1e-5, 1.0, r[0] if r else None, out_dtype=bf)
+
+    inputs, dts = ([x, w, r], [F32, F32, F32]) if residual else ([x, w], [F32, F32])
+    check_against_reference("rms_norm[out bf16]", ours, ref, inputs, dts)
+    y = ours(*(t.float() for t in inputs))
+    y = y[0] if residual else y
+    assert y.dtype == bf
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lead,D", [((1, 1, 2), 8), ((2, 3, 3), 12), ((70,), 5)])
 def test_gated_rms_norm(dtype, lead, D):
