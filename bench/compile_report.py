@@ -46,7 +46,7 @@ import torch
 from hybridtron.bench.report import RESULTS, append_results
 
 PRESETS = ("dense_1b", "hybrid_1b", "hybrid_moe")
-OPS = ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv", "moe", "delta_rule")
+OPS = ("norm", "rotary", "swiglu", "attention", "cross_entropy", "conv", "moe", "delta_rule", "hax")
 # Shared memory one block may use (bytes), per compute capability: the CUDA programming guide's table.
 SHARED_LIMIT = {"90a": 232448, "90": 232448, "89": 101376, "86": 101376, "80": 166912}
 OPCODES = ("HGMMA", "HMMA", "FFMA", "DFMA")

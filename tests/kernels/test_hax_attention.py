@@ -131,3 +131,14 @@ def test_custom_op_registration(op):
     torch.library.opcheck(getattr(torch.ops.hybridtron, op).default, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                       "test_aot_dispatch_dynamic"))
+
+
+def test_bench_hax_runs_at_tiny_shapes(capsys):
+    from hybridtron.bench.bench_hax import main
+
+    res = main(["--device", "cpu", "--seq", "12", "--keys", "4", "--dim", "4", "--value-dim", "6", "--dtype", "fp32",
+                "--backends", "reference", "triton", "--repeats", "1"])
+    assert res["select_ms"] > 0 and res["triton_fwd_bwd_ms"] > 0 and res["reference_fwd_ms"] > 0
+    assert res["gathered_gb_fwd"] == 12 * 4 * 10 * 4 / 1e9
+    with pytest.raises(SystemExit):
+        main(["--keys", "1"])
