@@ -54,20 +54,21 @@ of the rank's tp shard:
                                                                                m (f(n) g P + f(n) 4 P)
       ZeRO-3: the all-gather again in backward:                                m (2 f(n) g P + f(n) 4 P)
       (under pp torch's stages reduce-scatter once per step: m = 1 in the reduce-scatter term)
-      HSDP (parallel.dp_shard = s < dp): the all-gathers and reduce-scatters above run in the groups of s ranks
-      (n = s in them), and the accumulated shards are all-reduced across the dp / s groups once per step,
-      after the last micro-batch (column dp_replicate):                        2 f(dp / s) 4 P / s
-      ep > 1: the expert gradients all-reduced over their dp / ep copies:      2 f(dp / ep) 4 P_experts
-  tp  per layer: all-gather of the two norm outputs and reduce-scatter of the two projection outputs in forward,
+      HSDP (parallel.dp_shard = s < dp): the all-gathers and reduce-scatters above run in the groups of s x cp
+      ranks (n = s cp in them), and the accumulated shards are all-reduced across the dp / s groups once per
+      step, after the last micro-batch (column dp_replicate):                  2 f(dp / s) 4 P / (s cp)
+      ep > 1: the expert gradients all-reduced over their dp cp / ep copies:   2 f(dp cp / ep) 4 P_experts
+  tp  (T: the rank's piece, seq_len / cp, under context parallel)
+      per layer: all-gather of the two norm outputs and reduce-scatter of the two projection outputs in forward,
       the reverse in backward:                                                 m L 4 f(tp) B T d (s + c)
       activation checkpointing repeats the forward ones in backward:           + m L 2 f(tp) B T d (s + c)
       the embedding (reduce-scatter, then all-gather in backward) and the output layer (the reverse), on the
       stages that hold them:                                                   m 2 f(tp) B T d s each
   pp  the stage's output and its input's gradient, (B, T/tp, d) fp32 each (the first stage sends no gradient,
-      the last no output), per stage of the rank:                              m 2 B (T / tp) d 4
+      the last no output), per stage of the rank:                              m 2 B (T / (cp tp)) d 4
       tied embeddings: first and last stage all-reduce the embedding's gradient once per step: V d 4 / tp
   ep  per MoE layer, balanced routing: the routed copies of the tokens (k per token) to their experts' ranks
-      and back, and their gradients:                                           m L_moe 2 f(ep) B T k d (s + c)
+      and back, and their gradients:                                           m L_moe 2 f(ep) B (T / cp) k d (s + c)
   cp  per attention layer (ring attention): cp - 1 passes of a key and a value block in forward, cp passes of
       them with their fp32 gradients in backward:            m L_attn B (T / cp) H_kv D (2 (cp - 1) c + cp (2 c + 8))
       per delta-rule layer: all-gather of every piece's state map (A | B), fp32, and the reduce-scatter of its
@@ -313,7 +314,7 @@ class ReplayedSchedule:
         tensor of the micro-batch (its labels, which reach every stage)."""
         key = (kind, stage, mb)
         if key not in self.recv:
-            # Between stages the residual stream: (B, T / tp, d) fp32 (it stays fp32 under autocast)
+            # Between stages the residual stream: (B, T / (cp tp), d) fp32 (it stays fp32 under autocast)
             shape = (like.shape[0], like.shape[1] // self.pipeline.mesh.tp, self.pipeline.model.cfg.d_model)
             self.recv[key] = torch.empty(shape, dtype=torch.float32, device=self.device)
         return self.recv[key]
@@ -381,7 +382,7 @@ def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n
 
     if pipeline is not None:
         parts = list(_batches(cfg, vocab, n_micro))
-        batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        batch = local_piece({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, mesh)  # context parallel
         with autocast_context(device, amp):
             pipeline.step(batch)
         sync_expert_grads(model, mesh)
@@ -581,26 +582,27 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
             gathers = 1 if p.zero_stage == 2 else 2
             reduces = 1 if p.pp > 1 else mb
             shard = dp_shard_size(cfg, dp)
-            shard = n if shard == dp else shard  # FSDP2 over all dp x cp ranks, or HSDP's groups (cp = 1 there)
+            shard = n if shard == dp else shard * p.cp  # FSDP2 over all dp x cp ranks, or HSDP's dp_shard x cp groups
             out["dp"] = mb * gathers * f(shard) * g * P + reduces * f(shard) * 4 * P
             if shard < n:  # HSDP: the step's accumulated shards all-reduced across the groups, once
                 out["dp_replicate"] = 2 * f(n // shard) * 4 * P / shard
-    if p.ep > 1 and dp > p.ep:
-        out["dp"] += 2 * f(dp // p.ep) * 4 * facts["expert_params"]
+    if p.ep > 1 and n > p.ep:
+        out["dp"] += 2 * f(n // p.ep) * 4 * facts["expert_params"]
     if p.tp > 1:
         # full checkpointing repeats the forward's two collectives of each recomputed block; selective keeps them
-        per_layer = (4 + 2 * _recomputed_fraction(cfg)) * f(p.tp) * B * T * d * (s + c)
-        ends = (facts["embedding"] + facts["head"]) * 2 * f(p.tp) * B * T * d * s
+        t = T // p.cp  # under context parallel the rank's piece of each sequence
+        per_layer = (4 + 2 * _recomputed_fraction(cfg)) * f(p.tp) * B * t * d * (s + c)
+        ends = (facts["embedding"] + facts["head"]) * 2 * f(p.tp) * B * t * d * s
         out["tp"] = mb * (facts["layers"] * per_layer + ends)
     if p.pp > 1:
-        boundary = B * (T // p.tp) * d * 4
+        boundary = B * (T // (p.cp * p.tp)) * d * 4
         for stage in facts["stages"]:
             out["pp"] += mb * boundary * ((stage < facts["n_stages"] - 1) + (stage > 0))
         vocab = m.resolve_vocab(cfg.data.tokenizer.vocab_size)
         if m.tie_embeddings and (facts["embedding"] or facts["head"]):
             out["pp"] += vocab * d * 4 / p.tp
     if p.ep > 1:
-        out["ep"] = mb * facts["moe_layers"] * 2 * f(p.ep) * B * T * m.moe.top_k * d * (s + c)
+        out["ep"] = mb * facts["moe_layers"] * 2 * f(p.ep) * B * (T // p.cp) * m.moe.top_k * d * (s + c)
     if p.cp > 1:
         t = T // p.cp
         D = m.resolved_head_dim()
