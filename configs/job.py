@@ -361,6 +361,12 @@ class JobConfig:
                 f"parallel attention is ring attention in pure torch, not the fused kernel; set "
                 f"model.kernels.attention=auto (ring attention under context parallelism) or parallel.cp=1")
         self.model.kernels.check_device(self.train.device)
+        if self.model.deltanet.sparse_attention != "none" and (self.parallel.cp > 1 or self.parallel.tp > 1):
+            raise ConfigError(
+                f"model.deltanet.sparse_attention={self.model.deltanet.sparse_attention} with parallel.cp="
+                f"{self.parallel.cp}, parallel.tp={self.parallel.tp}: the branch's single head reads every value "
+                f"channel at every earlier position, which neither a sequence piece nor a head shard holds; set "
+                f"parallel.cp=1 and parallel.tp=1, or model.deltanet.sparse_attention=none")
         if self.train.compile and self.parallel.engine == "deepspeed":
             raise ConfigError("train.compile=true works with parallel.engine=torch only (DeepSpeed wraps the model "
                               "itself); set train.compile=false or parallel.engine=torch")

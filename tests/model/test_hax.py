@@ -189,3 +189,11 @@ def test_export_refuses_the_branch_by_name():
         choose_target(cfg)
     cfg.deltanet.sparse_attention = "none"
     assert choose_target(cfg) == "qwen3_5_text"
+
+
+@pytest.mark.parametrize("parallel", [("parallel.cp", "2"), ("parallel.tp", "2")])
+def test_context_and_tensor_parallelism_are_refused_by_name(parallel):
+    from hybridtron.configs import load_config
+
+    with pytest.raises(ConfigError, match="sparse_attention=hax with parallel.cp"):
+        load_config("tiny_hax", [parallel])
