@@ -204,11 +204,31 @@ def test_scancel_leaves_a_readable_checkpoint_and_resubmission_resumes(
     assert latest.name == f"step_{stop['step']:08d}"
     verify_manifest(latest)
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    nodes = node_logs(run, job, 0)  # torchrun ends with its processes: no SignalException traceback after them
+    assert "Traceback" not in nodes and "SignalException" not in nodes, nodes[-3000:]
     code, out, err = run_main(["eval", "--run-dir", str(run), "--batches", "1"])  # readable, on one process
     assert code == 0 and json.loads(out.strip().splitlines()[-1])["checkpoint"] == str(latest), err
     job2 = submit(argv)  # the same command again
     assert wait_end(slurm_cluster, job2, run) == "COMPLETED", logs(run, job2)
     assert f"resumed from {latest} (step {stop['step']})" in node_logs(run, job2, 0)
+    assert_same_steps(steps(run), steps(uninterrupted["run"]))
+
+
+def test_scontrol_requeue_resumes_and_the_log_says_slurm_requeued_it(
+        uninterrupted, slurm_cluster, small_data_dir, small_argv, tmp_path):
+    """`scontrol requeue` (what an admin or a requeueing preemption does): SIGTERM, a checkpoint, and SLURM starts
+    the job again by itself; the log says so instead of asking for a resubmission that would run a second job."""
+    run = tmp_path / "run"
+    job = submit(submit_argv(small_argv, small_data_dir, run))
+    wait_steps(slurm_cluster, job, run, 10)
+    slurm_cluster.run("scontrol", "requeue", job, check=True)
+    assert wait_end(slurm_cluster, job, run, timeout=300) == "COMPLETED", logs(run, job)
+    assert slurm_cluster.job_field(job, "Restarts") == "1"
+    batch_log = (run / "logs" / f"job-{job}.out").read_text()
+    assert f"SLURM requeued job {job}, which resumes from that checkpoint by itself" in batch_log, batch_log
+    assert "resume with:" not in batch_log, batch_log
+    assert "Traceback" not in node_logs(run, job, 0)
+    assert "resumed from" in node_logs(run, job, 1)
     assert_same_steps(steps(run), steps(uninterrupted["run"]))
 
 

@@ -195,7 +195,9 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$1" = requeue ] && echo "REQUEUED $2" && exit 0\n'
-                                      '[ "$2" = hostnames ] && echo node1\n[ "$2" = node ] && echo NodeAddr=10.0.0.1\n')
+                                      '[ "$2" = hostnames ] && echo node1\n[ "$2" = node ] && echo NodeAddr=10.0.0.1\n'
+                                      '[ "$2" = job ] && echo "JobId=42 JobState=COMPLETING Restarts=${RESTARTS:-0}"\n'
+                                      'exit 0\n')
     # srun stands for the training step: it writes the stop file the trainer would, then sends a signal, or fails
     (bin_dir / "srun").write_text('#!/bin/bash\nmkdir -p "$RUN/checkpoints"\ntouch "$RUN/srun-ran"\n'
                                   '[ -n "$STOP" ] && echo "$STOP" > "$RUN/last_stop.json"\n'
@@ -206,7 +208,7 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
     path = tmp_path / "job.sbatch"
     path.write_text(script)
 
-    def job(stop: dict | None, sig: str = "", rc: int = 0, step: int = 5, before: int | None = None):
+    def job(stop: dict | None, sig: str = "", rc: int = 0, step: int = 5, before: int | None = None, restarts=0):
         run = tmp_path / "run"
         shutil.rmtree(run, ignore_errors=True)
         if before is not None:
@@ -214,7 +216,7 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
             (run / "checkpoints" / "latest").write_text(f"step_{before:08d}")
         env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
                "SLURM_JOB_NUM_NODES": "1", "RUN": str(run), "STOP": json.dumps(stop) if stop else "", "SIG": sig,
-               "RC": str(rc), "STEP": str(step)}
+               "RC": str(rc), "STEP": str(step), "RESTARTS": str(restarts)}
         res = subprocess.run(["bash", str(path)], env=env, capture_output=True, text=True, timeout=30)
         return res.returncode, res.stdout + res.stderr
 
@@ -223,6 +225,9 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
     assert code == 0 and "REQUEUED 42" in out and "time-limit warning" in out, out
     code, out = job(signal_stop, sig="TERM")  # scancel: checkpoint, no requeue
     assert code == 0 and "REQUEUED" not in out and "stopped at step 5 (signal)" in out and "resume with: cd " in out, out
+    code, out = job(signal_stop, sig="TERM", restarts=1)  # `scontrol requeue` (or a requeueing preemption)
+    assert code == 0 and "SLURM requeued job 42, which resumes from that checkpoint by itself" in out, out
+    assert "resume with:" not in out and "REQUEUED 42" not in out, out
     code, out = job({"stopped_by": "max_steps", "step": 9, "max_steps": 9, "checkpoint": "step_00000009"}, sig="USR1",
                     step=9)
     assert code == 0 and "REQUEUED" not in out and "training finished at step 9" in out, out

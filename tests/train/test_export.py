@@ -110,7 +110,11 @@ def test_the_comparison_catches_a_wrong_qwen3_next_grouping(tok_dir, tmp_path):
     """Qwen3-Next's fused DeltaNet projection with two key heads' rows swapped, or the dense MLP layers read as MoE
     layers, is far outside the tolerance: the parity above can fail."""
     model = tiny(**CASES["moe_partial_next"])
-    export_model(model, tok_dir, tmp_path / "hf", log=lambda _: None)
+    logs = []
+    export_model(model, tok_dir, tmp_path / "hf", log=logs.append)
+    assert logs[0].startswith("target: qwen3_next (Qwen3NextForCausalLM)") and logs[0].endswith(
+        "MoE on layers [1, 3] of 0..3 only, which Qwen3-Next holds (Qwen3.5-MoE: MoE on every layer, renormalised "
+        "top-k)"), logs[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
     x = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():

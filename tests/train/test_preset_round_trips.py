@@ -69,7 +69,7 @@ def test_preset_trains_exports_loads_samples_and_round_trips(preset, small_data_
     from hybridtron.train.hf.export import export_model
     from hybridtron.train.hf.load import apply_init_from, load_hf_weights
 
-    again = load_config(preset)
+    again = load_config(str(ckpt / "config.yaml"))  # the run's settings; the model section comes from the directory
     apply_init_from(again, f"hf:{out}")
     imported = GatedLM(again.model, again.model.vocab_size)
     load_hf_weights(imported, out)

@@ -68,9 +68,11 @@ class ExportReport:
     out_dir: Path | None = None
     custom_code: list[str] = field(default_factory=list)  # the features that need our modeling code
     experts_chosen: list[int] = field(default_factory=list)  # per MoE layer: distinct experts the check routed to
+    why: str = ""  # what made this class the exact choice
 
     def lines(self) -> list[str]:
-        out = [f"target: {self.target} ({self.architecture}), {self.params / 1e6:.2f}M parameters"]
+        out = [f"target: {self.target} ({self.architecture}), {self.params / 1e6:.2f}M parameters"
+               + (f": {self.why}" if self.why else "")]
         if self.custom_code:
             out.append(f"custom code: transformers has no class for {' and '.join(self.custom_code)}, so the "
                        f"directory carries configuration_hybridtron.py and modeling_hybridtron.py (torch and "
@@ -103,6 +105,23 @@ def custom_features(cfg: ModelConfig) -> list[str]:
         if not m.shared_expert_hidden:
             out.append("model.moe.shared_expert_hidden=0 (MoE without a shared expert)")
     return out
+
+
+def target_reason(cfg: ModelConfig, target: str) -> str:
+    """Why ``target`` is the class for this model (the export prints it with the target)."""
+    m = cfg.moe
+    if target == "hybridtron":
+        return "no transformers class holds the model exactly (see 'custom code' below)"
+    if target == "qwen3_next":
+        why = ([f"MoE on layers {moe_layers(cfg)} of 0..{cfg.n_layers - 1} only"]
+               if len(moe_layers(cfg)) != cfg.n_layers else []) + (["norm_topk_prob=false"] if not m.norm_topk_prob
+                                                                      else [])
+        return f"{' and '.join(why)}, which Qwen3-Next holds (Qwen3.5-MoE: MoE on every layer, renormalised top-k)"
+    if target == "qwen3_5_moe_text":
+        return "MoE on every layer, shared expert, softmax router, renormalised top-k"
+    if target in ("qwen3", "llama"):
+        return "ungated attention only, full rotary, " + ("QK-norm" if target == "qwen3" else "no QK-norm")
+    return "attention" + (" and Gated DeltaNet" if "L" in cfg.layer_types() else "") + " with dense feed-forwards"
 
 
 def moe_layers(cfg: ModelConfig) -> list[int]:
@@ -417,7 +436,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
             for name in FILES:
                 shutil.copyfile(HERE / name, tmp / name)
         export_tokenizer(tokenizer_dir, tmp)
-        report = ExportReport(target, ARCHITECTURES[target], model.num_params(), folded,
+        report = ExportReport(target, ARCHITECTURES[target], model.num_params(), folded, why=target_reason(model.cfg, target),
                               custom_code=custom_features(model.cfg))  # [] for every native target
         if check:
             measured = parity(model, tmp, model.vocab_size, trust_remote_code=custom)
