@@ -106,13 +106,22 @@ def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _loss(r: dict, key: str) -> str:
+    """A final loss; over several seeds its mean +- standard deviation."""
+    if r.get("n_seeds", 1) > 1 and r.get(key) is not None:
+        return f"{r[key]:.4f} ± {r[f'{key}_sd']:.4f}"
+    return _fmt(r.get(key), ".4f")
+
+
 def write_table(out: Path, preset: str, shared: list[tuple[str, str]], results: dict[str, dict],
                 overrides: dict[str, list]) -> None:
     lines = [
         f"# Ablation of `{preset}`" + (f" with {' '.join(f'--{k} {v}' for k, v in shared)}" if shared else ""),
         "",
         f"Final train loss: mean over the last {TAIL} logged steps; tokens/s: median over logged steps after "
-        f"the first {WARMUP}.",
+        f"the first {WARMUP}."
+        + (f" Over {next(iter(results.values()))['n_seeds']} seeds (train.seed): mean ± standard deviation."
+           if any(r.get("n_seeds", 1) > 1 for r in results.values()) else ""),
         "",
         "| variant | overrides | steps | train loss | val loss | tokens/s | params | active params |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -120,13 +129,18 @@ def write_table(out: Path, preset: str, shared: list[tuple[str, str]], results: 
     acc = any("accuracy" in r for r in results.values())  # synthetic tasks: accuracy at each evaluated length
     if acc:
         lines[-2:] = [lines[-2] + " accuracy (length: acc) |", lines[-1] + "---|"]
+    sink = any(r.get("attention_sink") for r in results.values())  # attention layers: mean prob. on first token
+    if sink:
+        lines[-2:] = [lines[-2] + " attention sink (layer: prob) |", lines[-1] + "---|"]
     for name, r in results.items():
         ov = ", ".join(f"{k}={v}" for k, v in overrides[name]) or "(preset)"
         lines.append(
-            f"| {name} | {ov} | {r['steps']} | {_fmt(r['final_train_loss'], '.4f')} | {_fmt(r['final_val_loss'], '.4f')} "
+            f"| {name} | {ov} | {r['steps']} | {_loss(r, 'final_train_loss')} | {_loss(r, 'final_val_loss')} "
             f"| {_fmt(r['tokens_per_s'], ',.0f')} | {r['params'] / 1e6:.3f}M | {r['active_params'] / 1e6:.3f}M |"
             + (" " + ", ".join(f"{a['length']}: {_fmt(a['accuracy'], '.3f')}" for a in r.get("accuracy", [])) + " |"
                if acc else "")
+            + (" " + ", ".join(f"{k.removeprefix('layers.')}: {v:.3f}" for k, v in (r.get("attention_sink") or {}).items())
+               + " |" if sink else "")
         )
     write_text_atomic(out / "ablation.md", "\n".join(lines) + "\n")
     write_text_atomic(out / "ablation.json", json.dumps(
@@ -145,7 +159,10 @@ def plot(out: Path, results: dict[str, dict]) -> None:
         color = f"C{i}"
         if r["train_curve"]:
             s, v = zip(*r["train_curve"], strict=True)
-            ax.plot(s, v, color=color, alpha=0.8, label=f"{name} train")
+            ax.plot(s, v, color=color, alpha=0.8, label=f"{name} train" + (" (mean)" if r.get("n_seeds", 1) > 1 else ""))
+            if r.get("n_seeds", 1) > 1 and r.get("train_band"):  # the seeds' spread
+                s, lo, hi = zip(*r["train_band"], strict=True)
+                ax.fill_between(s, lo, hi, color=color, alpha=0.2)
         if r["val_curve"]:
             s, v = zip(*r["val_curve"], strict=True)
             ax.plot(s, v, "o--", color=color, label=f"{name} val")
@@ -160,31 +177,99 @@ def plot(out: Path, results: dict[str, dict]) -> None:
     os.replace(tmp, out / "loss.png")
 
 
-def run_ablation(args, train_run, log) -> dict[str, dict]:
+def _mean_sd(values: list) -> tuple[float | None, float | None]:
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None, None
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+def _mean_curve(curves: list[list]) -> tuple[list, list]:
+    """Steps every seed logged -> (step, mean) and (step, min, max) over the seeds."""
+    by_step: dict[int, list[float]] = {}
+    for c in curves:
+        for s, v in c:
+            by_step.setdefault(s, []).append(v)
+    steps = [s for s in sorted(by_step) if len(by_step[s]) == len(curves)]
+    return ([(s, statistics.fmean(by_step[s])) for s in steps],
+            [(s, min(by_step[s]), max(by_step[s])) for s in steps])
+
+
+def aggregate(per_seed: dict[int, dict]) -> dict:
+    """One variant's runs over seeds: means (and standard deviations) of the final numbers, mean curves with
+    the seeds' min-max band, mean accuracy per length and attention sink per layer; each seed's own results."""
+    runs = list(per_seed.values())
+    first = runs[0]
+    out = {"seeds": {str(k): {key: v for key, v in r.items() if not key.endswith("_curve")}
+                     for k, r in per_seed.items()},
+           "n_seeds": len(runs), "steps": first["steps"], "params": first["params"],
+           "active_params": first["active_params"]}
+    for key in ("final_train_loss", "final_val_loss", "tokens_per_s"):
+        out[key], out[f"{key}_sd"] = _mean_sd([r[key] for r in runs])
+    out["train_curve"], out["train_band"] = _mean_curve([r["train_curve"] for r in runs])
+    out["val_curve"], out["val_band"] = _mean_curve([r["val_curve"] for r in runs])
+    if all("accuracy" in r for r in runs):
+        out["accuracy"] = [{"length": a["length"], "accuracy": statistics.fmean(r["accuracy"][i]["accuracy"]
+                                                                               for r in runs)}
+                           for i, a in enumerate(first["accuracy"])]
+    if all(r.get("attention_sink") for r in runs):
+        out["attention_sink"] = {layer: statistics.fmean(r["attention_sink"][layer] for r in runs)
+                                 for layer in first["attention_sink"]}
+    return out
+
+
+def run_ablation(args, train_run, log, probe=None) -> dict[str, dict] | None:
+    """Every variant (for every seed of ``--seeds``) trained in turn, then the table and the plot. A run that
+    stops early (SIGTERM, SLURM's preemption or time-limit warning, train.exit_interval) stops the whole
+    ablation after its checkpoint; the same command resumes it: finished runs are read back, the stopped one
+    continues. ``probe(cfg, model)``: extra evaluation numbers of a finished run (the attention sink)."""
     preset = args.config or "tiny"
     shared = parse_overrides(args.overrides)
     variants = load_variants(args)
-    configs: dict[str, JobConfig] = {}
+    seeds = list(getattr(args, "seeds", None) or [])
+    if len(set(seeds)) < len(seeds):
+        raise ConfigError(f"--seeds {' '.join(map(str, seeds))} repeats a seed; give distinct seeds")
+    if seeds and any(k == "train.seed" for k, _ in shared):
+        raise ConfigError("--seeds and --train.seed both set the seed; give one of them")
+    configs: dict[str, dict[int | None, JobConfig]] = {}
     for name, pairs in variants:  # every config validated before the first step of the first variant
         try:
-            configs[name] = load_config(preset, shared + pairs)
+            configs[name] = {s: load_config(preset, shared + pairs + ([("train.seed", str(s))] if s is not None else []))
+                             for s in (seeds or [None])}
         except ConfigError as e:
             raise ConfigError(f"variant {name!r}: {e}") from None
     out = Path(args.run_dir) if args.run_dir else Path("runs") / f"ablate_{Path(preset).stem}"
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name, cfg in configs.items():
-        log(f"ablate: variant {name} ({len(results) + 1}/{len(configs)})")
-        _result, model = train_run(cfg, out / name, log=log)
-        results[name] = summarize(out / name, model)
-        if cfg.data.synthetic.task:  # a generated task: accuracy by length (data_pipeline/synthetic.py)
-            from hybridtron.data_pipeline.synthetic import length_accuracy
+    total, done = len(configs) * max(1, len(seeds)), 0
+    for name, by_seed in configs.items():
+        per_seed = {}
+        for seed, cfg in by_seed.items():
+            done += 1
+            run = out / name if seed is None else out / name / f"seed{seed}"
+            log(f"ablate: variant {name}" + (f", seed {seed}" if seed is not None else "") + f" ({done}/{total})")
+            result, model = train_run(cfg, run, log=log)
+            if result.stopped_by != "max_steps":
+                write_text_atomic(out / "last_stop.json", json.dumps(
+                    {"stopped_by": result.stopped_by, "variant": name, "seed": seed, "step": result.state.step}))
+                log(f"ablate: stopped during variant {name}" + (f", seed {seed}" if seed is not None else "") +
+                    f" at step {result.state.step} ({result.stopped_by}); run the same command again to resume "
+                    f"the ablation")
+                return None
+            r = summarize(run, model)
+            if cfg.data.synthetic.task:  # a generated task: accuracy by length (data_pipeline/synthetic.py)
+                from hybridtron.data_pipeline.synthetic import length_accuracy
 
-            results[name]["accuracy"] = length_accuracy(model, cfg, cfg.train.eval_batches * cfg.train.micro_batch_size,
-                                                        next(model.parameters()).device)
+                r["accuracy"] = length_accuracy(model, cfg, cfg.train.eval_batches * cfg.train.micro_batch_size,
+                                                next(model.parameters()).device)
+            if probe is not None:
+                r.update(probe(cfg, model))
+            per_seed[seed] = r
+        results[name] = aggregate(per_seed) if seeds else per_seed[None]
     overrides = dict(variants)
     write_table(out, preset, shared, results, overrides)
     plot(out, results)
+    write_text_atomic(out / "last_stop.json", json.dumps({"stopped_by": "max_steps", "variants": len(configs)}))
     log(f"ablation table: {(out / 'ablation.md').resolve()}")
     log(f"loss curves:    {(out / 'loss.png').resolve()}")
     print((out / "ablation.md").read_text())

@@ -331,8 +331,15 @@ def _suggest(cfg, args) -> int:
 
 def cmd_ablate(args) -> int:
     from .ablate import run_ablation
+    from .probes import attention_sink
 
-    run_ablation(args, train_run, log=_log)
+    def probe(cfg, model):  # a finished run's attention sink, on its evaluation batches
+        device = next(model.parameters()).device
+        sink = attention_sink(model, _val_factory(build_dataset(cfg.data, "val"), cfg), cfg.train.eval_batches,
+                              device, autocast_dtype(cfg.train, device))
+        return {"attention_sink": sink} if sink else {}
+
+    run_ablation(args, train_run, log=_log, probe=probe)
     return 0
 
 
@@ -366,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE...]",
                     help="one variant: a name, then its overrides (repeat; 'base:' for none)")
     sp.add_argument("--variants", default=None, metavar="YAML", help="a file mapping variant names to overrides")
+    sp.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
+                    help="train every variant once per seed (train.seed), in DIR/<variant>/seed<SEED>; the table "
+                         "and plot show the mean and spread")
     sp.set_defaults(func=cmd_ablate)
     sp = add_subcommand("plan", help="per-GPU memory and communication of a config on a cluster shape")
     common(sp)

@@ -189,12 +189,14 @@ def read_sweeps(dirs: list[Path]) -> list[dict]:
             raise ConfigError(f"--fit {d}: no ablation.json; give directories `hybridtron ablate` wrote")
         variants = json.loads(summary.read_text())["variants"]
         for name, r in variants.items():
-            cfg: JobConfig = from_dict(JobConfig, yaml.safe_load((d / name / "config.yaml").read_text()))
+            run = d / name  # with --seeds: the first seed's run (the seeds share every setting but the seed)
+            run = run if (run / "config.yaml").is_file() else min(run.glob("seed*"), default=run)
+            cfg: JobConfig = from_dict(JobConfig, yaml.safe_load((run / "config.yaml").read_text()))
             loss = r.get("final_val_loss") or r.get("final_train_loss")
             if loss is None:
                 continue
             t = cfg.train
-            tokens = _last_metrics(d / name).get("tokens_seen") or (
+            tokens = _last_metrics(run).get("tokens_seen") or (
                 t.max_steps * t.micro_batch_size * t.grad_accum_steps * cfg.data.seq_len)
             out.append({"run": f"{d}/{name}", "lr": t.lr, "weight_decay": t.weight_decay, "steps": r["steps"],
                         "tokens": tokens, "params": r["active_params"], "experts": max(cfg.model.moe.n_experts, 1),

@@ -72,3 +72,59 @@ def test_parse_variant():
     assert parse_variant("x:model.moe.every=2, model.moe.top_k=1") == ("x", [("model.moe.every", "2"),
                                                                             ("model.moe.top_k", "1")])
     assert parse_variant("base:") == ("base", [])
+
+
+@pytest.mark.slow
+def test_ablate_over_seeds_reports_mean_spread_and_attention_sink(small_data_dir, cli_args, tmp_path):
+    out = tmp_path / "seeds"
+    argv = ablate_argv(cli_args, small_data_dir, out, ["base:", "ungated:model.attn_gate=none"])
+    assert main(argv + ["--seeds", "0", "1", "2"]) == 0
+    res = json.loads((out / "ablation.json").read_text())["variants"]
+    for name, r in res.items():
+        assert r["n_seeds"] == 3 and set(r["seeds"]) == {"0", "1", "2"}
+        finals = [r["seeds"][s]["final_val_loss"] for s in ("0", "1", "2")]
+        assert len(set(finals)) == 3, finals  # the seeds train differently...
+        mean = sum(finals) / 3
+        sd = (sum((f - mean) ** 2 for f in finals) / 2) ** 0.5
+        assert r["final_val_loss"] == pytest.approx(mean) and r["final_val_loss_sd"] == pytest.approx(sd)
+        for s in ("0", "1", "2"):  # ...each in its own run directory with its own seed
+            cfg = (out / name / f"seed{s}" / "config.yaml").read_text()
+            assert f"seed: {s}\n" in cfg.split("train:")[1]
+        assert set(r["attention_sink"]) == {"layers.0", "layers.1"} and all(0 < v < 1 for v in r["attention_sink"].values())
+    table = (out / "ablation.md").read_text()
+    assert f"| base | (preset) | 4 | {res['base']['final_train_loss']:.4f} ± {res['base']['final_train_loss_sd']:.4f} |" in table
+    assert "attention sink" in table and "Over 3 seeds" in table
+    assert main(argv + ["--seeds", "1", "1"]) == 2  # refused in one line
+
+
+@pytest.mark.slow
+def test_a_signal_stops_the_whole_ablation_and_the_same_command_resumes_it(small_data_dir, cli_args, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "pre"
+    argv = ablate_argv(cli_args, small_data_dir, out, ["a:", "b:model.n_layers=1"],
+                       extra=["--train.max_steps", "60", "--train.eval_every", "0", "--train.progress_bar", "false"])
+    cmd = [sys.executable, "-m", "hybridtron.train.cli", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = out / "a" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.is_file() and metrics.read_text().count("\n") >= 3):
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGTERM)  # what scancel or a SLURM preemption sends
+    log, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, log
+    assert "stopped during variant a" in log and "run the same command again" in log
+    assert not (out / "b").exists() and not (out / "ablation.json").exists()  # b never started
+    stop = json.loads((out / "last_stop.json").read_text())
+    assert stop["stopped_by"] == "signal" and stop["variant"] == "a"
+    stopped_at = stop["step"]
+    # the same command again: a continues from its checkpoint, then b runs
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"step"' in x]
+    assert steps[0] == 1 and steps[-1] == 60 and stopped_at + 1 in steps  # a continued, not restarted
+    assert json.loads((out / "ablation.json").read_text())["variants"]["b"]["steps"] == 60
