@@ -216,8 +216,9 @@ class MoE(nn.Module):
         logits, probs, weights, idx = self.route(x)
         flat = idx.flatten()  # assignment a = token * k + j
         order, pos = sort_assignments(flat)  # assignments grouped by expert, and the inverse
-        # per-expert counts on the device (bincount would read the largest index back to the host on CUDA)
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+        # per-expert counts on the device (bincount would read the largest index back to the host on CUDA;
+        # `hybridtron plan` simulates this int64 scatter-add as balanced routing)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add(0, flat, torch.ones_like(flat))
         if self.training:
             self.aux_loss, aux, z = self._losses(logits, probs, counts)
             with torch.no_grad():  # accumulated on the device: nothing here waits for the GPU

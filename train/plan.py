@@ -128,8 +128,8 @@ class _KnownValues(TorchDispatchMode):
     """Values computed for real inside a fake-tensor step, where a shape depends on them.
 
     A fake tensor has a shape but no values, and a few shapes in a training step come from values: how many token
-    assignments each expert gets (``torch.bincount`` of the router's choices, then ``.tolist()``; under expert
-    parallelism the all-to-all splits and ``repeat_interleave`` of those counts), which labels fall in a rank's
+    assignments each expert gets (an int64 scatter-add of ones over the router's choices, or ``torch.bincount``;
+    under expert parallelism the all-to-all splits and ``repeat_interleave`` of those counts), which labels fall in a rank's
     vocabulary shard (``torch.nonzero`` in the vocabulary-parallel loss), and DTensor's index arithmetic
     (``torch.arange(n)...tolist()``). Such tensors are *known* here: a real tensor, or a fake one that carries its
     real value (``_known``). Index ranges and the random token ids of the batches are drawn for real, and an op
@@ -160,6 +160,8 @@ class _KnownValues(TorchDispatchMode):
                 return func(*args, **kwargs)
         if func is aten.bincount.default:
             return self._balanced_counts(*args, **kwargs)
+        if func is aten.scatter_add.default and args[0].dtype == torch.int64 and args[0].dim() == 1:
+            return self._balanced_counts(args[2], minlength=args[0].numel())  # MoE counts (model/moe.py)
         if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
             from torch._meta_registrations import _create_grouped_mm_output_tensor
 
