@@ -27,7 +27,8 @@ S_t, at most ``sparse_keys`` earlier positions j <= t of t's own document, is th
 A key chosen by both sources counts once. ``sparse_attention`` "lsh" / "key_selection" keep one source with
 the whole budget; "window" is the paper's context-independent baseline (the last ``sparse_keys`` positions).
 The gathered attention runs in kernels/hax_attention (Triton or its torch reference: model.kernels.hax); the
-key choice here is index bookkeeping without gradients: O(T x keys) memory in query chunks.
+key choice here is index bookkeeping without gradients, O(T log T + T x keys): a sort for LSH, a running top-k
+for key selection.
 
 Decoding: the cache keeps every key, value, score and bucket of the current document and the running sums, so
 a cached call selects exactly the keys the full forward would (tests/model/test_hax.py).
@@ -45,7 +46,7 @@ from .attention import doc_starts
 
 SOURCES = {"hax": ("lsh", "key_selection"), "lsh": ("lsh",), "key_selection": ("key_selection",),
            "window": ("window",)}
-_CHUNK = 256  # queries per selection step: the (B, chunk, keys) masks stay small however long the sequence
+_CHUNK = 128  # queries per key-selection step: (B, chunk, n_per + chunk) candidates, whatever the length
 
 
 def doc_cumsum(x: torch.Tensor, starts: torch.Tensor | None, init: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,35 +64,82 @@ def doc_cumsum(x: torch.Tensor, starts: torch.Tensor | None, init: torch.Tensor 
 
 
 @torch.no_grad()
-def select_keys(sources: tuple[str, ...], n_per: int, k_pos: torch.Tensor, q_pos: torch.Tensor,
-                k_doc: torch.Tensor, q_doc: torch.Tensor, k_bucket: torch.Tensor | None = None,
-                q_bucket: torch.Tensor | None = None, score: torch.Tensor | None = None) -> torch.Tensor:
+def select_keys(sources: tuple[str, ...], n_per: int, k_doc: torch.Tensor, q_doc: torch.Tensor,
+                k_bucket: torch.Tensor | None = None, q_bucket: torch.Tensor | None = None,
+                score: torch.Tensor | None = None, chunk: int = _CHUNK) -> torch.Tensor:
     """(B, T, n_per * len(sources)) key positions per query, -1 for an empty slot, none twice in a row.
 
-    Keys at k_pos (N,) with document numbers k_doc (B, N) (-1: a key no query may read); queries at q_pos (T,)
-    of documents q_doc (B, T). A query reads keys j with k_pos <= its position and its own document: per
-    source, "window" the n_per latest, "lsh" the n_per latest with its bucket, "key_selection" the n_per of
-    highest score (minus those another source took already)."""
+    Keys 0 .. N-1 with document numbers k_doc (B, N), never decreasing along a row (documents are contiguous;
+    -1: keys of a cache's earlier documents, which no query may read); the queries are the last T of them (a
+    cache's L = N - T keys come first), of documents q_doc (B, T). A query reads keys j <= its own
+    position in its own document: per source, "window" the n_per latest, "lsh" the n_per latest with its
+    bucket, "key_selection" the n_per of highest score (minus those another source took already). Cost
+    O(N log N + T n_per) for window and LSH (a sort of the keys by (bucket, position)), O(T (n_per + chunk))
+    for key selection (a running top-n_per carried from chunk to chunk of queries)."""
     B, N = k_doc.shape
-    T = q_pos.shape[0]
-    n = min(n_per, N)
+    T = q_doc.shape[1]
+    L = N - T
+    dev = k_doc.device
+    p = torch.arange(L, N, device=dev)  # the queries' positions
+    back = torch.arange(n_per, device=dev)
+
+    def take(x, pos):  # x (B, N) at positions pos (B, T, k)
+        return x.gather(1, pos.reshape(B, -1)).view(pos.shape)
+
+    parts = []
+    for src in sources:
+        if src == "window":
+            j = (p[:, None] - back).expand(B, T, n_per)
+            ok = (j >= 0) & (take(k_doc, j.clamp(min=0)) == q_doc[..., None])
+            ix = torch.where(ok, j, -1)
+        elif src == "lsh":  # the run of q's bucket in (bucket, position) order ends at its latest key <= p
+            order_key, order = (k_bucket * N + torch.arange(N, device=dev)).sort(dim=1)
+            end = torch.searchsorted(order_key, q_bucket * N + p, right=True) - 1
+            at = end[..., None] - back  # (B, T, n_per): the run's last n_per entries, latest first
+            j = take(order, at.clamp(min=0))
+            ok = (at >= 0) & (take(k_bucket, j) == q_bucket[..., None]) & (take(k_doc, j) == q_doc[..., None])
+            ix = torch.where(ok, j, -1)
+        else:
+            ix = _top_scored(n_per, k_doc, q_doc, score.float(), L, chunk)
+            for prev in parts:  # a key another source chose counts once
+                ix = ix.masked_fill((ix[..., :, None] == prev[..., None, :]).any(-1), -1)
+        parts.append(ix)
+    return torch.cat(parts, -1)
+
+
+def _top_scored(n: int, k_doc: torch.Tensor, q_doc: torch.Tensor, score: torch.Tensor, L: int,
+                chunk: int) -> torch.Tensor:
+    """(B, T, n): per query the n best-scored keys j <= its position in its document. The scores do not depend
+    on the query, so the best n before a chunk of queries (in the document of its first query) and the
+    chunk's own keys hold every query's answer; the carry for the next chunk is the best n of those in the
+    next chunk's first document (a document starting inside the chunk has no key before it)."""
+    B, N = k_doc.shape
+    T = q_doc.shape[1]
+    dev = k_doc.device
+    inf = float("-inf")
+
+    def best(cand, ok, scores):  # cand (B, M) positions; ok (B, [Q,] M) -> the n best per row, -1 padded
+        val, ix = torch.where(ok, scores, inf).topk(min(n, cand.shape[-1]), -1)
+        got = cand.gather(-1, ix) if ix.dim() == 2 else cand[:, None, :].expand(*ix.shape[:2], -1).gather(-1, ix)
+        got = torch.where(val > inf, got, -1)
+        return F.pad(got, (0, n - got.shape[-1]), value=-1)
+
+    if L:
+        carry = best(torch.arange(L, device=dev).expand(B, L), k_doc[:, :L] == q_doc[:, :1], score[:, :L])
+    else:
+        carry = torch.full((B, n), -1, dtype=torch.long, device=dev)
     out = []
-    for a in range(0, T, _CHUNK):
-        qp, qd = q_pos[a : a + _CHUNK], q_doc[:, a : a + _CHUNK]
-        allowed = (k_pos[None, None, :] <= qp[None, :, None]) & (k_doc[:, None, :] == qd[..., None])
-        parts = []
-        for src in sources:
-            if src == "key_selection":
-                val, ix = torch.where(allowed, score.float()[:, None, :], float("-inf")).topk(n, -1)
-                ix = ix.masked_fill(val == float("-inf"), -1)
-                for prev in parts:  # a key another source chose counts once
-                    ix = ix.masked_fill((ix[..., :, None] == prev[..., None, :]).any(-1), -1)
-            else:
-                ok = allowed if src == "window" else allowed & (k_bucket[:, None, :] == q_bucket[:, a : a + _CHUNK, None])
-                val, ix = torch.where(ok, k_pos, -1).topk(n, -1)
-                ix = ix.masked_fill(val < 0, -1)
-            parts.append(F.pad(ix, (0, n_per - n), value=-1))
-        out.append(torch.cat(parts, -1))
+    for a in range(0, T, chunk):
+        b = min(a + chunk, T)
+        cand = torch.cat([carry, torch.arange(L + a, L + b, device=dev).expand(B, -1)], 1)  # (B, M)
+        valid = cand >= 0
+        cs = torch.where(valid, score.gather(1, cand.clamp(min=0)), inf)
+        cd = torch.where(valid, k_doc.gather(1, cand.clamp(min=0)), -2)
+        qp = torch.arange(L + a, L + b, device=dev)
+        ok = (cand[:, None, :] <= qp[None, :, None]) & (cd[:, None, :] == q_doc[:, a:b, None])
+        out.append(best(cand, ok, cs[:, None, :].expand_as(ok)))
+        if b < T:
+            carry = best(cand, cd == q_doc[:, b : b + 1], cs)
     return torch.cat(out, 1)
 
 
@@ -149,7 +197,6 @@ class HAX(nn.Module):
         starts = doc_starts(doc_ids) if doc_ids is not None else None
         doc = starts.long().cumsum(1) if starts is not None else torch.zeros(B, T, dtype=torch.long, device=x.device)
         past = {} if cache is None else cache.get("hax", {})
-        L = past["k"].shape[1] if past else 0
         new = {}
         if "lsh" in self.sources or "key_selection" in self.sources:
             stats = torch.cat([x.new_ones(B, T, 1, dtype=f), q.detach().to(f), k.detach().to(f)], -1)
@@ -169,10 +216,8 @@ class HAX(nn.Module):
             return new[name] if not past else torch.cat([past[name], new[name]], 1)
 
         k_doc = doc if not past else torch.cat([torch.where(past["live"], 0, -1), doc], 1)
-        k_pos = torch.arange(L + T, device=x.device)
-        idx = select_keys(self.sources, self.n_per, k_pos, k_pos[L:], k_doc, doc,
-                          keys("bucket") if "lsh" in self.sources else None, new.get("q_bucket"),
-                          keys("score") if score is not None else None)
+        idx = select_keys(self.sources, self.n_per, k_doc, doc, keys("bucket") if "lsh" in self.sources else None,
+                          new.get("q_bucket"), keys("score") if score is not None else None)
         out = hax_attention(q, keys("k"), keys("v"), idx, D ** -0.5, backend=self.backend)
         if cache is not None:  # keys of x's last document stay readable; the rest are kept but marked dead
             kept = {n: keys(n).detach() for n in ("k", "v", "bucket", "score") if n in new}

@@ -31,24 +31,25 @@ def tokens(B=2, T=19, seed=1):
     return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def test_select_keys_matches_a_per_query_loop():
+@pytest.mark.parametrize("chunk", [3, 7, 256])
+def test_select_keys_matches_a_per_query_loop(chunk):
     """Every query's chosen set: the n latest keys of its bucket (LSH), then the n best-scored keys not chosen
     yet (KS), all at positions <= its own and in its document; -1 fills the rest."""
     g = torch.Generator().manual_seed(0)
     B, L, T, n = 2, 5, 30, 3
     N = L + T
-    k_doc = torch.cat([torch.tensor([[0, -1, 0, 0, -1], [-1, -1, 0, 0, 0]]), (torch.rand(B, T, generator=g) < 0.15).cumsum(1)], 1)
+    k_doc = torch.cat([torch.tensor([[-1, -1, 0, 0, 0], [-1, 0, 0, 0, 0]]), (torch.rand(B, T, generator=g) < 0.15).cumsum(1)], 1)
     q_doc = k_doc[:, L:]
     k_bucket = torch.randint(0, 3, (B, N), generator=g)
     score = torch.randn(B, N, generator=g, dtype=torch.float64)
-    pos = torch.arange(N)
-    got = select_keys(("lsh", "key_selection"), n, pos, pos[L:], k_doc, q_doc, k_bucket, k_bucket[:, L:], score)
+    q_bucket = torch.randint(0, 3, (B, T), generator=g)  # a query's bucket need not be its own key's
+    got = select_keys(("lsh", "key_selection"), n, k_doc, q_doc, k_bucket, q_bucket, score, chunk=chunk)
     assert got.shape == (B, T, 2 * n)
     for b in range(B):
         for t in range(T):
             p = L + t
             mine = [j for j in range(p + 1) if k_doc[b, j] == q_doc[b, t]]
-            lsh = [j for j in mine if k_bucket[b, j] == k_bucket[b, p]][-n:]
+            lsh = [j for j in mine if k_bucket[b, j] == q_bucket[b, t]][-n:]
             ks = sorted(mine, key=lambda j: -score[b, j].item())[:n]
             want = set(lsh) | set(ks)
             row = [j for j in got[b, t].tolist() if j >= 0]
@@ -56,9 +57,8 @@ def test_select_keys_matches_a_per_query_loop():
 
 
 def test_window_takes_the_latest_keys_of_the_document():
-    pos = torch.arange(8)
     doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
-    got = select_keys(("window",), 3, pos, pos, doc, doc)
+    got = select_keys(("window",), 3, doc, doc)
     want = [[0], [0, 1], [0, 1, 2], [3], [3, 4], [3, 4, 5], [4, 5, 6], [5, 6, 7]]
     assert [sorted(j for j in r if j >= 0) for r in got[0].tolist()] == want
 
