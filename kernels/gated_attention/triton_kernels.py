@@ -18,6 +18,10 @@ pre-multiplied by log2 e); the log-sum-exp (base 2) is saved for the backward. E
 attention A is stored (the backward needs it) and ``out = A * sigmoid(g)`` is computed from the fp32 A, so
 the gate costs one extra read of g and no extra kernel.
 
+K/V tiles of the forward and dQ loops come through tensor descriptors where triton has them and the target
+is Hopper (TMA bulk copies into shared memory, no per-element addresses or masks: rows past N read as zeros),
+pointer loads otherwise (`use_tma`, the ``TMA`` switch).
+
 Causal load balancing: a tile's work varies from one key block to a whole document, so programs take tiles
 heaviest first (`tile_orders`: an argsort of each 128-row super-tile's work, on the device, no host sync),
 and the short tiles fill the tail of the grid, across batch rows and documents alike.
@@ -144,17 +148,40 @@ def _dot(a, b, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(X, n0, cols64, stride_n, dcols, cmask, dmask, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+             TMA: tl.constexpr):
+    """Key (or value) rows [n0, n0 + BLOCK_N) of one kv head: through its tensor descriptor (TMA on Hopper: one
+    asynchronous bulk copy into shared memory, no per-element addresses; rows past N and columns past D read as
+    zeros), or, TMA False, through pointers with `_load_tile`'s masks."""
+    if TMA:
+        x = X.load([n0, 0])
+    else:
+        x = _load_tile(X + cols64[:, None] * stride_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
+    return x
+
+
+@triton.jit
+def _kv_source(X, stride_n, N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr):
+    """What `_kv_tile` reads from: a (N, D) tensor descriptor of the kv head X points at, or X itself."""
+    if TMA:
+        src = tl.make_tensor_descriptor(X, shape=[N, D], strides=[stride_n, 1], block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        src = X
+    return src
+
+
+@triton.jit
 def _fwd_range(
     acc, l_i, m_i, q, K, V, sk_n, sv_n, rows, starts, dcols, dmask, n_lo, n_hi, N, qk_scale,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online softmax over key blocks [n_lo, n_hi) for one query tile. K, V point at this kv head."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cols64 = cols.to(tl.int64)
         cmask = cols < N
-        k = _load_tile(K + cols64[:, None] * sk_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
+        k = _kv_tile(K, n0, cols64, sk_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
         s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
@@ -168,7 +195,7 @@ def _fwd_range(
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V + cols64[:, None] * sv_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
+        v = _kv_tile(V, n0, cols64, sv_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
         m_i = m_new
     return acc, l_i, m_i
@@ -224,7 +251,7 @@ def _fwd_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, so_n, so_h,
     N, D, GROUP, qk_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)  # the longest tiles first
@@ -239,17 +266,17 @@ def _fwd_kernel(
 
         q = _load_tile(Q + rows64[:, None] * sq_n + h * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
         kvh = (h // GROUP).to(tl.int64)
-        Kh = K + kvh * sk_h
-        Vh = V + kvh * sv_h
+        Kh = _kv_source(K + kvh * sk_h, sk_n, N, D, BLOCK_N, BLOCK_D, TMA)
+        Vh = _kv_source(V + kvh * sv_h, sv_n, N, D, BLOCK_N, BLOCK_D, TMA)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N,
-                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
         acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N,
-                                   qk_scale, False, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+                                   qk_scale, False, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
         acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N,
-                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
 
         l_i = tl.where(l_i > 0, l_i, 1.0)  # only rows past N can have l = 0 (every real row sees its diagonal)
         attn = acc / l_i[:, None]
@@ -351,7 +378,7 @@ def _bwd_dkdv_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdk_s, sdk_n, sdk_h,
     N, D, GROUP, SPLIT, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     n0 = _tile_start(ORDER, tl.program_id(0), BLOCK_N, ORDER_BLOCK, False)  # the longest tiles first
@@ -403,14 +430,14 @@ def _bwd_dkdv_kernel(
 def _dq_range(
     dq, q, da, lse, delta, K, V, sk_n, sv_n, rows, starts, dcols, dmask, n_lo, n_hi, N, qk_scale,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
 ):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cols64 = cols.to(tl.int64)
         cmask = cols < N
-        k = _load_tile(K + cols64[:, None] * sk_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
-        v = _load_tile(V + cols64[:, None] * sv_n + dcols[None, :], cmask, dmask, MASKED, EVEN_D)
+        k = _kv_tile(K, n0, cols64, sk_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
+        v = _kv_tile(V, n0, cols64, sv_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
         s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
@@ -429,7 +456,7 @@ def _bwd_dq_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdq_n, sdq_h,
     N, D, GROUP, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)
@@ -448,15 +475,15 @@ def _bwd_dq_kernel(
         lse = tl.load(LSE + h64 * N + rows, mask=rmask, other=0.0)
         delta = tl.load(DELTA + h64 * N + rows, mask=rmask, other=0.0)
         kvh = (h // GROUP).to(tl.int64)
-        Kh = K + kvh * sk_h
-        Vh = V + kvh * sv_h
+        Kh = _kv_source(K + kvh * sk_h, sk_n, N, D, BLOCK_N, BLOCK_D, TMA)
+        Vh = _kv_source(V + kvh * sv_h, sv_n, N, D, BLOCK_N, BLOCK_D, TMA)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N, qk_scale,
-                       True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+                       True, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
         dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N, qk_scale,
-                       False, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+                       False, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
         dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N, qk_scale,
-                       True, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+                       True, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
         offs = rows64[:, None] * sdq_n + h64 * sdq_h + dcols[None, :]
         tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
 
@@ -475,16 +502,47 @@ def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
 
 
-def _common(q: torch.Tensor, k: torch.Tensor) -> dict:
+def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     N, H, D = q.shape
     block_d = max(16, triton.next_power_of_2(D))
+    tma = use_tma(k, v)
+    if tma:
+        _ensure_allocator(q.device)
     return dict(
         N=N, D=D, GROUP=H // k.shape[1], EVEN_D=block_d == D, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_F32=triton_utils.interpreted(q.device) and q.dtype == torch.bfloat16,  # see `_dot`
         ORDER_BLOCK=_order_block(),
         MERGE=1 if interpreter_requested() else 2,  # the tests' short sequences run both the merged and split ranges
+        TMA=tma,
     )
+
+
+TMA = True  # the switch: False keeps every load on pointers (tests run both ways)
+
+
+def use_tma(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """K/V tiles through tensor descriptors: triton has them, the target is Hopper or newer (TMA; the interpreter
+    runs them too), and the tensors meet TMA's alignment (base address and row stride multiples of 16 bytes)."""
+    if not TMA or not hasattr(tl, "make_tensor_descriptor"):
+        return False
+    if not triton_utils.interpreted(k.device):
+        from triton.runtime.driver import driver
+
+        if driver.active.get_current_target().arch < 90:
+            return False
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+               and t.stride(1) * t.element_size() % 16 == 0 for t in (k, v))
+
+
+def _ensure_allocator(device: torch.device) -> None:
+    """Device-side descriptors need a little global scratch, which triton asks an allocator for at launch. Set one
+    (torch's caching allocator on the tensors' device) unless the caller has; the setting is per context, and
+    the backward runs in autograd's thread, so each launch checks."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
 
 
 def _order_block() -> int:
@@ -541,7 +599,7 @@ def attn_fwd(q, k, v, gate, start, scale: float, order: torch.Tensor | None = No
     if N == 0:
         return out, attn, lse
     check_interpreted(_fwd_kernel, q.device)
-    common = _common(q, k)
+    common = _common(q, k, v)
     if order is None:
         order = tile_orders(start, None, common["ORDER_BLOCK"])[0]
     sg = _gate_strides(gate)
@@ -566,7 +624,7 @@ def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float, split: in
         return dq, torch.zeros_like(k), torch.zeros_like(v), dgate
     check_interpreted(_bwd_pre_kernel, q.device)
     mode = _gate_mode(gate)
-    common = _common(q, k)
+    common = _common(q, k, v)
     group = common["GROUP"]
     split = dkdv_split(N, KV, group, q.device) if split is None else split
     if split < 1 or group % split:

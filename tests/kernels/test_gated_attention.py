@@ -152,6 +152,35 @@ def test_dkdv_split_over_query_heads(split, monkeypatch):
         assert_within_reference_error(f"split {split} {name}", a, r, r64, atol=atol)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("case", ["many_docs_odd_headdim", "packed_cu_seqlens_empty_doc"])
+def test_kernel_without_tma_matches_reference(case, monkeypatch):
+    """The pointer loads the kernels fall back to where tensor descriptors are unavailable (before Hopper, or
+    misaligned K/V); the other tests take the descriptor path (the interpreter runs it)."""
+    from hybridtron.kernels.gated_attention import triton_kernels
+
+    inputs, kw, dout = _make(case, torch.bfloat16)
+    assert triton_kernels.use_tma(inputs[1], inputs[2])
+    monkeypatch.setattr(triton_kernels, "TMA", False)
+    assert not triton_kernels.use_tma(inputs[1], inputs[2])
+    got = _run(gated_attention, inputs, kw, dout, backend="triton")
+    ref_d = _run(gated_attention_reference, inputs, kw, dout)
+    ref64 = _run(gated_attention_reference, inputs, kw, dout, dtype=torch.float64)
+    for name, a, r, r64 in zip(["out", "dq", "dk", "dv", "dgate"][: len(got)], got, ref_d, ref64, strict=True):
+        assert_within_reference_error(f"no TMA {case} {name}", a, r, r64)
+
+
+def test_tma_needs_16_byte_rows():
+    pytest.importorskip("triton")
+    from hybridtron.kernels.gated_attention.triton_kernels import use_tma
+
+    kv = torch.zeros(8, 2, 16, dtype=torch.bfloat16)  # rows of 64 bytes, heads of 32
+    assert use_tma(kv, kv)
+    narrow = torch.zeros(8, 1, 4, dtype=torch.bfloat16)  # rows of 8 bytes: TMA cannot step them
+    assert not use_tma(narrow, narrow)
+    assert not use_tma(kv, kv[:, :, 2:])  # a view 4 bytes into its rows: base address not 16-byte aligned
+
+
 def test_tile_orders_put_the_longest_tiles_first():
     """Two batch rows of 64 tokens in 32-row super-tiles: query tiles ending a row see 64 keys, the others 32;
     key tiles starting a row are seen by 64 queries. Heaviest first, ties in index order."""
