@@ -111,6 +111,10 @@ def check_offload(cfg: JobConfig, dp: int) -> None:
     if p.zero_stage < 2:
         raise ConfigError(f"parallel.offload=cpu keeps FSDP2's parameter, gradient and optimizer shards on the host, "
                           f"and parallel.zero_stage={p.zero_stage} shards nothing; set parallel.zero_stage 2 or 3")
+    if p.pp > 1:  # the tied embedding's two copies sum their gradients outside FSDP2, where they would be on the host
+        raise ConfigError(f"parallel.offload=cpu is not yet tested with parallel.pp={p.pp} (pipeline stages exchange "
+                          f"gradients outside FSDP2); set parallel.offload=none, or use more data-parallel ranks "
+                          f"with parallel.zero_stage=3 to spread the state")
     if dp * p.cp == 1:
         raise ConfigError("parallel.offload=cpu needs FSDP2 over two or more data-parallel ranks, and this layout has "
                           "one; on one process use parallel.engine=deepspeed with parallel.offload_optimizer=true")
