@@ -7,7 +7,8 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
 
 - ``norm``: RMSNorm with the residual add fused (the form every block uses), forward + backward -- torch
   eager (our reference), ``torch.compile`` of it, Liger-Kernel's RMSNorm (+ a torch add: it has no residual
-  form), our Triton kernel.
+  form), our Triton kernel; and the delta-rule mixer's gated norm ``norm(o) * silu(z)`` per value head
+  (``--dr-heads`` x ``--dr-head-dim`` per token) -- eager, compiled, ours.
 - ``rotary``: QK-norm + rotary of q and k (Qwen3.5's 25% rotary fraction by default) -- eager, compiled,
   Liger's rope (after a torch QK-norm, in its (B, H, T, D) layout, partial rotary via its ``rotary_dim``),
   ours.
@@ -170,6 +171,24 @@ def norm_case(tokens: int, d: int, dtype, device, compile_peers: bool, ours: boo
     e = x.element_size()
     # fwd: read x, r; write y, h. bwd: read dy, dh, h; write dx (= dr). w is negligible.
     return Case("norm", f"{tokens}x{d} {_dt(dtype)} +residual", [x, r, w], cands, bytes_moved=8 * tokens * d * e)
+
+
+def gated_norm_case(tokens: int, heads: int, head_dim: int, dtype, device, compile_peers: bool, ours: bool) -> Case:
+    """The Gated DeltaNet mixer's output norm, ``norm(o) * silu(z)`` per value head (model/gated_deltanet.py):
+    rows of head_dim, tokens x heads of them."""
+    o = torch.randn(tokens * heads, head_dim, device=device, dtype=dtype)
+    z = torch.randn(tokens * heads, head_dim, device=device, dtype=dtype)
+    w = torch.rand(head_dim, device=device) + 0.5
+
+    def eager(o, z, w):
+        return rms_norm_reference(o, w, 1e-6, z=z)
+
+    cands: dict = {"torch eager": eager, "torch.compile": _compiled(eager, compile_peers)}
+    if ours:
+        cands["triton (ours)"] = lambda o, z, w: rms_norm(o, w, 1e-6, z=z, backend="triton")
+    # fwd: read o, z; write y. bwd: read dy, o, z; write do, dz. w is negligible.
+    return Case("norm", f"{tokens}x{heads}x{head_dim} {_dt(dtype)} gated (delta-rule output)", [o, z, w], cands,
+                bytes_moved=8 * o.numel() * o.element_size())
 
 
 def rotary_case(tokens: int, heads: int, kv_heads: int, head_dim: int, fraction: float, dtype, device,
@@ -760,7 +779,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     rows: list[Row] = []
     # op -> its cases, built lazily (generators) so only one case's tensors are alive at a time
     builders = {
-        "norm": lambda: [norm_case(args.tokens, args.d_model, dtype, device, compile_peers, ours)],
+        "norm": lambda: [norm_case(args.tokens, args.d_model, dtype, device, compile_peers, ours),
+                         gated_norm_case(args.tokens, args.dr_heads, args.dr_head_dim, dtype, device, compile_peers,
+                                         ours)],
         "rotary": lambda: [rotary_case(args.tokens, args.heads, args.kv_heads, args.head_dim, args.rotary_fraction,
                                        dtype, device, compile_peers, ours)],
         "swiglu": lambda: [swiglu_case(args.tokens, args.ffn_hidden, dtype, device, compile_peers, ours)],

@@ -5,8 +5,10 @@ One kernel pair serves every form (constexpr switches): plain ``x / rms(x) * w``
 written out: it is the new residual stream), and gated ``* silu(z)`` (the delta-rule mixer's output norm).
 
 Forward tiles ``[BLOCK_M, BLOCK_D]`` rows x channels (the whole row is in one tile, so one pass reads x
-once and writes y once: the op is bandwidth-bound). Backward is persistent: each program walks row blocks
-pid, pid + P, ... and keeps its share of dw in registers, written once as a (P, D) partial summed by torch.
+once and writes y once: the op is bandwidth-bound); every load (the gain included, in the tile's layout) is
+issued before the row sum. Backward is persistent: each program walks row blocks pid, pid + P, ..., loading
+the next block while it computes the current one, and keeps its share of dw in registers (summed across its
+rows once, at the end), written once as a (P, D) partial summed by torch.
 """
 
 from __future__ import annotations
@@ -33,9 +35,17 @@ def _norm_fwd_kernel(
     cmask = cols < D
     mask = rmask[:, None] & cmask[None, :]
     offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    # Every load is issued before the row sum (a barrier across warps when a row spans them), the gain as
+    # a [1, BLOCK_D] row in the tile's own layout (no shared-memory shuffle of it).
     x = tl.load(X + offs, mask=mask, other=0.0).to(COMPUTE)
     if HAS_R:
-        x = x + tl.load(R + offs, mask=mask, other=0.0).to(COMPUTE)
+        r = tl.load(R + offs, mask=mask, other=0.0)
+    if HAS_W:
+        w = tl.load(W + cols[None, :], mask=cmask[None, :], other=0.0).to(COMPUTE) + offset
+    if HAS_Z:
+        z = tl.load(Z + offs, mask=mask, other=0.0).to(COMPUTE)
+    if HAS_R:
+        x = x + r.to(COMPUTE)
         # The residual stream keeps the sum in its own dtype, and the norm reads what is stored, as the
         # unfused `h = x + r; norm(h)` does.
         h = x.to(H.dtype.element_ty)
@@ -44,13 +54,25 @@ def _norm_fwd_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)  # (BLOCK_M,)
     y = x * rstd[:, None]
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(COMPUTE) + offset
-        y = y * w[None, :]
+        y = y * w
     if HAS_Z:
-        z = tl.load(Z + offs, mask=mask, other=0.0).to(COMPUTE)
         y = y * (z * tl.sigmoid(z))
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
     tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@triton.jit
+def _norm_bwd_load(DY, DH, H, Z, RSTD, rows, cols, M, D, HAS_DH: tl.constexpr, HAS_Z: tl.constexpr):
+    """One row block's inputs as stored (converted where used): issued a block ahead of their use."""
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < D)[None, :]
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    rstd = tl.load(RSTD + rows[:, None], mask=rmask[:, None], other=0.0)
+    h = tl.load(H + offs, mask=mask, other=0.0)
+    dy = tl.load(DY + offs, mask=mask, other=0.0)
+    dh = tl.load(DH + offs, mask=mask, other=0.0) if HAS_DH else dy
+    z = tl.load(Z + offs, mask=mask, other=0.0) if HAS_Z else dy
+    return rstd, h, dy, dh, z
 
 
 @triton.jit
@@ -64,33 +86,40 @@ def _norm_bwd_kernel(
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
     if HAS_W:
-        w = tl.load(W + cols, mask=cmask, other=0.0).to(COMPUTE) + offset
-        dw = tl.zeros([BLOCK_D], dtype=COMPUTE)
-    for row0 in range(pid * BLOCK_M, M, n_prog * BLOCK_M):
-        rows = row0 + tl.arange(0, BLOCK_M)
+        w = tl.load(W + cols[None, :], mask=cmask[None, :], other=0.0).to(COMPUTE) + offset
+    # dw summed over this program's rows elementwise in a tile (one cross-row sum at the end, not one per block)
+    dw = tl.zeros([BLOCK_M, BLOCK_D], dtype=COMPUTE)
+    step = n_prog * BLOCK_M
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_rstd, n_h, n_dy, n_dh, n_z = _norm_bwd_load(DY, DH, H, Z, RSTD, rows, cols, M, D, HAS_DH, HAS_Z)
+    for _ in range(pid * BLOCK_M, M, step):
+        rstd, h, dy, dh, z = n_rstd, n_h, n_dy, n_dh, n_z
+        # the next block's loads go out before this block's arithmetic and its row sums
+        n_rstd, n_h, n_dy, n_dh, n_z = _norm_bwd_load(DY, DH, H, Z, RSTD, rows + step, cols, M, D, HAS_DH, HAS_Z)
         rmask = rows < M
         mask = rmask[:, None] & cmask[None, :]
         offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0).to(COMPUTE)
-        xhat = tl.load(H + offs, mask=mask, other=0.0).to(COMPUTE) * rstd[:, None]
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(COMPUTE)
+        rstd = rstd.to(COMPUTE)
+        xhat = h.to(COMPUTE) * rstd
+        dy = dy.to(COMPUTE)
         if HAS_Z:
-            z = tl.load(Z + offs, mask=mask, other=0.0).to(COMPUTE)
+            z = z.to(COMPUTE)
             sig = tl.sigmoid(z)
-            n = xhat * w[None, :] if HAS_W else xhat
+            n = xhat * w if HAS_W else xhat
             # d silu(z)/dz = sig (1 + z (1 - sig))
             tl.store(DZ + offs, (dy * n * sig * (1.0 + z * (1.0 - sig))).to(DZ.dtype.element_ty), mask=mask)
             dy = dy * z * sig
         if HAS_W:
-            dw += tl.sum(dy * xhat, axis=0)
-            dy = dy * w[None, :]
+            dw += dy * xhat
+            dy = dy * w
         c = tl.sum(dy * xhat, axis=1) / D  # (BLOCK_M,)
-        dx = (dy - xhat * c[:, None]) * rstd[:, None]
+        dx = (dy - xhat * c[:, None]) * rstd
         if HAS_DH:
-            dx += tl.load(DH + offs, mask=mask, other=0.0).to(COMPUTE)
+            dx += dh.to(COMPUTE)
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        rows += step
     if HAS_W:
-        tl.store(DW + pid * D + cols, dw, mask=cmask)
+        tl.store(DW + pid * D + cols, tl.sum(dw, axis=0), mask=cmask)
 
 
 def norm_fwd(x, residual, weight, z, eps: float, offset: float, out_dtype: torch.dtype | None = None):

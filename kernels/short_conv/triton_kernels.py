@@ -245,12 +245,13 @@ def _short_conv_bwd_kernel(X, PAST, W, DOC, DY, DX, DPAST, DW_PART, T, C, L, K: 
 
 def _chunk_rows(rows: int, lanes: int, device: torch.device) -> int:
     """L, rows per chunk: long enough that the K-1 halo rows a chunk rereads and recomputes stay a small
-    fraction, short enough for ~8 waves of programs over an H100's 132 SMs (~8 resident programs each).
-    The interpreter gets 4, so tiny test shapes cross chunks and program groups."""
+    fraction (3/32 at L 32), short enough for >= 4 waves of the ~4 backward programs an H100 SM holds
+    (132 SMs): B1 T8192 C6144 gets L 32 (3072 programs), B4 T4096 L 64. The interpreter gets 4, so tiny
+    test shapes cross chunks and program groups."""
     if interpreted(device):
         return 4
     for L in (64, 32):
-        if triton.cdiv(rows, R * L) * lanes >= 8 * 8 * 132:
+        if triton.cdiv(rows, R * L) * lanes >= 4 * 4 * 132:
             return L
     return 16
 
