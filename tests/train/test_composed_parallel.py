@@ -1,5 +1,5 @@
 """The parallelisms composed: hybrid sharding (HSDP) with tensor, context and expert parallel, context parallel with
-pipeline and expert parallel, and FSDP2's CPU offload. Gloo processes on the CPU train 4 steps of a layout and match
+pipeline and expert parallel, FSDP2's CPU offload, and blocks compiled under tensor parallel. Gloo processes on the CPU train 4 steps of a layout and match
 one process taking the same global batch: per-step loss and gradient norm, the step-1 gradients of chosen parameters
 (gathered whole, in the model's row order) and the final weights; checkpoints written at one layout resume at
 another. Two 8-process layouts (dp_replicate 2 x dp_shard 2 x tp 2; pp 2 x cp 2 x tp 2) are the 4-D/5-D meshes of
