@@ -481,7 +481,8 @@ def moe_layer_case(tokens: int, d: int, experts: int, top_k: int, hidden: int, s
 
     cands: dict = {ML_OURS: layer, ML_LOOP: loop, ML_FP32: fp32, ML_DENSE: swiglu}
     per_token = moe.active_params_per_token()
-    shape = f"N{tokens} E{experts} top{top_k} d{d} I{hidden} shared{shared} {_dt(dtype)} autocast"
+    shape = f"N{tokens} E{experts} top{top_k} d{d} I{hidden} shared{shared} " + (f"{_dt(dtype)} autocast" if amp else
+                                                                                   "fp32, no autocast")
     return Case("moe_layer", shape, [x], cands, flops=6.0 * tokens * per_token, ours=ML_OURS,
                 baselines=frozenset({ML_FP32, ML_DENSE}))
 

@@ -458,3 +458,24 @@ def test_the_layer_traces_whole_under_torch_compile():
     with torch.autocast("cpu", torch.bfloat16):
         y = compiled(x)
         torch.testing.assert_close(y, m(x))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a GPU whose grouped GEMM runs bf16 natively (sm90+: H100; others fall back to a "
+                           "per-expert loop that reads the offsets on the host)")
+def test_no_host_sync_on_the_gpu():
+    """CUDA's own check: any synchronising call in the layer's forward, backward or bias update raises."""
+    m = layer(torch.float32, **ALL_ON).cuda()
+    m.train()
+    x = torch.randn(512, 32, device="cuda", requires_grad=True)
+    for debug in (0, "error"):  # a first step unchecked: allocator and kernels' first launches
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(debug)
+        try:
+            with torch.autocast("cuda", torch.bfloat16):
+                y = m(x)
+            (y.float().pow(2).sum() + m.aux_loss).backward()
+            m.after_optimizer_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert y.dtype == torch.bfloat16
