@@ -121,7 +121,7 @@ def build_hf(ours: torch.nn.Module, cfg: JobConfig, vocab: int, device: torch.de
     if target in CUSTOM_TARGETS:
         raise SystemExit(f"this model exports only as our custom code (target {target}: Gated DeltaNet options Qwen3.5 "
                          f"lacks); transformers has no class of its own to compare it with")
-    state, plain_cfg, _folded = plain_state(ours)
+    state, plain_cfg, _folded = plain_state(ours, target)
     hf_cfg = hf_config(plain_cfg, vocab, target, NO_SPECIAL_TOKENS)
     with device:
         hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn).to(device)
