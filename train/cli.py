@@ -278,7 +278,15 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .plan import compare, format_table, gather_measurements, measure, plan_table, release_distributed_state
+    from .plan import (
+        Hardware,
+        compare,
+        format_table,
+        gather_measurements,
+        measure,
+        plan_table,
+        release_distributed_state,
+    )
 
     cfg, _ = resolve_job(args)
     if cfg.parallel.engine != "torch":
@@ -289,7 +297,12 @@ def cmd_plan(args) -> int:
         return _suggest(cfg, args)
     if not args.measure:
         world = args.nodes * args.gpus_per_node
-        rows = plan_table(cfg, world, args.gpu_memory_gib)
+        for name in ("peak_tflops", "mfu", "intra_node_gbps", "inter_node_gbps"):
+            if not getattr(args, name) > 0 or (name == "mfu" and args.mfu > 1):
+                raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0"
+                                  + (" and <= 1" if name == "mfu" else ""))
+        hw = Hardware(args.peak_tflops, args.mfu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
+        rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw)
         print(format_table(cfg, rows, world, args.gpu_memory_gib))
         return 0
     if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
@@ -382,6 +395,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--nodes", type=int, default=1)
     sp.add_argument("--gpus-per-node", type=int, default=8)
     sp.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default 80)")
+    sp.add_argument("--peak-tflops", type=float, default=989.0, help="a GPU's dense peak (default 989: H100 bf16)")
+    sp.add_argument("--mfu", type=float, default=0.40, help="model-FLOPs utilization of the compute without "
+                    "activation checkpointing (default 0.40, dense_1b on one H100)")
+    sp.add_argument("--intra-node-gbps", type=float, default=360.0, help="GB/s a GPU sends within a node (360)")
+    sp.add_argument("--inter-node-gbps", type=float, default=45.0, help="GB/s a GPU sends to other nodes (45)")
     sp.add_argument("--measure", action="store_true",
                     help="run the planned steps for real in this job's layout (under torchrun) and print the measured "
                          "peak of the rank planned heaviest beside its prediction")

@@ -10,8 +10,12 @@ checks and the device mesh (``Mesh.setup``), the pipeline cut (``train/parallel/
 rank's experts), context parallelism (``apply_context_parallel``: the rank runs T/cp positions; attention
 passes key/value blocks round a ring, delta-rule layers gather each piece's state map), FSDP2
 (``apply_data_parallel``), then the optimizer. So the plan follows the model code as it is: MoE, delta-rule and structured layers and activation
-checkpointing included. Bytes are those of the CPU kernels: fp32, or bf16 where CPU autocast casts (matmuls)
-when the run trains in bf16; flash attention on a GPU keeps no more than the CPU kernel does.
+checkpointing included. Each fused op runs as the GPU run would pick it (``gpu_kernels``: our Triton kernels'
+``autograd.Function`` with their custom ops' fake implementations), so what is kept for backward is what those
+kernels keep: the fused attention its output and log-sum-exp (not the T x T probabilities of the reference's
+autograd), the chunked delta rule its inputs, decay terms and chunk states, the fused loss its two gradients (no
+logits), norms their inputs and inverse RMS. Dtypes are fp32, or bf16 where CPU autocast casts (matmuls) when the
+run trains in bf16 (CUDA's autocast casts the same ops).
 
 Where fake tensors cannot follow the real run, this is what the plan assumes instead:
 
@@ -41,6 +45,13 @@ tensors in the job's real layout (under torchrun, every rank; a pipeline through
 prints the prediction beside the measured peak of the rank the plan found heaviest: the check that the plan is
 right.
 
+``--measure`` also counts the bytes every collective of the measured step sent (``CollectiveBytes``: DDP, FSDP2,
+DTensor, pipelining and our own calls alike, as ring algorithms move them) beside the volumes below.
+
+Step time (``step_time``): the step's model FLOPs at a configured peak x MFU, each dimension's bytes at the intra-
+or inter-node bandwidth (whether its process groups fit in a node), the pipeline bubble, and what the engines
+overlap; ``hybridtron plan`` prints the breakdown.
+
 Communication per optimizer step and GPU, in bytes sent (ring algorithms: as many are received). m micro-batches
 per step of B sequences of T tokens, d = model.d_model, f(n) = (n - 1) / n; s = 4 (the residual stream and the
 norm outputs stay fp32 under autocast), c = 2 in bf16 runs, else 4 (projection outputs); the parameters P and
@@ -52,7 +63,8 @@ of the rank's tp shard:
       ZeRO-0 (DDP): all-reduce of the gradients once per step:                 2 f(n) 4 P
       ZeRO-2: all-gather of the weights (forward) and reduce-scatter of the gradients, per micro-batch:
                                                                                m (f(n) g P + f(n) 4 P)
-      ZeRO-3: the all-gather again in backward:                                m (2 f(n) g P + f(n) 4 P)
+      ZeRO-3: the all-gather again in backward, but for the root's parameters P_root (embeddings, final norm,
+      head: FSDP2 keeps them gathered from forward to backward):             m (f(n) g (2 P - P_root) + f(n) 4 P)
       (under pp torch's stages reduce-scatter once per step: m = 1 in the reduce-scatter term)
       HSDP (parallel.dp_shard = s < dp): the all-gathers and reduce-scatters above run in the groups of s x cp
       ranks (n = s cp in them), and the accumulated shards are all-reduced across the dp / s groups once per
@@ -195,10 +207,12 @@ class _KnownValues(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if known and all(t.numel() <= _KNOWN_LIMIT for t in outs):
             real_args, real_kwargs = tree_map_only(torch.Tensor, _known, (args, kwargs))
+            if "device" in real_kwargs:  # known values live on the CPU, whatever device the fake tensors claim
+                real_kwargs = {**real_kwargs, "device": torch.device("cpu")}
             with _disable_current_modes():
                 value = func(*real_args, **real_kwargs)
             if out is None:  # a shape only the values give (repeat_interleave of known counts)
-                out = tree_map_only(torch.Tensor, self.fake_mode.from_tensor, value)
+                out = tree_map_only(torch.Tensor, lambda v: self._fake_of(v, fakes[0].device), value)
             for fake, real in zip(tree_flatten(out)[0], tree_flatten(value)[0], strict=True):
                 if isinstance(fake, FakeTensor):
                     fake._known = real
@@ -211,9 +225,14 @@ class _KnownValues(TorchDispatchMode):
         with _disable_current_modes():
             value = torch.full((minlength,), n // minlength, dtype=torch.int64)
             value[:n % minlength] += 1
-        out = self.fake_mode.from_tensor(value)
+        out = self._fake_of(value, x.device)
         out._known = value
         return out
+
+    def _fake_of(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A fake tensor of ``value``'s shape and dtype on ``device`` (the known values themselves stay on the CPU)."""
+        out = self.fake_mode.from_tensor(value)
+        return out if out.device == device else out.to(device)
 
 
 def _own_fake_mode_for_dtensor_shapes():
@@ -225,6 +244,42 @@ def _own_fake_mode_for_dtensor_shapes():
     import torch.distributed.tensor._sharding_prop as sharding_prop
 
     return mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_args, **_kwargs: None)
+
+
+def gpu_backend(op: str, requested: str) -> str:
+    """The backend ``op`` runs on the GPUs the plan is for: ``auto`` is the first of the op's ``AUTO_ORDER`` (our
+    Triton kernels, triton being installed there); flash-attn (when asked for by name) keeps what our attention
+    keeps (q, k, v, the output and the log-sum-exp), so the plan counts it as ours."""
+    from hybridtron.kernels.backend import AUTO_ORDER
+
+    b = AUTO_ORDER[op][0] if requested == "auto" else requested
+    return "triton" if b == "flash-attn" else b
+
+
+@contextlib.contextmanager
+def gpu_kernels(cfg: JobConfig):
+    """In the fake run, each fused op takes the backend the GPU run takes, not the CPU's reference: its
+    ``autograd.Function`` saves for backward exactly what the GPU kernels keep (the fused attention its output
+    and log-sum-exp, not the T x T probabilities the reference's autograd would; the chunked delta rule its
+    inputs, decay terms and chunk states; the fused loss its two gradients, never the logits), and its custom
+    ops' fake implementations give the shapes (no kernel runs on fake tensors). The kernels' own scratch inside
+    one launch is not counted. The backend switch's cache for the CPU device type answers for this run only."""
+    from hybridtron.kernels import backend
+
+    saved = dict(backend._resolved)
+    for op in backend.OPS:  # the config's request, and the backend it resolved to (ops pick again inside)
+        requested = getattr(cfg.model.kernels, op)
+        chosen = gpu_backend(op, requested)
+        if op == "cross_entropy" and cfg.parallel.tp > 1 and chosen == "triton":
+            # The vocabulary-parallel loss launches its two kernels inside its own loop (no custom op to fake); the
+            # reference runs the same loop and saves the same gradients, only its per-chunk scratch differs.
+            chosen = "reference"
+        backend._resolved[(op, requested, "cpu")] = backend._resolved[(op, chosen, "cpu")] = chosen
+    try:
+        yield
+    finally:
+        backend._resolved.clear()
+        backend._resolved.update(saved)
 
 
 def _known(t: torch.Tensor) -> torch.Tensor | None:
@@ -366,11 +421,12 @@ class ReplayedSchedule:
         return None
 
 
-def _batches(cfg: JobConfig, vocab: int, n: int):
-    """``n`` micro-batches of random tokens (and one document each when the model masks documents)."""
+def _batches(cfg: JobConfig, vocab: int, n: int, device: torch.device):
+    """``n`` micro-batches of random tokens (and one document each when the model masks documents) on ``device``,
+    as the trainer moves its batches there (the token ids must meet the embedding on its device)."""
     B, T = cfg.train.micro_batch_size, cfg.data.seq_len
     for _ in range(n):
-        x = torch.randint(0, vocab, (B, T))
+        x = torch.randint(0, vocab, (B, T), device=device)
         batch = {"input_ids": x, "labels": x}
         if cfg.model.doc_mask:
             batch["doc_ids"] = torch.zeros_like(x)
@@ -383,14 +439,16 @@ def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n
     from .parallel.expert_parallel import sync_expert_grads
 
     if pipeline is not None:
-        parts = list(_batches(cfg, vocab, n_micro))
+        parts = list(_batches(cfg, vocab, n_micro, device))
         batch = local_piece({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, mesh)  # context parallel
         with autocast_context(device, amp):
             pipeline.step(batch)
         sync_expert_grads(model, mesh)
         pipeline.clip_grad_norm(cfg.train.grad_clip)
     else:
-        for batch in _batches(cfg, vocab, n_micro):
+        for i, batch in enumerate(_batches(cfg, vocab, n_micro, device)):
+            if mesh.zero_stage == 0 and hasattr(model, "set_requires_gradient_sync"):  # DDP: once, as the trainer
+                model.set_requires_gradient_sync(i == n_micro - 1)
             b = local_piece(batch, mesh)
             with autocast_context(device, amp):
                 loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])
@@ -458,7 +516,9 @@ def rank_facts(cfg: JobConfig, model, pipeline) -> dict:
     types = cfg.model.layer_types()
     stages = pipeline.stage_ids if pipeline is not None else [0]
     n_stages = len(pipeline.ranges) if pipeline is not None else 1
+    in_layers = {id(p) for block in model.layers if block is not None for p in block.parameters()}
     return {"params": sum(local(p) for p in model.parameters() if id(p) not in experts),
+            "root_params": sum(local(p) for p in model.parameters() if id(p) not in experts | in_layers),
             "expert_params": sum(local(p) for p in model.parameters() if id(p) in experts),
             "layers": len(layers), "attention_layers": sum(types[i] == "A" for i in layers),
             "delta_layers": sum(types[i] == "L" for i in layers),
@@ -467,11 +527,12 @@ def rank_facts(cfg: JobConfig, model, pipeline) -> dict:
             "embedding": 0 in stages, "head": n_stages - 1 in stages}
 
 
-def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | None = None) -> dict:
+def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | None = None, kernels: str = "gpu") -> dict:
     """Peak bytes of ``mesh``'s rank over a training step that has optimizer state (the second), by plan category,
     and its ``rank_facts``. ``fake``: on fake tensors (over a fake process group); else real, on ``device``
     (default CPU), in the process group already set up. On CUDA the allocator's own peak is added as
-    ``cuda_max_allocated``."""
+    ``cuda_max_allocated``. ``kernels``: on fake tensors, the fused ops' backends of a GPU run (``gpu_kernels``) or
+    of a CPU one ("cpu": the references, to compare with a real step on the CPU)."""
     device = device or torch.device("cpu")
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
     amp = _compute_dtype(cfg)  # the GPUs' autocast, applied to the CPU run alike (module docstring)
@@ -482,6 +543,8 @@ def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | Non
             fake_mode = stack.enter_context(FakeTensorMode())
             stack.enter_context(_KnownValues(fake_mode))
             stack.enter_context(_own_fake_mode_for_dtensor_shapes())
+            if kernels == "gpu":
+                stack.enter_context(gpu_kernels(cfg))
         model, pipeline, optimizer, roots, facts = build_rank(cfg, mesh, device, vocab, amp)
         if fake and pipeline is not None:
             pipeline.schedule = ReplayedSchedule(pipeline, device)
@@ -505,13 +568,24 @@ def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | Non
                     tracker.memory_tracking.pop(m, None)
 
         handle = nn.modules.module.register_module_forward_pre_hook(fresh_module_stats)
-        if device.type == "cuda":
+        on_gpu = device.type == "cuda" and torch.cuda.is_available()  # not fake CUDA tensors on a CPU (tests)
+        if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
+        # ZeRO-0 over several data ranks: the memory is the plain model's, as planned; a real run replicates it (DDP),
+        # whose all-reduce is counted over one more step, after DDP wraps the model.
+        ddp_after = not fake and mesh.zero_stage == 0 and mesh.data_ranks > 1 and pipeline is None
+        counted = CollectiveBytes() if not fake else contextlib.nullcontext()
         try:
-            with tracker:
+            with tracker, (contextlib.nullcontext() if ddp_after else counted):
                 _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, n_micro, vocab)
         finally:
             handle.remove()
+        if ddp_after:
+            from .parallel.parallelize import apply_data_parallel
+
+            apply_data_parallel(model, mesh, amp, cfg.parallel.mixed_precision)
+            with counted:
+                _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, n_micro, vocab)
         snap = tracker.get_tracker_snapshot("peak")
     per_dev = snap[device] if device in snap else next(iter(snap.values()))
     out = {"weights": 0.0, "gathered": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
@@ -529,7 +603,9 @@ def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | Non
             out[CATEGORIES[name]] -= val
             out["total"] -= val
         out["host"] = sum(host.values())
-    if device.type == "cuda":
+    if not fake:  # what this rank's collectives sent in the step, by op
+        out["comm_sent"] = dict(counted.sent)
+    if on_gpu:
         out["cuda_max_allocated"] = float(torch.cuda.max_memory_allocated(device))
     return {"memory": out, "facts": facts}
 
@@ -539,12 +615,12 @@ def planned_ranks(cfg: JobConfig, world: int) -> list[int]:
     return [s * (world // cfg.parallel.pp) for s in range(cfg.parallel.pp)]
 
 
-def simulate(cfg: JobConfig, world: int) -> dict[int, dict]:
+def simulate(cfg: JobConfig, world: int, kernels: str = "gpu") -> dict[int, dict]:
     """``step_peak`` on fake tensors of every planned rank of ``cfg`` on ``world`` processes: {rank: result}."""
     results = {}
     for rank in planned_ranks(cfg, world):
         with fake_world(cfg, world, rank) as mesh:
-            results[rank] = step_peak(cfg, mesh, fake=True)
+            results[rank] = step_peak(cfg, mesh, fake=True, kernels=kernels)
     return results
 
 
@@ -581,11 +657,12 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
         if p.zero_stage == 0:
             out["dp"] = 2 * f(n) * 4 * P
         else:
-            gathers = 1 if p.zero_stage == 2 else 2
+            # ZeRO-3 gathers the blocks again in backward; the root stays gathered (reshard_after_forward=False)
+            gathered = P if p.zero_stage == 2 else 2 * P - facts.get("root_params", 0)
             reduces = 1 if p.pp > 1 else mb
             shard = dp_shard_size(cfg, dp)
             shard = n if shard == dp else shard * p.cp  # FSDP2 over all dp x cp ranks, or HSDP's dp_shard x cp groups
-            out["dp"] = mb * gathers * f(shard) * g * P + reduces * f(shard) * 4 * P
+            out["dp"] = mb * f(shard) * g * gathered + reduces * f(shard) * 4 * P
             if shard < n:  # HSDP: the step's accumulated shards all-reduced across the groups, once
                 out["dp_replicate"] = 2 * f(n // shard) * 4 * P / shard
     if p.ep > 1 and n > p.ep:
@@ -622,6 +699,148 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     return out
 
 
+# ---- what the collectives moved ----------------------------------------------------------------------------------
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Counts the bytes this rank sends in every collective of a real step, as the ring algorithms the volumes of
+    ``comm_bytes`` assume move them (n ranks, f = (n - 1) / n, S the bytes of this rank's tensor): all-reduce
+    2 f S; all-gather (n - 1) S of the input; reduce-scatter f S of the input; all-to-all what goes to the other
+    ranks; a send S. It sees every collective, whoever issues it: ``torch.distributed``'s calls (DDP, FSDP2,
+    pipelining, ours), DTensor's functional collectives (tensor parallel), as the ``c10d`` / ``_c10d_functional``
+    ops they dispatch. Ops of the setup (broadcast, barrier) are counted under their names too."""
+
+    _ALL_REDUCE = {"allreduce_", "allreduce_coalesced_", "all_reduce", "all_reduce_", "all_reduce_coalesced",
+                   "all_reduce_coalesced_"}
+    _GATHER = {"_allgather_base_", "allgather_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
+               "all_gather_into_tensor", "all_gather_into_tensor_coalesced", "all_gather_into_tensor_out"}
+    _SCATTER = {"_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "reduce_scatter_tensor",
+                "reduce_scatter_tensor_coalesced", "reduce_scatter_tensor_out"}
+
+    def __init__(self):
+        super().__init__()
+        self.sent: dict[str, float] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self._count(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count(self, func, args, kwargs) -> None:
+        name = func._schema.name.split("::")[1]
+        a = {arg.name: v for arg, v in zip(func._schema.arguments, args, strict=False)} | kwargs
+        pg = a.get("process_group")
+        if pg is None and "group_name" in a:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            pg = _resolve_process_group(a["group_name"])
+        if pg is None:
+            return
+        if isinstance(pg, torch.ScriptObject):  # how the c10d ops receive their group
+            pg = dist.ProcessGroup.unbox(pg)
+        n = pg.size()
+        inputs = next((a[k] for k in ("input_tensor", "input_tensors", "inputs", "input", "input_list", "tensors",
+                                      "tensor") if k in a), None)
+        size = _nbytes(inputs)
+        if name in self._ALL_REDUCE:
+            sent = 2 * (n - 1) / n * size
+        elif name in self._GATHER:
+            sent = (n - 1) * size
+        elif name in self._SCATTER:
+            sent = (n - 1) / n * size
+        elif name in ("alltoall_base_", "all_to_all_single"):
+            splits, rows = a.get("input_split_sizes") or [], inputs.shape[0] if inputs.dim() else 1
+            own = splits[pg.rank()] if splits else rows / n
+            sent = size * (1 - own / max(rows, 1))
+        elif name == "alltoall_":
+            sent = size - _nbytes(inputs[pg.rank()])
+        elif name in ("send", "isend"):
+            sent = size
+        elif name == "batch_p2p_ops":
+            sent = sum(_nbytes(t) for op, t in zip(a["op_list"], a["tensors"], strict=True) if "send" in op)
+        else:
+            return  # receives, barriers; broadcasts happen at setup, not in a step
+        self.sent[name] = self.sent.get(name, 0.0) + sent
+
+
+# ---- step time --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """What the step-time prediction assumes of the cluster (``hybridtron plan`` flags). Defaults: an H100 SXM's
+    dense bf16 peak (989 TFLOP/s); MFU 0.40, what dense_1b reached on one H100 without activation checkpointing
+    (measured 2026-11-24: 40.3%); NVLink at 360 GB/s per GPU and direction (80% of its 450) and one 400 Gb/s NIC
+    per GPU at 45 GB/s (90% of 50) between nodes: assumptions, not measurements."""
+
+    peak_tflops: float = 989.0
+    mfu: float = 0.40
+    intra_node_gbps: float = 360.0
+    inter_node_gbps: float = 45.0
+    gpus_per_node: int = 8
+
+
+def _strides(cfg: JobConfig, dp: int) -> dict[str, tuple[int, int]]:
+    """(stride, size) of every dimension's groups in the rank order of ``Mesh`` (pp, dp, cp, tp; tp innermost; HSDP's
+    shard groups innermost in dp; ep's groups neighbouring dp ranks): a group whose stride x size exceeds a node's
+    GPUs crosses nodes."""
+    p = cfg.parallel
+    shard = dp_shard_size(cfg, dp)
+    fsdp = (p.tp, dp * p.cp) if shard == dp else (p.tp, shard * p.cp)
+    return {"dp": fsdp, "dp_replicate": (p.tp * p.cp * shard, dp // shard), "tp": (1, p.tp), "cp": (p.tp, p.cp),
+            "ep": (p.tp * p.cp, p.ep), "pp": (dp * p.cp * p.tp, p.pp)}
+
+
+def step_time(cfg: JobConfig, world: int, comm: dict[str, float], hw: Hardware) -> dict:
+    """Predicted seconds per optimizer step on one GPU, and their breakdown.
+
+    compute: the step's model FLOPs (``model/flops.py``: 6 N per token plus attention, MoE counting the routed
+    experts) over every GPU evenly, at ``peak x mfu``; activation checkpointing runs the forward again (x 4/3).
+    pipeline bubble (pp > 1): (pp - 1) / m of the compute for gpipe and 1f1b, / (m v) for the interleaved schedules
+    (v stages per rank; taken for zero_bubble too, an upper bound). Each dimension's bytes (``comm_bytes``) move at the
+    intra-node bandwidth when its groups fit in a node, else at the inter-node one. What overlaps, as the engines do
+    it: DDP's bucketed all-reduce and HSDP's all-reduce across replicas run during the last micro-batch's backward
+    (2/3 of its compute); FSDP2's gathers and reduce-scatters, prefetched a layer ahead, during all of the compute;
+    tensor-, expert- and context-parallel exchanges and the pipeline's sends sit on the critical path (exposed)."""
+    from hybridtron.model.flops import flops_per_token
+
+    p, t = cfg.parallel, cfg.train
+    dp = resolve_layout(cfg, world)
+    vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
+    tokens = t.micro_batch_size * cfg.data.seq_len * t.grad_accum_steps * dp  # per step, all GPUs
+    model_flops = flops_per_token(cfg.model, vocab, cfg.data.seq_len) * tokens / world
+    done = model_flops * (4 / 3 if t.activation_checkpointing else 1.0)
+    compute = done / (hw.peak_tflops * 1e12 * hw.mfu)
+    bubble = 0.0
+    if p.pp > 1:
+        bubble = compute * (p.pp - 1) / (t.grad_accum_steps * p.pp_stages_per_rank)
+    strides = _strides(cfg, dp)
+    seconds, exposed, links = {}, {}, {}
+    last_backward = compute / t.grad_accum_steps * 2 / 3
+    for dim, volume in comm.items():
+        if not volume:
+            continue
+        stride, size = strides[dim]
+        inter = stride * size > hw.gpus_per_node
+        links[dim] = "inter-node" if inter else "intra-node"
+        seconds[dim] = volume / ((hw.inter_node_gbps if inter else hw.intra_node_gbps) * 1e9)
+        if dim == "dp":
+            exposed[dim] = max(0.0, seconds[dim] - (compute if p.zero_stage >= 2 else last_backward))
+        elif dim == "dp_replicate":
+            exposed[dim] = max(0.0, seconds[dim] - last_backward)
+        else:
+            exposed[dim] = seconds[dim]
+    total = compute + bubble + sum(exposed.values())
+    return {"step_s": total, "compute_s": compute, "bubble_s": bubble, "comm_s": seconds, "exposed_s": exposed,
+            "links": links, "tokens_per_s": tokens / total,
+            "mfu": model_flops / total / (hw.peak_tflops * 1e12)}
+
+
 # ---- the table -------------------------------------------------------------------------------------------------
 def n_params(cfg: JobConfig) -> int:
     from hybridtron.model import GatedLM
@@ -635,7 +854,8 @@ def with_zero_stage(cfg: JobConfig, zero_stage: int) -> JobConfig:
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=zero_stage))
 
 
-def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 3)) -> list[dict]:
+def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 3), hw: Hardware | None = None
+               ) -> list[dict]:
     """One row per ZeRO stage the layout accepts (one row when nothing is data parallel): the heaviest planned
     rank's memory by category (GiB), whether it fits, GB it sends per step in every dimension (and in all), and
     every planned rank's peak (pipeline stages). A stage the layout refuses is a row with its reason."""
@@ -660,7 +880,8 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
         rank = max(per_rank, key=lambda r: per_rank[r]["memory"]["total"])
         mem, facts = per_rank[rank]["memory"], per_rank[rank]["facts"]
         comm = comm_bytes(cz, world, facts)
-        rows.append({"zero_stage": z, "dp": dp, "dp_shard": dp_shard_size(cz, dp), "params": P, "rank": rank,
+        time = step_time(cz, world, comm, hw or Hardware())
+        rows.append({"time": time, "zero_stage": z, "dp": dp, "dp_shard": dp_shard_size(cz, dp), "params": P, "rank": rank,
                      "stages": facts["stages"],
                      **{k: v / GIB for k, v in mem.items()}, "fits": mem["total"] / GIB <= gpu_memory_gib,
                      "comm_gb": {k: v / 1e9 for k, v in comm.items()}, "comm_gb_per_step": sum(comm.values()) / 1e9,
@@ -699,6 +920,18 @@ def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: f
                      f"{r['grads']:.3f} | {r['optimizer']:.3f} | {r['activations']:.3f} | {r['total']:.3f} | "
                      f"{'yes' if r['fits'] else 'NO'} | "
                      + " | ".join(f"{r['comm_gb'][k]:.3f}" for k in dims) + f" | {r['comm_gb_per_step']:.3f} |")
+    lines += ["", "step time (prediction: compute at the configured peak x MFU, communication at the configured "
+                  "bandwidths, overlapped as the engine does; seconds per step)",
+              "| zero_stage | compute | bubble | " + " | ".join(f"{k} comm (exposed)" for k in dims)
+              + " | step | tokens/s | MFU |", "|---" * (6 + len(dims)) + "|"]
+    for r in rows:
+        if "refused" in r:
+            continue
+        tm = r["time"]
+        lines.append(f"| {r['zero_stage']} | {tm['compute_s']:.3f} | {tm['bubble_s']:.3f} | "
+                     + " | ".join(f"{tm['comm_s'].get(k, 0):.3f} ({tm['exposed_s'].get(k, 0):.3f}"
+                                  + (f", {tm['links'][k]})" if k in tm["links"] else ")") for k in dims)
+                     + f" | {tm['step_s']:.3f} | {tm['tokens_per_s']:,.0f} | {100 * tm['mfu']:.1f}% |")
     for r in rows:
         if "host" in r:
             lines.append(f"zero_stage {r['zero_stage']}, parallel.offload=cpu: {r['host']:.3f} GiB of sharded weights, "
@@ -740,12 +973,26 @@ def compare(cfg: JobConfig, world: int, measured: dict[int, dict]) -> dict:
     """The prediction for the heaviest planned rank beside what that rank measured: on a GPU the allocator's own
     peak (torch.cuda.max_memory_allocated: every tensor of the real step, the trackers' blind spots included), on
     the CPU the tracked peak of the real tensors."""
-    predicted = simulate(cfg, world)
+    on_gpu = any("cuda_max_allocated" in m for m in measured.values())
+    predicted = simulate(cfg, world, kernels="gpu" if on_gpu else "cpu")  # the kernels the measured step ran
     rank = max(predicted, key=lambda r: predicted[r]["memory"]["total"])
     pred, real = predicted[rank]["memory"], measured[rank]
 
     def peak(m: dict) -> float:
         return m.get("cuda_max_allocated", m["total"])
+
+    # The measured step ran min(accum, 2) micro-batches outside a pipeline (``step_peak``): the volumes for those.
+    n_micro = cfg.train.grad_accum_steps if cfg.parallel.pp > 1 else min(cfg.train.grad_accum_steps, 2)
+    cm = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=n_micro))
+
+    def comm(r: int) -> dict:
+        sent = measured[r].get("comm_sent", {})
+        volumes = comm_bytes(cm, world, predicted[r]["facts"])
+        return {"comm_measured_gb": sum(sent.values()) / 1e9, "comm_predicted_gb": sum(volumes.values()) / 1e9,
+                "comm_predicted_gb_by_dim": {k: v / 1e9 for k, v in volumes.items() if v},
+                "comm_measured_gb_by_op": {k: v / 1e9 for k, v in sent.items()}}
+
+    real = {k: v for k, v in real.items() if k != "comm_sent"}
 
     dp = resolve_layout(cfg, world)
     return {"dp": dp, "dp_shard": dp_shard_size(cfg, dp), "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
@@ -753,5 +1000,6 @@ def compare(cfg: JobConfig, world: int, measured: dict[int, dict]) -> dict:
             "zero_stage": cfg.parallel.zero_stage, "rank": rank,
             "measured_gib": {k: v / GIB for k, v in real.items()}, "predicted_gib": {k: v / GIB for k, v in pred.items()},
             "predicted_over_measured": pred["total"] / peak(real),
+            **comm(rank),
             "ranks": {r: {"predicted_gib": predicted[r]["memory"]["total"] / GIB,
-                          "measured_gib": peak(measured[r]) / GIB} for r in predicted}}
+                          "measured_gib": peak(measured[r]) / GIB, **comm(r)} for r in predicted}}

@@ -21,6 +21,17 @@ def argv(over) -> list[str]:
     return [f"--{k}={v}" for k, v in over]
 
 
+def _root_params(cfg) -> int:
+    """Parameters outside the blocks: embeddings, final norm (and an untied head)."""
+    import torch
+
+    from hybridtron.model import GatedLM
+
+    with torch.device("meta"):
+        model = GatedLM(cfg.model, cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size))
+    return sum(p.numel() for name, p in model.named_parameters() if not name.startswith("layers."))
+
+
 def test_plan_divides_state_by_the_zero_stage():
     cfg = load_config("tiny", SMALL)
     P = n_params(cfg)
@@ -35,7 +46,8 @@ def test_plan_divides_state_by_the_zero_stage():
     assert rows[2]["gathered"] >= rows[3]["gathered"]  # ZeRO-2 holds every layer gathered until backward
     assert rows[0]["comm_gb_per_step"] == rel(2 * 0.75 * 4 * P / 1e9)
     assert rows[2]["comm_gb_per_step"] == rel((0.75 * 4 * P + 0.75 * 4 * P) / 1e9)
-    assert rows[3]["comm_gb_per_step"] == rel((2 * 0.75 * 4 * P + 0.75 * 4 * P) / 1e9)
+    # ZeRO-3 gathers the blocks again in backward, not the root (embeddings, final norm: kept from forward)
+    assert rows[3]["comm_gb_per_step"] == rel((0.75 * 4 * (2 * P - _root_params(cfg)) + 0.75 * 4 * P) / 1e9)
     assert all(r["fits"] for r in rows.values())
     assert not any(r["fits"] for r in plan_table(cfg, world=4, gpu_memory_gib=0.001))
     alone = plan_table(cfg, world=1, gpu_memory_gib=80)
@@ -52,10 +64,10 @@ def test_hybrid_sharding_divides_state_by_dp_shard_and_all_reduces_across_groups
     rows = {r["zero_stage"]: r for r in plan_table(cfg, world=4, gpu_memory_gib=80)}
     assert "zero_stage 2 or 3" in rows[0]["refused"]  # DDP shards nothing
     rel = pytest.approx
-    for z, gathers in ((2, 1), (3, 2)):
+    for z, gathered in ((2, P), (3, 2 * P - _root_params(cfg))):
         r = rows[z]
         assert r["weights"] == rel(2 * P / GIB, rel=0.05) and r["optimizer"] == rel(4 * P / GIB, rel=0.05)
-        assert r["comm_gb"]["dp"] * 1e9 == rel(mb * (gathers * 0.5 * 4 * P + 0.5 * 4 * P))
+        assert r["comm_gb"]["dp"] * 1e9 == rel(mb * (0.5 * 4 * gathered + 0.5 * 4 * P))
         assert r["comm_gb"]["dp_replicate"] * 1e9 == rel(2 * 0.5 * 4 * P / 2)
     table = format_table(cfg, list(rows.values()), 4, 80)
     assert "dp=4 (HSDP: dp_replicate=2 x dp_shard=2)" in table and "| dp GB/step | dp_replicate GB/step |" in table
@@ -100,6 +112,7 @@ def test_measured_step_matches_the_plan_under_zero3_on_two_processes():
     got = _measured(res.stdout)
     assert got["dp"] == 2 and got["zero_stage"] == 3 and 0.9 <= got["predicted_over_measured"] <= 1.1, got
     assert got["measured_gib"]["gathered"] > 0
+    _bytes_as_planned(got)
 
 
 @pytest.mark.slow
@@ -111,12 +124,21 @@ def test_measured_step_matches_the_plan_under_hsdp_on_four_processes():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = _measured(res.stdout)
     assert got["dp"] == 4 and got["dp_shard"] == 2 and 0.9 <= got["predicted_over_measured"] <= 1.1, got
+    _bytes_as_planned(got)
+
+
+def _bytes_as_planned(got):
+    """What the step's collectives sent (counted at the c10d ops on gloo) against the plan's volumes, every rank."""
+    for rank, r in got["ranks"].items():
+        assert r["comm_predicted_gb"] > 0, (rank, got)
+        assert 0.9 <= r["comm_measured_gb"] / r["comm_predicted_gb"] <= 1.1, (rank, got)
 
 
 # Two processes each, every rank's measured peak against its prediction. pp: 4 layers cut in two stages, 4
 # micro-batches, so the first stage holds two in flight under 1F1B (GPipe would hold four); ep: the tiny MoE's experts
 # split in two, every rank routing its own batch; cp: the sequence split in two.
 MEASURED_LAYOUTS = {
+    "dp2": ["--parallel.zero_stage", "0", "--train.grad_accum_steps", "2"],  # DDP: one all-reduce after the last
     "tp2": ["--parallel.tp", "2"],
     "pp2_1f1b": ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--model.n_layers", "4",
                  "--train.grad_accum_steps", "4"],
@@ -133,9 +155,10 @@ def test_measured_peak_matches_the_plan_for_model_parallel_layouts(layout):
     res = torchrun(["plan", "--config", "tiny", "--measure", *argv(SMALL), *MEASURED_LAYOUTS[layout]])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = _measured(res.stdout)
-    name = {"tp2": "tp", "pp2_1f1b": "pp", "ep2": "ep", "cp2": "cp"}[layout]
+    name = {"dp2": "dp", "tp2": "tp", "pp2_1f1b": "pp", "ep2": "ep", "cp2": "cp"}[layout]
     assert got[name] == 2, got
     assert 0.9 <= got["predicted_over_measured"] <= 1.1, got
+    _bytes_as_planned(got)
     for rank, r in got["ranks"].items():  # every pipeline stage, not only the heaviest
         assert 0.9 <= r["predicted_gib"] / r["measured_gib"] <= 1.1, (rank, got)
     if layout == "pp2_1f1b":
@@ -145,10 +168,17 @@ def test_measured_peak_matches_the_plan_for_model_parallel_layouts(layout):
 def test_model_parallel_layouts_divide_what_they_split():
     one = plan_table(load_config("tiny", SMALL), 1, 80)[0]
     tp = plan_table(load_config("tiny", [*SMALL, ("parallel.tp", "2")]), 2, 80)[0]
-    # tp2: every matrix split in two (the norm gains, a few hundred numbers, stay whole)
-    assert tp["weights"] == pytest.approx(one["weights"] / 2, rel=0.02) and tp["activations"] < one["activations"]
+    # tp2: every matrix split in two (the norm gains, a few hundred numbers, stay whole); with the same kernels (tensor
+    # parallel hands DTensors to the references, where one GPU runs the fused kernels) half the activations or less
+    assert tp["weights"] == pytest.approx(one["weights"] / 2, rel=0.02)
+    from hybridtron.train.plan import simulate
+
+    tp_cpu, cp_cpu, one_cpu = (simulate(load_config("tiny", [*SMALL, *over]), n, kernels="cpu")[0]["memory"]
+                               ["activations"] for over, n in (([("parallel.tp", "2")], 2), ([("parallel.cp", "2")], 2),
+                                                               ([], 1)))
+    assert tp_cpu < one_cpu and cp_cpu < one_cpu  # cp: each rank holds half the positions (ring attention)
     cp = plan_table(load_config("tiny", [*SMALL, ("parallel.cp", "2")]), 2, 80, stages=(0,))[0]
-    assert cp["weights"] == pytest.approx(one["weights"], rel=0.01) and cp["activations"] < one["activations"]
+    assert cp["weights"] == pytest.approx(one["weights"], rel=0.01)
     moe = [*SMALL, ("model.moe.n_experts", "8"), ("model.moe.expert_hidden", "128")]
     dense = plan_table(load_config("tiny", moe), 2, 80, stages=(0,))[0]
     ep = plan_table(load_config("tiny", [*moe, ("parallel.ep", "2")]), 2, 80, stages=(0,))[0]
@@ -235,9 +265,90 @@ def test_on_a_gpu_the_allocators_peak_is_what_the_plan_is_checked_against():
     from hybridtron.train.plan import compare, simulate
 
     cfg = load_config("tiny", SMALL)
-    pred = simulate(cfg, 1)[0]["memory"]["total"]
-    cpu = compare(cfg, 1, {0: {"total": pred}})
+    pred = simulate(cfg, 1)[0]["memory"]["total"]  # with the GPU's kernels (what they save for backward)
+    on_cpu = simulate(cfg, 1, kernels="cpu")[0]["memory"]["total"]  # with the CPU's (the references)
+    assert pred < on_cpu  # e.g. the reference attention's autograd keeps the T x T probabilities
+    cpu = compare(cfg, 1, {0: {"total": on_cpu}})
     gpu = compare(cfg, 1, {0: {"total": pred, "cuda_max_allocated": 2 * pred}})
     assert cpu["predicted_over_measured"] == pytest.approx(1.0)
     assert gpu["predicted_over_measured"] == pytest.approx(0.5) and gpu["ranks"][0]["measured_gib"] == pytest.approx(
         2 * pred / 2**30)
+
+
+# ---- step time ------------------------------------------------------------------------------------------------------
+def _fpt(cfg):
+    from hybridtron.model.flops import flops_per_token
+
+    return flops_per_token(cfg.model, cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size), cfg.data.seq_len)
+
+
+def test_step_time_compute_bubble_and_overlap():
+    from hybridtron.train.plan import Hardware, step_time
+
+    hw = Hardware(peak_tflops=100.0, mfu=0.5, intra_node_gbps=100.0, inter_node_gbps=10.0, gpus_per_node=2)
+    rate = 100e12 * 0.5
+    # one GPU: the step's FLOPs at peak x MFU, nothing else; activation checkpointing adds a forward
+    cfg = load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4")])
+    tokens = 4 * B * T
+    one = step_time(cfg, 1, {}, hw)
+    assert one["compute_s"] == pytest.approx(_fpt(cfg) * tokens / rate) and one["step_s"] == one["compute_s"]
+    assert one["tokens_per_s"] == pytest.approx(tokens / one["step_s"]) and one["mfu"] == pytest.approx(0.5)
+    ac = step_time(load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4"),
+                                        ("train.activation_checkpointing", "true")]), 1, {}, hw)
+    assert ac["compute_s"] == pytest.approx(one["compute_s"] * 4 / 3) and ac["mfu"] == pytest.approx(0.5 * 3 / 4)
+    # DDP on 2 GPUs of one node: the all-reduce hides behind 2/3 of the last micro-batch's compute
+    compute = one["compute_s"]  # per GPU: twice the tokens over two GPUs
+    volume = 2e12 * compute  # 20 x compute at 100 GB/s
+    ddp = step_time(cfg, 2, {"dp": volume}, hw)
+    assert ddp["links"] == {"dp": "intra-node"} and ddp["comm_s"]["dp"] == pytest.approx(volume / 100e9)
+    assert ddp["exposed_s"]["dp"] == pytest.approx(volume / 100e9 - compute / 4 * 2 / 3)
+    # FSDP: hidden behind all of the compute; small volumes cost nothing
+    z3 = load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4"), ("parallel.zero_stage", "3")])
+    assert step_time(z3, 2, {"dp": 1e9 * compute}, hw)["exposed_s"]["dp"] == 0.0
+    # 4 GPUs on nodes of 2: dp groups of 2 tp pairs cross nodes (inter-node bandwidth), tp stays inside (exposed)
+    tp = load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4"), ("parallel.tp", "2"), ("parallel.zero_stage", "2")])
+    t = step_time(tp, 4, {"dp": 1e9, "tp": 1e9}, hw)
+    assert t["links"] == {"dp": "inter-node", "tp": "intra-node"}
+    assert t["comm_s"]["dp"] == pytest.approx(0.1) and t["exposed_s"]["tp"] == pytest.approx(0.01)
+    # pipeline: (pp - 1) / m of the compute idle in 1F1B, / (m v) interleaved
+    pp = load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4"), ("parallel.pp", "2"), ("model.n_layers", "4")])
+    p1 = step_time(pp, 2, {}, hw)
+    assert p1["bubble_s"] == pytest.approx(p1["compute_s"] / 4)
+    ppi = load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4"), ("parallel.pp", "2"), ("model.n_layers", "4"),
+                               ("parallel.pp_schedule", "interleaved_1f1b"), ("parallel.pp_stages_per_rank", "2")])
+    assert step_time(ppi, 2, {}, hw)["bubble_s"] == pytest.approx(p1["compute_s"] / 8)
+
+
+def test_plan_prints_the_step_time_breakdown(capsys):
+    assert main(["plan", "--nodes", "1", "--gpus-per-node", "2", "--mfu", "0.3", *argv(SMALL)]) == 0
+    out = capsys.readouterr().out
+    assert "step time (prediction" in out and "tokens/s" in out and "dp comm (exposed)" in out
+    assert main(["plan", "--mfu", "1.5", *argv(SMALL)]) == 2
+    assert "--mfu=1.5 must be > 0 and <= 1" in capsys.readouterr().err
+
+
+# ---- the plan against the GPU ---------------------------------------------------------------------------------------
+# Peaks torch.cuda.max_memory_allocated measured by bench_train on one H100 80GB (2026-11-24, the presets as they are:
+# seq 4096 x micro-batch 4, 8 micro-batches, bf16 autocast, activation checkpointing on), in GiB.
+H100_PEAKS = {"dense_1b": 20.1, "hybrid_1b": 20.4, "hybrid_moe": 37.5}
+
+
+def _planned_total(preset: str, n_layers: int) -> float:
+    from hybridtron.train.plan import simulate
+
+    return simulate(load_config(preset, [("model.n_layers", str(n_layers))]), 1)[0]["memory"]["total"] / GIB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["dense_1b"])  # hybrid_1b, hybrid_moe: planned, not yet checked against these
+def test_plan_predicts_the_h100_peak_of_the_presets(preset):
+    """The plan of each preset on one GPU within 10% of the allocator's peak on the H100 (the plan before it modelled
+    the GPU kernels' saved tensors said 23.9, 24.1 and 71.9 GiB). To stay short, the preset is planned with one and
+    two repeats of its layer pattern, and the peak extrapolated to its depth: every repeat adds the same weights,
+    gradients, optimizer state and checkpointed block inputs (planned in full, dense_1b's 18 layers gave 19.87 GiB; the
+    extrapolation from 1 and 2 layers about 19.3, 3% less: the peak's transients grow a little with depth)."""
+    cfg = load_config(preset)
+    period = len(cfg.model.layer_pattern or "A")
+    one, two = _planned_total(preset, period), _planned_total(preset, 2 * period)
+    predicted = one + (two - one) * (cfg.model.n_layers / period - 1)
+    assert 0.9 <= predicted / H100_PEAKS[preset] <= 1.1, (preset, predicted, one, two)
