@@ -270,12 +270,13 @@ def torchrun_path(container: bool) -> str:
 
 def build_job(args) -> tuple[Job, str, str]:
     """Validate everything and render: (job, script text, config YAML)."""
-    from hybridtron.train.run_dir import resolve_job
+    from hybridtron.train.run_dir import check_run_paths, resolve_job
 
     nproc = check_numbers(args)
     cfg, run_dir = resolve_job(args)  # the config and its overrides, validated
     run_dir = run_dir.resolve()
     check_path(run_dir, "--run-dir")
+    check_run_paths(cfg, run_dir)  # a run or data directory the job could not write: said here, not in the job log
     check_path(Path.cwd(), "the working directory")
     dp = check_layout(cfg, args.nodes, nproc, args.gpus_per_node)
     if cfg.parallel.engine == "deepspeed":  # a user's DeepSpeed JSON: refused now, not when the job starts

@@ -260,3 +260,13 @@ def test_a_skipped_partition_check_is_said(tmp_path, capsys, monkeypatch):
                                capsys)
     assert code == 0 and script.startswith("#!/bin/bash"), err
     assert "sinfo is not installed here, so --partition 'gpu' and --nodes 2 were not checked" in err, err
+
+
+def test_a_run_dir_that_is_a_file_is_refused_before_submitting(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    code, _out, err = submit(["--run-dir", str(taken), "--dry-run"], capsys)
+    assert code == 2 and "is a file, not a directory" in err, err
+    code, _out, err = submit(["--run-dir", str(taken / "run"), "--dry-run"], capsys)
+    assert code == 2 and "cannot be created" in err, err
+    assert taken.read_text() == "not a directory"
