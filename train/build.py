@@ -58,6 +58,7 @@ def saved_guide(ckpt: Path | None) -> bool | None:
             with safe_open(str(ckpt / "model.safetensors"), framework="pt") as f:
                 names = list(f.keys())
         except Exception as e:  # noqa: BLE001  (safetensors raises its own error type for a torn file)
+            verify_manifest(ckpt, only=("model.safetensors",))  # names a truncated or overwritten file exactly
             raise CheckpointError(f"checkpoint {ckpt}: model.safetensors cannot be read ({e}); "
                                   f"resume from an earlier checkpoint or start a new --run-dir") from None
     elif (ckpt / SHARDED / ".metadata").is_file():

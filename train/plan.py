@@ -800,7 +800,8 @@ def step_time(cfg: JobConfig, world: int, comm: dict[str, float], hw: Hardware) 
     """Predicted seconds per optimizer step on one GPU, and their breakdown.
 
     compute: the step's model FLOPs (``model/flops.py``: 6 N per token plus attention, MoE counting the routed
-    experts) over every GPU evenly, at ``peak x mfu``; activation checkpointing runs the forward again (x 4/3).
+    experts) over every GPU evenly, at ``peak x mfu``; full activation checkpointing runs the forward again (x 4/3;
+    every k-th block: x (1 + 1/(3k))), selective only elementwise ops (x 1).
     pipeline bubble (pp > 1): (pp - 1) / m of the compute for gpipe and 1f1b, / (m v) for the interleaved schedules
     (v stages per rank; taken for zero_bubble too, an upper bound). Each dimension's bytes (``comm_bytes``) move at the
     intra-node bandwidth when its groups fit in a node, else at the inter-node one. What overlaps, as the engines do
@@ -814,7 +815,9 @@ def step_time(cfg: JobConfig, world: int, comm: dict[str, float], hw: Hardware) 
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
     tokens = t.micro_batch_size * cfg.data.seq_len * t.grad_accum_steps * dp  # per step, all GPUs
     model_flops = flops_per_token(cfg.model, vocab, cfg.data.seq_len) * tokens / world
-    done = model_flops * (4 / 3 if t.activation_checkpointing else 1.0)
+    mode = checkpointing_mode(t)  # full re-runs the checkpointed blocks' forward (1 of every k blocks: 1/k of it);
+    # selective recomputes only elementwise ops between the matmuls it keeps, counted as nothing
+    done = model_flops * (1 + 1 / 3 / t.activation_checkpointing_every if mode == "full" else 1.0)
     compute = done / (hw.peak_tflops * 1e12 * hw.mfu)
     bubble = 0.0
     if p.pp > 1:

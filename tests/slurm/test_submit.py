@@ -24,6 +24,15 @@ GPU_JOB = ["--nodes", "4", "--gpus-per-node", "8", "--partition", "p", "--time",
            "--qos", "q", "--constraint", "h100", "--exclusive", "--sbatch-arg=--mem=0"]
 
 
+@pytest.fixture(autouse=True)
+def no_cluster(monkeypatch):
+    """These tests run as if no SLURM were installed, even where test_cluster.py's cluster is up (its sinfo would
+    refuse this file's made-up partitions)."""
+    from hybridtron.slurm import cluster
+
+    monkeypatch.setattr(cluster, "find_binary", lambda name: None)
+
+
 def submit(argv, capsys):
     code = main(["submit", *argv])
     out = capsys.readouterr()

@@ -174,8 +174,10 @@ def test_plan_counts_offloaded_state_in_host_memory():
     counts in host memory instead; what is gathered for compute and the activations are the same."""
     from hybridtron.train.plan import format_table, plan_table
 
+    # 8 x 256 tokens: the step's peak is in the first micro-batch's forward (shorter, it moves into the backward,
+    # at the fused loss's gradient of the logits, with gradients alive)
     small = [("model.d_model", "64"), ("model.n_layers", "2"), ("model.n_heads", "4"), ("model.n_kv_heads", "2"),
-             ("data.seq_len", "64"), ("train.micro_batch_size", "2")]
+             ("data.seq_len", "256"), ("train.micro_batch_size", "8")]
     cfg = load_config("tiny", small)
     off = load_config("tiny", [*small, ("parallel.offload", "cpu")])
     base = plan_table(cfg, 2, 80, stages=(3,))[0]
@@ -283,15 +285,26 @@ def test_without_the_wait_compiled_blocks_fail_in_backward(tp_compile):
 @pytest.mark.slow
 def test_plan_of_pipeline_with_context_parallel_runs_the_pieces():
     """Under pp x cp the planned stages run their rank's piece of each micro-batch: the activations of the heavier
-    stage about halve against pp alone, and the hidden states between stages are (B, T / cp, d) exactly."""
-    from hybridtron.train.plan import plan_table
+    stage about halve against pp alone, and the hidden states between stages are (B, T / cp, d) exactly.
+
+    The halving is checked with the CPU run's kernels, whose saved tensors all grow with the tokens a rank runs.
+    With the GPU's fused attention (the plan's default) so little is saved at these toy sizes that ring
+    attention's transient per-block scores, (B, H, T / cp, T / cp) in torch ops, set the peak instead."""
+    from hybridtron.train.plan import plan_table, simulate
 
     small = [("model.d_model", "64"), ("model.n_layers", "2"), ("model.n_heads", "4"), ("model.n_kv_heads", "2"),
              ("data.seq_len", "64"), ("train.micro_batch_size", "2"), ("train.grad_accum_steps", "2"), ZERO3,
              ("parallel.pp", "2")]
+
+    def heaviest_activations(cfg, world):
+        per_rank = simulate(cfg, world, kernels="cpu")
+        return max(per_rank.values(), key=lambda r: r["memory"]["total"])["memory"]["activations"]
+
+    acts_pp = heaviest_activations(load_config("tiny", small), 2)
+    acts_both = heaviest_activations(load_config("tiny", [*small, ("parallel.cp", "2")]), 4)
+    assert 0.35 < acts_both / acts_pp < 0.65, (acts_both, acts_pp)
     pp = plan_table(load_config("tiny", small), 2, 80, stages=(3,))[0]
     both = plan_table(load_config("tiny", [*small, ("parallel.cp", "2")]), 4, 80, stages=(3,))[0]
-    assert 0.35 < both["activations"] / pp["activations"] < 0.65, (both["activations"], pp["activations"])
     # the last stage sends each of its 2 micro-batches' input gradients, (2, 64 / cp, 64) fp32, back; the tied
     # embedding's gradient all-reduce is the same at both layouts
     boundary = 2 * 2 * 64 * 64 * 4

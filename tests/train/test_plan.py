@@ -82,8 +82,11 @@ def test_activation_checkpointing_lowers_the_planned_activations():
 def test_plan_cli_prints_a_row_per_stage(capsys):
     assert main(["plan", "--config", "tiny", "--gpus-per-node", "2", *argv(SMALL)]) == 0
     out = capsys.readouterr().out
-    assert "2 GPUs, dp=2" in out and [ln.split("|")[1].strip() for ln in out.splitlines()
-                                      if ln.startswith("| ") and ln[2].isdigit()] == ["0", "2", "3"]
+    memory, times = out.split("\nstep time", 1)  # the memory table, then the step-time table: a row per stage each
+    for table in (memory, times):
+        assert [ln.split("|")[1].strip() for ln in table.splitlines()
+                if ln.startswith("| ") and ln[2].isdigit()] == ["0", "2", "3"], table
+    assert "2 GPUs, dp=2" in memory
 
 
 def _measured(out: str) -> dict:
@@ -296,6 +299,13 @@ def test_step_time_compute_bubble_and_overlap():
     ac = step_time(load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4"),
                                         ("train.activation_checkpointing", "true")]), 1, {}, hw)
     assert ac["compute_s"] == pytest.approx(one["compute_s"] * 4 / 3) and ac["mfu"] == pytest.approx(0.5 * 3 / 4)
+    every2 = step_time(load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4"), ("train.activation_checkpointing",
+                                                                                    "full"),
+                                            ("train.activation_checkpointing_every", "2")]), 1, {}, hw)
+    assert every2["compute_s"] == pytest.approx(one["compute_s"] * 7 / 6)  # half the blocks re-run their forward
+    sel = step_time(load_config("tiny", [*SMALL, ("train.grad_accum_steps", "4"),
+                                         ("train.activation_checkpointing", "selective")]), 1, {}, hw)
+    assert sel["compute_s"] == pytest.approx(one["compute_s"])  # no matmul is recomputed
     # DDP on 2 GPUs of one node: the all-reduce hides behind 2/3 of the last micro-batch's compute
     compute = one["compute_s"]  # per GPU: twice the tokens over two GPUs
     volume = 2e12 * compute  # 20 x compute at 100 GB/s

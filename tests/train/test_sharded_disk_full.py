@@ -66,6 +66,9 @@ def test_full_disk_during_a_sharded_save_keeps_the_previous_checkpoint(small_fs,
     res = torchrun(argv)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step_00000002'} (step 2)" in res.stdout
+    # One process through the same history: 2 steps (a schedule that ends at step 2, kept on resume), then 4.
     ref = tmp_path / "ref"
-    assert main(small_argv(small_data_dir, ref, [*STEPS, "--train.grad_accum_steps", "2"])) == 0
+    one = [*STEPS, "--train.grad_accum_steps", "2"]
+    assert main(small_argv(small_data_dir, ref, [*one, "--train.max_steps", "2"])) == 0
+    assert main(small_argv(small_data_dir, ref, one)) == 0
     assert_same_steps(steps(run), steps(ref))
