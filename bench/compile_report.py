@@ -7,7 +7,8 @@ its registers, spills, shared memory and what its dot products became (tensor-co
 How. Triton lowers a kernel to PTX and assembles it with the ptxas it ships, for any target, on any machine;
 only loading a kernel needs the driver. This script installs a stand-in driver that reports the target,
 turns every launch into a compile without a launch (autotuned kernels: every candidate config the pruner
-keeps), and runs each preset's model forward + backward, then a short cached decode, on CPU tensors. So the
+keeps), and runs each preset's model forward + backward, then a short cached decode, on CPU tensors (torch's
+own matrix products skipped too: ``_SkipProducts``). So the
 kernels compiled are exactly those a training step launches, with the block sizes and flags the launchers
 pick at the preset's widths. Nothing is computed: a skipped kernel's outputs stay uninitialised memory, and
 only the host code between launches runs (on the CPU, at a short sequence; the kernels' compile-time
@@ -42,6 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from hybridtron.bench.report import RESULTS, append_results
 
@@ -100,7 +103,29 @@ def _bin(tool: str) -> str:
 
 
 def _inspect(cubin: bytes) -> tuple[int, int, dict]:
-    """(registers, local bytes, opcode counts) of a one-kernel cubin."""
+    """(registers, local bytes, opcode counts) of a one-kernel cubin, remembered by the cubin's sha256 beside
+    triton's own cache (disassembling takes seconds a kernel; triton has the cubins cached already)."""
+    import hashlib
+
+    from triton import knobs
+
+    memo = Path(knobs.cache.dir, "hybridtron-inspect", hashlib.sha256(cubin).hexdigest() + ".json")
+    try:
+        regs, local, ops = json.loads(memo.read_text())
+        if set(ops) == set(OPCODES):
+            return regs, local, ops
+    except (OSError, ValueError):
+        pass
+    regs, local, ops = _disassemble(cubin)
+    with contextlib.suppress(OSError):  # a read-only cache only costs the next run the time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps([regs, local, ops]))
+        tmp.replace(memo)
+    return regs, local, ops
+
+
+def _disassemble(cubin: bytes) -> tuple[int, int, dict]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -215,6 +240,31 @@ def _model(preset: str, overrides: list[tuple[str, str]]):
     return cfg, model, vocab
 
 
+class _SkipProducts(TorchDispatchMode):
+    """The torch matrix products between the kernels return uninitialised tensors of their shape instead of
+    computing: the weights are uninitialised, so nothing depends on their values, and bf16 products on a CPU
+    without bf16 BLAS run a scalar loop (minutes for a 1B preset's output layer and its backward)."""
+
+    PRODUCTS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_grouped_mm",
+                "_scaled_dot_product_flash_attention_for_cpu"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace != "aten":  # our custom ops: their Python implementation, with this mode active, so the
+            from torch._library.custom_ops import OPDEFS  # products inside are skipped too (and no op recurses)
+
+            with self:
+                return OPDEFS[func._name]._init_fn(*args, **kwargs)
+        name = func._schema.name.removeprefix("aten::")
+        if name.endswith("_") and name[:-1] in self.PRODUCTS:  # in place (addmm_): the target, left as it is
+            return args[0]
+        if name not in self.PRODUCTS:
+            return func(*args, **kwargs)
+        meta = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        shapes = func(*meta[0], **meta[1])
+        return tree_map_only(torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype), shapes)
+
+
 def run_preset(preset: str, seq: int = 128, decode: int = 2) -> None:
     """A training step (bf16 autocast, as on the GPU) and a short cached decode of ``preset``, at 4 layers."""
     layers = 4 if preset != "dense_1b" else 2
@@ -223,7 +273,7 @@ def run_preset(preset: str, seq: int = 128, decode: int = 2) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, seq), generator=g)
     docs = torch.cumsum(torch.rand(1, seq, generator=g) < 0.02, 1) if cfg.model.doc_mask else None
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), _SkipProducts():
         model(ids, docs, labels=torch.roll(ids, -1, 1)).backward()
         with torch.no_grad():
             cache = model.new_cache()
