@@ -49,7 +49,9 @@ case "$cmd" in
         setup dev
         ruff check .
         # pytest exits 5 when it collected nothing; set -e turns that (and any failure) into a failed run.
-        python -m pytest -q --durations=15 "$@"  # the 15 slowest tests, timed, in every run
+        # One worker per core (pytest-xdist), each test file on one worker (its module fixtures built once); the
+        # 15 slowest tests, timed, in every run.
+        python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"
         ;;
     *)
         echo "usage: ./run.sh train [--train.max_steps N ...] | ./run.sh test [pytest args]" >&2

@@ -12,8 +12,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# Tests are CPU-only and must be reproducible; two intra-op threads match the CI machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests are CPU-only and must be reproducible. Under pytest-xdist (./run.sh test runs one worker per core) every
+# worker, and every process it starts (torchrun ranks, CLI runs), takes one intra-op thread: more threads than
+# cores make torch's parallel loops wait on each other (seen: 20x slower steps). Alone, two match the CI machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 SMALL_OVERRIDES = [
     ("data.sources", "[{path: stdlib, max_files: 40}]"),
