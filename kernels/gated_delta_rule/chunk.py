@@ -22,11 +22,16 @@ def _acc_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, torch.float32)
 
 
+def _operand_dtype(q: torch.Tensor) -> torch.dtype:
+    """The kernels' matmul operand dtype, which Tinv is kept in: q's for 16-bit q, else the accumulation's."""
+    return q.dtype if q.element_size() == 2 else _acc_dtype(q)
+
+
 @torch.library.custom_op("hybridtron::chunk_gated_delta_rule_fwd", mutates_args=())
 def _fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     resets: torch.Tensor | None, initial_state: torch.Tensor | None, chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .chunk_kernels import chunk_gdr_fwd
 
     return chunk_gdr_fwd(q, k, v, g, beta, resets, initial_state, chunk_size)
@@ -39,35 +44,37 @@ def _(q, k, v, g, beta, resets, initial_state, chunk_size):
     N = -(-T * n_h // chunk_size)
     acc = _acc_dtype(q)
     return (q.new_empty(B, T, Hv, Dv), q.new_empty(B, Hv, Dk, Dv, dtype=acc),
-            q.new_empty(B, Hv, N * chunk_size, chunk_size, dtype=acc), q.new_empty(B, Hv, N, Dk, Dv, dtype=acc))
+            q.new_empty(B, Hv, N * chunk_size, chunk_size, dtype=_operand_dtype(q)))
 
 
 @torch.library.custom_op("hybridtron::chunk_gated_delta_rule_bwd", mutates_args=())
 def _bwd(
     do: torch.Tensor, dht: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-    beta: torch.Tensor, resets: torch.Tensor | None, tinv: torch.Tensor, states: torch.Tensor, chunk_size: int,
+    beta: torch.Tensor, resets: torch.Tensor | None, tinv: torch.Tensor, initial_state: torch.Tensor | None,
+    chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .chunk_kernels import chunk_gdr_bwd
 
-    return chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, states, chunk_size)
+    return chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, initial_state, chunk_size)
 
 
 @_bwd.register_fake
-def _(do, dht, q, k, v, g, beta, resets, tinv, states, chunk_size):
+def _(do, dht, q, k, v, g, beta, resets, tinv, initial_state, chunk_size):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dht.new_empty(dht.shape, dtype=_acc_dtype(q)))
 
 
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """(q, k, v, g, beta, resets or None, initial_state or None, chunk_size) -> (o, final state), shapes as in
-    `chunk_gated_delta_rule`, all contiguous, resets bool. Saves the inputs, the inverted chunk systems Tinv
-    and the state entering each chunk; the backward recomputes the rest."""
+    `chunk_gated_delta_rule`, all contiguous, resets bool. Saves the inputs and the inverted chunk systems Tinv
+    (B, Hv, N * C, C) in the matmul operand dtype (bf16 for bf16 q: the size of fla's saved A); the backward
+    recomputes W, U, delta and the chunk states from them."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, resets, initial_state, chunk_size):
-        o, final, tinv, states = torch.ops.hybridtron.chunk_gated_delta_rule_fwd(
+        o, final, tinv = torch.ops.hybridtron.chunk_gated_delta_rule_fwd(
             q, k, v, g, beta, resets, initial_state, chunk_size)
-        ctx.save_for_backward(q, k, v, g, beta, resets, tinv, states)
+        ctx.save_for_backward(q, k, v, g, beta, resets, tinv, initial_state)
         ctx.chunk_size = chunk_size
         ctx.s0_dtype = None if initial_state is None else initial_state.dtype
         return o, final
@@ -75,9 +82,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dht):
-        q, k, v, g, beta, resets, tinv, states = ctx.saved_tensors
+        q, k, v, g, beta, resets, tinv, initial_state = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = torch.ops.hybridtron.chunk_gated_delta_rule_bwd(
-            do.contiguous(), dht.contiguous(), q, k, v, g, beta, resets, tinv, states, ctx.chunk_size)
+            do.contiguous(), dht.contiguous(), q, k, v, g, beta, resets, tinv, initial_state, ctx.chunk_size)
         dh0 = None if ctx.s0_dtype is None else dh0.to(ctx.s0_dtype)
         return dq, dk, dv, dg, dbeta, None, dh0, None
 

@@ -45,10 +45,14 @@ whole head dim is one tile), and their gradients go through the normalisation's 
 that finishes them. Intermediates live in (B, Hv, N * C, ...) buffers (N chunks; rows past L are padding:
 k = v = beta = q = g = 0 there, so they write nothing and decay nothing).
 
-Precision: everything is computed in fp32 (fp64 for fp64 inputs). Dot products of fp32 tiles use three TF32
-products (``tf32x3``: each operand split into a TF32 head and a TF32 remainder, the remainder x remainder
-term dropped), which keeps about fp32's accuracy on the tensor cores; plain TF32 (10 mantissa bits) would
-put errors far above the fp32 reference's, and IEEE fp32 dots compile to scalar FMAs on the CUDA cores.
+Precision: accumulation in fp32 (fp64 for fp64 inputs). For 16-bit q the dot products take 16-bit operands
+(one tensor-core pass at the full rate, as fla's kernels do) and the intermediates kept between kernels (Tinv,
+W, delta, the forward's chunk states) are stored in that dtype; the backward's recomputed chunk states and
+their cotangents stay fp32, because the decay's gradient sums S * dS' over the whole state. For fp32 inputs
+the dots use three TF32 products (``tf32x3``: each operand split into a TF32 head and a TF32 remainder, the
+remainder x remainder term dropped), about fp32's accuracy on the tensor cores; plain TF32 (10 mantissa bits)
+would put errors far above the fp32 reference's, and IEEE fp32 dots compile to scalar FMAs on the CUDA cores.
+The tests hold the 16-bit path to 3x the error of the reference computed with bf16 operands in its products.
 
 Tiles: C in {16, 32, 64}; the head dims are padded to powers of two >= 16 (what tl.dot needs on a GPU) and
 masked; Dv is split into tiles of 32 or 64 columns (``LAUNCH``).
@@ -63,9 +67,10 @@ import triton.language as tl
 from ..backend import check_interpreted, interpreter_requested
 from ..triton_utils import next_pow2
 
-# The interpreter's tl.dot ignores input_precision; `_dot` then rounds the operands itself (read at import, when
-# TRITON_INTERPRET also decides how the kernels are decorated).
-EMULATE_TF32X3 = tl.constexpr(interpreter_requested())
+# Under the interpreter the kernels round as the GPU does by hand (read at import, when TRITON_INTERPRET also
+# decides how the kernels are decorated): its tl.dot ignores input_precision and multiplies 16-bit operands
+# wrongly, and its fp32 -> bf16 conversion truncates where the GPU's rounds to nearest even.
+EMULATE = tl.constexpr(interpreter_requested())
 EPS = tl.constexpr(1e-6)  # the L2 norm's eps, where the reference puts it: x / sqrt(sum(x^2) + eps); a global a
 # kernel reads must be a constexpr (the interpreter does not check this; the GPU compiler does)
 
@@ -83,7 +88,7 @@ LAUNCH = {
     "output_fwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
     "output_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
     "state_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),  # 2 stages: over an A100 block's 163 KiB
-    "wy_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 2),
+    "wy_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
 }
 
 
@@ -99,21 +104,47 @@ def _tf32(x):
 
 
 @triton.jit
-def _dot(a, b):
-    """Matrix product with about fp32's accuracy on tensor cores (tf32x3, see the module docstring); fp64 stays
-    IEEE. Under the interpreter, whose tl.dot multiplies fp32 exactly whatever precision is asked, the three TF32
-    products are made explicitly, so the CPU tests check the rounding the GPU does (not its summation order)."""
-    if a.dtype == tl.float64:
-        c = tl.dot(a, b, input_precision="ieee")
-    elif EMULATE_TF32X3:
-        a_hi = _tf32(a)
-        b_hi = _tf32(b)
-        a_lo = _tf32(a - a_hi)
-        b_lo = _tf32(b - b_hi)
-        c = tl.dot(a_lo, b_hi, input_precision="ieee") + tl.dot(a_hi, b_lo, input_precision="ieee")
-        c += tl.dot(a_hi, b_hi, input_precision="ieee")
+def _bf16_rne(x):
+    """fp32 x rounded to bf16's 8 significant bits, to nearest with ties to even, as an fp32 value (the
+    interpreter's own conversion truncates)."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 = 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _cast(x, DT: tl.constexpr):
+    """x converted to DT, rounded to nearest even (by hand for bf16 under the interpreter)."""
+    if EMULATE and DT == tl.bfloat16 and x.dtype != tl.bfloat16:
+        y = _bf16_rne(x.to(tl.float32)).to(DT)
     else:
-        c = tl.dot(a, b, input_precision="tf32x3")
+        y = x.to(DT)
+    return y
+
+
+@triton.jit
+def _dot(a, b, DOT: tl.constexpr):
+    """Matrix product with fp32 (fp64) accumulation. DOT is the operand dtype: bf16 / fp16 for 16-bit inputs
+    (both operands rounded to it: one tensor-core pass at the full 16-bit rate), fp32 for fp32 inputs (tf32x3:
+    about fp32's accuracy on tensor cores, see the module docstring), fp64 (IEEE). Under the interpreter the
+    operands are rounded explicitly (tf32x3's three TF32 products made one by one) and multiplied exactly,
+    so the CPU tests check the rounding the GPU does (not its summation order)."""
+    if DOT == tl.float64:
+        c = tl.dot(a, b, input_precision="ieee")
+    elif DOT == tl.float32:
+        if EMULATE:
+            a_hi = _tf32(a)
+            b_hi = _tf32(b)
+            a_lo = _tf32(a - a_hi)
+            b_lo = _tf32(b - b_hi)
+            c = tl.dot(a_lo, b_hi, input_precision="ieee") + tl.dot(a_hi, b_lo, input_precision="ieee")
+            c += tl.dot(a_hi, b_hi, input_precision="ieee")
+        else:
+            c = tl.dot(a, b, input_precision="tf32x3")
+    elif EMULATE:
+        c = tl.dot(_cast(a, DOT).to(tl.float32), _cast(b, DOT).to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a.to(DOT), b.to(DOT), out_dtype=tl.float32)
     return c
 
 
@@ -215,9 +246,11 @@ def _wy_fwd_kernel(
     K, V, G, BETA, RESETS, TINV, U, W,
     T, L, LP, HK, HV,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
-    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    LOAD_TINV: tl.constexpr, COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
-    """Grid (N, B * HV): Tinv, U = Tinv (beta v), W = Tinv (beta din k) of one chunk."""
+    """Grid (N, B * HV): Tinv (solved here, or with LOAD_TINV read back as the forward stored it), U = Tinv
+    (beta v) and W = Tinv (beta din k) of one chunk."""
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
@@ -227,17 +260,23 @@ def _wy_fwd_kernel(
     beta = tl.load(BETA + (b * L + rows) * HV + h, mask=real, other=0.0).to(COMPUTE)
 
     i = tl.arange(0, C)
-    a = tl.where(i[:, None] > i[None, :], _dot(k, tl.trans(k)) * _decay_matrix(Gc, seg, C), 0.0) * beta[:, None]
-    tinv = _unit_lower_inverse(a, C)
     srow = bh * LP + rows  # rows of the (B, HV, LP, ...) buffers
-    tl.store(TINV + srow[:, None] * C + i[None, :], tinv)
+    if LOAD_TINV:
+        tinv = tl.load(TINV + srow[:, None] * C + i[None, :])
+    else:
+        a = _dot(k, tl.trans(k), DOT) * _decay_matrix(Gc, seg, C)
+        a = tl.where(i[:, None] > i[None, :], a, 0.0) * beta[:, None]
+        tinv = _cast(_unit_lower_inverse(a, C), TINV.dtype.element_ty)
+        tl.store(TINV + srow[:, None] * C + i[None, :], tinv)
     ck = tl.arange(0, BK)
-    tl.store(W + srow[:, None] * DK + ck[None, :], _dot(tinv, k * (beta * din)[:, None]), mask=(ck < DK)[None, :])
+    w = _dot(tinv, k * (beta * din)[:, None], DOT)
+    tl.store(W + srow[:, None] * DK + ck[None, :], _cast(w, W.dtype.element_ty), mask=(ck < DK)[None, :])
     for v0 in range(0, DV, BV):
         cv = v0 + tl.arange(0, BV)
         v = tl.load(V + ((b * L + rows) * HV + h)[:, None] * DV + cv[None, :],
                     mask=real[:, None] & (cv < DV)[None, :], other=0.0).to(COMPUTE)
-        tl.store(U + srow[:, None] * DV + cv[None, :], _dot(tinv, v * beta[:, None]), mask=(cv < DV)[None, :])
+        u = _dot(tinv, v * beta[:, None], DOT)
+        tl.store(U + srow[:, None] * DV + cv[None, :], _cast(u, U.dtype.element_ty), mask=(cv < DV)[None, :])
 
 
 @triton.jit
@@ -245,10 +284,11 @@ def _state_fwd_kernel(
     K, G, RESETS, W, U, S0, STATES, FINAL,
     T, L, LP, HK, HV, N,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
-    HAS_S0: tl.constexpr, COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """Grid (B * HV, Dv tiles): the chunks in order, state columns cv in registers. Writes the state entering
-    each chunk to STATES (B, HV, N, DK, DV), delta over U in place, and the final state."""
+    """Grid (B * HV, Dv tiles): the chunks in order, state columns cv in registers (in COMPUTE). Writes the
+    state entering each chunk to STATES (B, HV, N, DK, DV), delta over U in place, and the final state."""
     bh = tl.program_id(0).to(tl.int64)
     cv = tl.program_id(1) * BV + tl.arange(0, BV)
     ck = tl.arange(0, BK)
@@ -259,18 +299,19 @@ def _state_fwd_kernel(
     else:
         S = tl.zeros([BK, BV], dtype=COMPUTE)
     for n in range(N):
-        tl.store(STATES + (bh * N + n) * DK * DV + s_offs, S, mask=s_mask)
+        tl.store(STATES + (bh * N + n) * DK * DV + s_offs, _cast(S, STATES.dtype.element_ty), mask=s_mask)
         b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
         Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
         din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
         srow = bh * LP + rows
         w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=(ck < DK)[None, :], other=0.0)
         u_ptrs = U + srow[:, None] * DV + cv[None, :]
-        delta = tl.load(u_ptrs, mask=(cv < DV)[None, :], other=0.0) - _dot(w, S)
-        tl.store(u_ptrs, delta, mask=(cv < DV)[None, :])
+        delta = tl.load(u_ptrs, mask=(cv < DV)[None, :], other=0.0).to(COMPUTE) - _dot(w, S, DOT)
+        tl.store(u_ptrs, _cast(delta, U.dtype.element_ty), mask=(cv < DV)[None, :])
         k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
-        S = S * dall + _dot(tl.trans(k * dout[:, None]), delta)
-    tl.store(FINAL + bh * DK * DV + s_offs, S, mask=s_mask)
+        S = S * dall + _dot(tl.trans(k * dout[:, None]), delta, DOT)
+    if STORE_FINAL:
+        tl.store(FINAL + bh * DK * DV + s_offs, S, mask=s_mask)
 
 
 @triton.jit
@@ -278,7 +319,7 @@ def _output_fwd_kernel(
     Q, K, G, RESETS, STATES, DELTA, OUT,
     T, L, LP, HK, HV, N,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
-    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Grid (N, B * HV, Dv tiles): o = (din q) S + ((q k^T) * Gamma) delta at each token's last sub-step."""
     n = tl.program_id(0)
@@ -290,14 +331,14 @@ def _output_fwd_kernel(
     q, _ = _load_unit_rows(Q, ((b * T + tok) * HK + hk) * DK, last, DK, BK, COMPUTE)
     q = q * _q_scale(DK, COMPUTE)
     k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
-    p = _dot(q, tl.trans(k)) * _decay_matrix(Gc, seg, C)
+    p = _dot(q, tl.trans(k), DOT) * _decay_matrix(Gc, seg, C)
 
     ck = tl.arange(0, BK)
     S = tl.load(STATES + (bh * N + n) * DK * DV + ck[:, None] * DV + cv[None, :],
                 mask=(ck < DK)[:, None] & (cv < DV)[None, :], other=0.0)
     delta = tl.load(DELTA + (bh * LP + rows)[:, None] * DV + cv[None, :], mask=(cv < DV)[None, :], other=0.0)
-    o = _dot(q * din[:, None], S) + _dot(p, delta)
-    tl.store(OUT + ((b * T + tok) * HV + h)[:, None] * DV + cv[None, :], o.to(OUT.dtype.element_ty),
+    o = _dot(q * din[:, None], S, DOT) + _dot(p, delta, DOT)
+    tl.store(OUT + ((b * T + tok) * HV + h)[:, None] * DV + cv[None, :], _cast(o, OUT.dtype.element_ty),
              mask=last[:, None] & (cv < DV)[None, :])
 
 
@@ -307,15 +348,14 @@ def _output_fwd_kernel(
 
 @triton.jit
 def _output_bwd_kernel(
-    Q, K, V, G, BETA, RESETS, DO, TINV, STATES, W, DELTA, DDELTA, DK_PART, DG_PART, DQ,
+    Q, K, G, RESETS, DO, STATES, DELTA, DDELTA, DK_PART, DG_PART, DQ,
     T, L, LP, HK, HV, N,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
-    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """Grid (N, B * HV). Recomputes W and delta (written for the next two kernels) and takes o's gradient
-    back to q (finished here: dq of this value head, through the L2 norm), to delta locally (DDELTA =
-    ((q k^T) * Gamma)^T dO, completed by _state_bwd), to k through q k^T (DK_PART) and to the in-chunk
-    log decays through Gamma and din (DG_PART)."""
+    """Grid (N, B * HV). Takes o's gradient back to q (finished here: dq of this value head, through the L2
+    norm), to delta locally (DDELTA = ((q k^T) * Gamma)^T dO, completed by _state_bwd), to k through q k^T
+    (DK_PART) and to the in-chunk log decays through Gamma and din (DG_PART)."""
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
@@ -325,19 +365,14 @@ def _output_bwd_kernel(
     q_offs = ((b * T + tok) * HK + hk) * DK
     k_offs = ((b * L + rows) * HK + hk) * DK
     scale = _q_scale(DK, COMPUTE)
-    beta = tl.load(BETA + (b * L + rows) * HV + h, mask=real, other=0.0).to(COMPUTE)
 
-    i = tl.arange(0, C)
     ck = tl.arange(0, BK)
     srow = bh * LP + rows
-    tinv = tl.load(TINV + srow[:, None] * C + i[None, :])
     # q and k are loaded again after the value-tile loop rather than kept across it: fewer (C, BK) tiles
-    # live in registers through the loop (compiled for sm_90a at Dk = 128 they spilled).
-    k, _ = _load_unit_rows(K, k_offs, real, DK, BK, COMPUTE)
-    w = _dot(tinv, k * (beta * din)[:, None])
-    tl.store(W + srow[:, None] * DK + ck[None, :], w, mask=(ck < DK)[None, :])
+    # live in registers through the loop.
     qn, _ = _load_unit_rows(Q, q_offs, last, DK, BK, COMPUTE)
-    p = _dot(qn * scale, tl.trans(k)) * gamma
+    k, _ = _load_unit_rows(K, k_offs, real, DK, BK, COMPUTE)
+    pt = _cast(_dot(k, tl.trans(qn * scale), DOT) * tl.trans(gamma), DOT)  # P^T, P = (q k^T) * Gamma
 
     dq_in = tl.zeros([C, BK], dtype=COMPUTE)  # d(din q) = dO S^T
     dp = tl.zeros([C, C], dtype=COMPUTE)  # d((q k^T) * Gamma) = dO delta^T
@@ -346,26 +381,23 @@ def _output_bwd_kernel(
         mv = (cv < DV)[None, :]
         S = tl.load(STATES + (bh * N + n) * DK * DV + ck[:, None] * DV + cv[None, :],
                     mask=(ck < DK)[:, None] & mv, other=0.0)
-        v = tl.load(V + ((b * L + rows) * HV + h)[:, None] * DV + cv[None, :], mask=real[:, None] & mv,
-                    other=0.0).to(COMPUTE)
-        delta = _dot(tinv, v * beta[:, None]) - _dot(w, S)
-        tl.store(DELTA + srow[:, None] * DV + cv[None, :], delta, mask=mv)
+        delta = tl.load(DELTA + srow[:, None] * DV + cv[None, :], mask=mv, other=0.0)
         do = tl.load(DO + ((b * T + tok) * HV + h)[:, None] * DV + cv[None, :], mask=last[:, None] & mv,
                      other=0.0).to(COMPUTE)
-        dq_in += _dot(do, tl.trans(S))
-        dp += _dot(do, tl.trans(delta))
-        tl.store(DDELTA + srow[:, None] * DV + cv[None, :], _dot(tl.trans(p), do), mask=mv)
+        dq_in += _dot(do, tl.trans(S), DOT)
+        dp += _dot(do, tl.trans(delta), DOT)
+        tl.store(DDELTA + srow[:, None] * DV + cv[None, :], _dot(pt, do, DOT), mask=mv)
 
     qn, q_rstd = _load_unit_rows(Q, q_offs, last, DK, BK, COMPUTE)
     q = qn * scale
     k, _ = _load_unit_rows(K, k_offs, real, DK, BK, COMPUTE)
     dqk = dp * gamma  # gradient of q k^T
-    dq = din[:, None] * dq_in + _dot(dqk, k)
-    tl.store(DK_PART + srow[:, None] * BK + ck[None, :], _dot(tl.trans(dqk), q))
-    z = dp * p  # d Gamma_ij * Gamma_ij
+    dq = din[:, None] * dq_in + _dot(dqk, k, DOT)
+    tl.store(DK_PART + srow[:, None] * BK + ck[None, :], _dot(tl.trans(dqk), q, DOT))
+    z = dp * tl.trans(pt).to(COMPUTE)  # d Gamma_ij * Gamma_ij
     tl.store(DG_PART + srow, din * tl.sum(q * dq_in, 1) + tl.sum(z, 1) - tl.sum(z, 0))
     dq = _unit_rows_bwd(qn, q_rstd, dq * scale)
-    tl.store(DQ + ((b * T + tok) * HV + h)[:, None] * DK + ck[None, :], dq.to(DQ.dtype.element_ty),
+    tl.store(DQ + ((b * T + tok) * HV + h)[:, None] * DK + ck[None, :], _cast(dq, DQ.dtype.element_ty),
              mask=last[:, None] & (ck < DK)[None, :])
 
 
@@ -374,7 +406,7 @@ def _state_bwd_kernel(
     Q, K, G, RESETS, DO, W, DDELTA, DHT, DSTATES, DH0,
     T, L, LP, HK, HV, N,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
-    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Grid (B * HV, Dv tiles): the chunks in reverse order, dS (the cotangent of the state leaving the chunk)
     in registers, starting from the final state's cotangent. Writes each chunk's dS' to DSTATES, completes
@@ -388,21 +420,21 @@ def _state_bwd_kernel(
     dS = tl.load(DHT + bh * DK * DV + s_offs, mask=s_mask, other=0.0).to(COMPUTE)
     for j in range(N):
         n = N - 1 - j
-        tl.store(DSTATES + (bh * N + n) * DK * DV + s_offs, dS, mask=s_mask)
+        tl.store(DSTATES + (bh * N + n) * DK * DV + s_offs, _cast(dS, DSTATES.dtype.element_ty), mask=s_mask)
         b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
         Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
         din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
         srow = bh * LP + rows
         k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
         dd_ptrs = DDELTA + srow[:, None] * DV + cv[None, :]
-        dd = tl.load(dd_ptrs, mask=mv, other=0.0) + _dot(k * dout[:, None], dS)
+        dd = tl.load(dd_ptrs, mask=mv, other=0.0) + _dot(k * dout[:, None], dS, DOT)
         tl.store(dd_ptrs, dd, mask=mv)
         q, _ = _load_unit_rows(Q, ((b * T + tok) * HK + hk) * DK, last, DK, BK, COMPUTE)
         q = q * _q_scale(DK, COMPUTE)
         do = tl.load(DO + ((b * T + tok) * HV + h)[:, None] * DV + cv[None, :], mask=last[:, None] & mv,
                      other=0.0).to(COMPUTE)
         w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=(ck < DK)[None, :], other=0.0)
-        dS = dS * dall + _dot(tl.trans(q * din[:, None]), do) - _dot(tl.trans(w), dd)
+        dS = dS * dall + _dot(tl.trans(q * din[:, None]), do, DOT) - _dot(tl.trans(w), dd, DOT)
     tl.store(DH0 + bh * DK * DV + s_offs, dS, mask=s_mask)
 
 
@@ -411,15 +443,13 @@ def _wy_bwd_kernel(
     K, V, G, BETA, RESETS, TINV, STATES, DSTATES, W, DELTA, DDELTA, DK_PART, DG_PART, DK_OUT, DV_OUT, DG, DBETA,
     T, L, LP, HK, HV, N,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
-    COMPUTE: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Grid (N, B * HV). From d delta (= dU) and the chunk's dS': dv, dbeta, dk (this value head's, through the
     L2 norm, DK_PART included) and dg (DG_PART included, summed back from the end of the chunk)."""
     n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
-    Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
-    din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
     beta = tl.load(BETA + (b * L + rows) * HV + h, mask=real, other=0.0).to(COMPUTE)
 
     i = tl.arange(0, C)
@@ -428,7 +458,7 @@ def _wy_bwd_kernel(
     srow = bh * LP + rows
     tinv = tl.load(TINV + srow[:, None] * C + i[None, :])
 
-    dw = tl.zeros([C, BK], dtype=COMPUTE)  # -d delta S^T
+    dy = tl.zeros([C, BK], dtype=COMPUTE)  # gradient of Y = beta din k: Tinv^T dW, dW = -d delta S^T
     dk_out = tl.zeros([C, BK], dtype=COMPUTE)  # d(dout k) = delta dS'^T
     dxu = tl.zeros([C, C], dtype=COMPUTE)  # dX U^T, the U half of -dA
     dall_k = tl.zeros([BK], dtype=COMPUTE)  # sum(S * dS') by state row: d dall
@@ -443,42 +473,54 @@ def _wy_bwd_kernel(
         delta = tl.load(DELTA + srow[:, None] * DV + cv[None, :], mask=mv, other=0.0)
         v_offs = ((b * L + rows) * HV + h)[:, None] * DV + cv[None, :]
         v = tl.load(V + v_offs, mask=real[:, None] & mv, other=0.0).to(COMPUTE)
-        dw -= _dot(dd, tl.trans(S))
-        dk_out += _dot(delta, tl.trans(dS))
-        dall_k += tl.sum(S * dS, 1)
-        dx = _dot(tl.trans(tinv), dd)  # gradient of X = beta v
-        tl.store(DV_OUT + v_offs, (dx * beta[:, None]).to(DV_OUT.dtype.element_ty), mask=real[:, None] & mv)
+        dx = _dot(tl.trans(tinv), dd, DOT)  # gradient of X = beta v (and Tinv^T d delta)
+        dy -= _dot(dx, tl.trans(S), DOT)
+        dk_out += _dot(delta, tl.trans(dS), DOT)
+        dall_k += tl.sum(S.to(COMPUTE) * dS.to(COMPUTE), 1)
+        tl.store(DV_OUT + v_offs, _cast(dx * beta[:, None], DV_OUT.dtype.element_ty), mask=real[:, None] & mv)
         dbeta += tl.sum(v * dx, 1)
-        dxu += _dot(dx, tl.trans(_dot(tinv, v * beta[:, None])))
+        dxu += _dot(dx, tl.trans(_dot(tinv, v * beta[:, None], DOT)), DOT)
 
-    # W, Gamma and k only now, not across the loop, and each (C, BK) tile consumed as soon as it can be:
-    # compiled for sm_90a at Dk = 128 this kernel spills (register pressure).
-    dy = _dot(tl.trans(tinv), dw)  # gradient of Y = beta din k
+    # The gates, W, Gamma and k only now, not across the loop, and each (C, BK) tile consumed as soon as it
+    # can be (register pressure).
+    Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
+    din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
     w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=mk, other=0.0)
     # m = dA * Gamma on A's support, with dA = -(dX U^T + dY W^T); A = beta_i Gamma_ij (k k^T)_ij.
-    m = tl.where(i[:, None] > i[None, :], -(dxu + _dot(dy, tl.trans(w))) * _decay_matrix(Gc, seg, C), 0.0)
+    m = tl.where(i[:, None] > i[None, :], -(dxu + _dot(dy, tl.trans(w), DOT)) * _decay_matrix(Gc, seg, C), 0.0)
     k, k_rstd = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
     ky = tl.sum(k * dy, 1)
     d_dout = tl.sum(k * dk_out, 1)
     dk = (beta * din)[:, None] * dy + dout[:, None] * dk_out
-    dk += beta[:, None] * _dot(m, k)
-    dk += _dot(tl.trans(m), k * beta[:, None])
-    kk = _dot(k, tl.trans(k))
+    dk += _dot(m * beta[:, None], k, DOT)
+    dk += _dot(tl.trans(m), k * beta[:, None], DOT)
+    kk = _dot(k, tl.trans(k), DOT)
     dbeta += din * ky + tl.sum(m * kk, 1)
     z = m * kk * beta[:, None]  # d Gamma_ij * Gamma_ij through A
     dG = din * beta * ky - dout * d_dout + tl.sum(z, 1) - tl.sum(z, 0) + tl.load(DG_PART + srow)
     # G_end enters dout (exp(G_end - G_i)) and dall (exp(G_end)).
     dG += tl.where(i == C - 1, tl.sum(dout * d_dout, 0) + dall * tl.sum(dall_k, 0), 0.0)
-    tl.store(DG + (b * T + tok) * HV + h, tl.cumsum(dG, 0, reverse=True).to(DG.dtype.element_ty), mask=first)
-    tl.store(DBETA + (b * L + rows) * HV + h, dbeta.to(DBETA.dtype.element_ty), mask=real)
+    tl.store(DG + (b * T + tok) * HV + h, _cast(tl.cumsum(dG, 0, reverse=True), DG.dtype.element_ty), mask=first)
+    tl.store(DBETA + (b * L + rows) * HV + h, _cast(dbeta, DBETA.dtype.element_ty), mask=real)
     dk += tl.load(DK_PART + srow[:, None] * BK + ck[None, :])
     dk = _unit_rows_bwd(k, k_rstd, dk)
-    tl.store(DK_OUT + ((b * L + rows) * HV + h)[:, None] * DK + ck[None, :], dk.to(DK_OUT.dtype.element_ty),
+    tl.store(DK_OUT + ((b * L + rows) * HV + h)[:, None] * DK + ck[None, :], _cast(dk, DK_OUT.dtype.element_ty),
              mask=real[:, None] & mk)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # launchers
+
+
+def _dtypes(q: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(accumulation dtype, operand dtype): fp32 and the 16-bit dtype for 16-bit q; fp32 and fp32 for fp32;
+    fp64 and fp64 for fp64. The operand dtype is also what the intermediates (Tinv, W, U, delta, the chunk
+    states and their cotangents) are stored in."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    return acc, (q.dtype if q.element_size() == 2 else acc)
+
+
+_TL = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32, torch.float64: tl.float64}
 
 
 def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, resets, chunk_size: int) -> dict:
@@ -487,12 +529,13 @@ def _meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, resets, chunk_size:
     C = chunk_size
     N = triton.cdiv(T * n_h, C)
     BK = max(16, next_pow2(Dk))
+    acc, op = _dtypes(q)
     return dict(
         shapes=(B, T, n_h, Hk, Hv, Dk, Dv, N),
         scalars=dict(T=T, L=T * n_h, LP=N * C, HK=Hk, HV=Hv),
-        consts=dict(R=Hv // Hk, NH=n_h, DK=Dk, DV=Dv, HAS_RESETS=resets is not None,
-                    COMPUTE=tl.float64 if q.dtype == torch.float64 else tl.float32, C=C, BK=BK),
-        acc=torch.promote_types(q.dtype, torch.float32),
+        consts=dict(R=Hv // Hk, NH=n_h, DK=Dk, DV=Dv, HAS_RESETS=resets is not None, COMPUTE=_TL[acc], DOT=_TL[op],
+                    C=C, BK=BK),
+        acc=acc, op=op,
     )
 
 
@@ -506,41 +549,55 @@ def _resets_u8(resets: torch.Tensor | None) -> torch.Tensor | None:
     return None if resets is None else resets.view(torch.uint8)
 
 
+def _states(m: dict, k, g, rs, w, u, initial_state, final, dev, dtype=None) -> torch.Tensor:
+    """The state pass: the state entering each chunk (B, HV, N, DK, DV) in ``dtype`` (default: the operand
+    dtype), delta over u in place, and the final state into ``final`` (when not None)."""
+    B, T, n_h, Hk, Hv, Dk, Dv, N = m["shapes"]
+    sc, cs = m["scalars"], m["consts"]
+    states = torch.empty(B, Hv, N, Dk, Dv, dtype=dtype or m["op"], device=dev)
+    ls = _launch("state_fwd", cs["C"], cs["BK"], Dv)
+    _state_fwd_kernel[(B * Hv, triton.cdiv(Dv, ls["BV"]))](
+        k, g, rs, w, u, initial_state, states, final, **sc, N=N, HAS_S0=initial_state is not None,
+        STORE_FINAL=final is not None, **cs, **ls)
+    return states
+
+
 def chunk_gdr_fwd(q, k, v, g, beta, resets, initial_state, chunk_size: int):
     """q (B, T, Hk, Dk), k (B, T, n_h, Hk, Dk), v (B, T, n_h, Hv, Dv), g (B, T, Hv), beta (B, T, n_h, Hv),
     resets (B, T) bool or None, initial_state (B, Hv, Dk, Dv) or None; all contiguous. Returns o (B, T, Hv, Dv)
     in q's dtype, the final state (B, Hv, Dk, Dv) in fp32 (fp64 for fp64 q), and for the backward Tinv
-    (B, Hv, N * C, C) and the state entering each chunk (B, Hv, N, Dk, Dv)."""
+    (B, Hv, N * C, C) in the operand dtype (q's for 16-bit q): the only intermediate kept."""
     m = _meta(q, k, v, resets, chunk_size)
     B, T, n_h, Hk, Hv, Dk, Dv, N = m["shapes"]
-    C, acc = chunk_size, m["acc"]
+    C, acc, op = chunk_size, m["acc"], m["op"]
     o = q.new_empty(B, T, Hv, Dv)
-    tinv = torch.empty(B, Hv, N * C, C, dtype=acc, device=q.device)
-    states = torch.empty(B, Hv, N, Dk, Dv, dtype=acc, device=q.device)
+    tinv = torch.empty(B, Hv, N * C, C, dtype=op, device=q.device)
     if o.numel() == 0 or Dk == 0:
         final = q.new_zeros(B, Hv, Dk, Dv, dtype=acc) if initial_state is None else initial_state.to(acc, copy=True)
-        return o.zero_(), final, tinv, states
+        return o.zero_(), final, tinv
     check_interpreted(_wy_fwd_kernel, q.device)
     final = torch.empty(B, Hv, Dk, Dv, dtype=acc, device=q.device)
-    w = torch.empty(B, Hv, N * C, Dk, dtype=acc, device=q.device)
-    u = torch.empty(B, Hv, N * C, Dv, dtype=acc, device=q.device)  # U, then delta
+    w = torch.empty(B, Hv, N * C, Dk, dtype=op, device=q.device)
+    u = torch.empty(B, Hv, N * C, Dv, dtype=op, device=q.device)  # U, then delta
     rs = _resets_u8(resets)
     sc, cs = m["scalars"], m["consts"]
-    lw, ls, lo = (_launch(name, C, cs["BK"], Dv) for name in ("wy_fwd", "state_fwd", "output_fwd"))
-    _wy_fwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, u, w, **sc, **cs, **lw)
-    _state_fwd_kernel[(B * Hv, triton.cdiv(Dv, ls["BV"]))](k, g, rs, w, u, initial_state, states, final, **sc, N=N,
-                                                          HAS_S0=initial_state is not None, **cs, **ls)
+    lw, lo = (_launch(name, C, cs["BK"], Dv) for name in ("wy_fwd", "output_fwd"))
+    _wy_fwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, u, w, **sc, **cs, LOAD_TINV=False, **lw)
+    states = _states(m, k, g, rs, w, u, initial_state, final, q.device)
+    del w
     _output_fwd_kernel[(N, B * Hv, triton.cdiv(Dv, lo["BV"]))](q, k, g, rs, states, u, o, **sc, N=N, **cs, **lo)
-    return o, final, tinv, states
+    return o, final, tinv
 
 
-def chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, states, chunk_size: int):
+def chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, initial_state, chunk_size: int):
     """Gradients of `chunk_gdr_fwd` from do (B, T, Hv, Dv) and dht (B, Hv, Dk, Dv), the final state's
-    cotangent (contiguous): dq, dk, dv, dg, dbeta in their inputs' dtypes and the initial state's gradient
-    in the state's dtype. dq and dk are summed over each key head's r value heads here."""
+    cotangent (contiguous), given the forward's Tinv and initial state: W, U, delta and the chunk states are
+    recomputed (one chunk-parallel kernel and the state pass). Returns dq, dk, dv, dg, dbeta in their inputs'
+    dtypes and the initial state's gradient in the accumulation dtype. dq and dk are summed over each key
+    head's r value heads here."""
     m = _meta(q, k, v, resets, chunk_size)
     B, T, n_h, Hk, Hv, Dk, Dv, N = m["shapes"]
-    C, acc = chunk_size, m["acc"]
+    C, acc, op = chunk_size, m["acc"], m["op"]
     r = Hv // Hk
     if do.numel() == 0 or Dk == 0:
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
@@ -548,22 +605,30 @@ def chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, states, chunk_size: i
     check_interpreted(_output_bwd_kernel, q.device)
     dev = q.device
 
-    def scratch(*shape):
-        return torch.empty(B, Hv, *shape, dtype=acc, device=dev)
+    def scratch(*shape, dtype=acc):
+        return torch.empty(B, Hv, *shape, dtype=dtype, device=dev)
 
-    w, delta, ddelta = scratch(N * C, Dk), scratch(N * C, Dv), scratch(N * C, Dv)
-    # dk_part keeps the padded BK columns (zeros past Dk): _wy_bwd adds it to a BK-wide tile unmasked.
-    dk_part, dg_part, dstates = scratch(N * C, m["consts"]["BK"]), scratch(N * C), scratch(N, Dk, Dv)
+    rs = _resets_u8(resets)
+    sc, cs = m["scalars"], m["consts"]
+    w, delta = scratch(N * C, Dk, dtype=op), scratch(N * C, Dv, dtype=op)
+    lw = _launch("wy_fwd", C, cs["BK"], Dv)
+    _wy_fwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, delta, w, **sc, **cs, LOAD_TINV=True, **lw)
+    # The chunk states and their cotangents in fp32 here: the decay's gradient sums S * dS' over the whole state
+    # (d dall), a sum that bf16 copies of both would leave with bf16's relative error; every dot still takes
+    # them as bf16 operands. They live only for the backward, not from the forward on.
+    states = _states(m, k, g, rs, w, delta, initial_state, None, dev, dtype=acc)
+    # d delta in fp32: the sum of the local and the carried part. dk_part keeps the padded BK columns (zeros
+    # past Dk): _wy_bwd adds it to a BK-wide tile unmasked.
+    ddelta = scratch(N * C, Dv)
+    dk_part, dg_part, dstates = scratch(N * C, cs["BK"]), scratch(N * C), scratch(N, Dk, Dv)
     dh0 = torch.empty(B, Hv, Dk, Dv, dtype=acc, device=dev)
     # Per value head; with r > 1 kept in fp32 until the group sum.
     dq_h = torch.empty(B, T, Hv, Dk, dtype=q.dtype if r == 1 else acc, device=dev)
     dk_h = torch.empty(B, T, n_h, Hv, Dk, dtype=k.dtype if r == 1 else acc, device=dev)
     dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
-    rs = _resets_u8(resets)
-    sc, cs = m["scalars"], m["consts"]
     lo, ls, lw = (_launch(name, C, cs["BK"], Dv) for name in ("output_bwd", "state_bwd", "wy_bwd"))
-    _output_bwd_kernel[(N, B * Hv)](q, k, v, g, beta, rs, do, tinv, states, w, delta, ddelta, dk_part, dg_part,
-                                    dq_h, **sc, N=N, **cs, **lo)
+    _output_bwd_kernel[(N, B * Hv)](q, k, g, rs, do, states, delta, ddelta, dk_part, dg_part, dq_h, **sc, N=N,
+                                    **cs, **lo)
     _state_bwd_kernel[(B * Hv, triton.cdiv(Dv, ls["BV"]))](q, k, g, rs, do, w, ddelta, dht, dstates, dh0, **sc,
                                                           N=N, **cs, **ls)
     _wy_bwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, states, dstates, w, delta, ddelta, dk_part, dg_part,
