@@ -26,11 +26,15 @@ DEFAULT_PRESET = "tiny"
 # Why the last `train` stopped ({"stopped_by", "step", "max_steps", "checkpoint"}), written by rank 0 when it stops
 # cleanly: the SLURM job script requeues a run that a signal stopped, never a finished or crashed one.
 LAST_STOP = "last_stop.json"
+# A stop the SLURM job script asked for before the training processes could take a signal (the time-limit warning
+# arrived while they were still starting, ignoring it): its content names the signal; train stops after its first
+# step as if the signal had come then. The job script removes it at the start and end of every attempt.
+STOP_REQUEST = "stop_request"
 
 
 # What a run directory holds (besides checkpoints' own layout), with the kind each must be where it exists.
 RUN_DIR_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "config.yaml": "file", "metrics.jsonl": "file",
-                   LAST_STOP: "file"}
+                   LAST_STOP: "file", STOP_REQUEST: "file"}
 
 
 def check_output_dir(path: Path | str, what: str, *, empty: bool = False, entries: dict[str, str] | None = None

@@ -31,6 +31,7 @@ from .parallel.expert_parallel import sync_expert_grads
 from .parallel.mesh import Mesh
 from .parallel.parallelize import clip_grad_norm
 from .parallel.tensor_parallel import _plain, from_row_order
+from .run_dir import STOP_REQUEST
 from .schedule import Plan, resume_plan
 from .spike import SpikeGuard
 
@@ -47,15 +48,27 @@ class StopSignal:
     """Turns the first SIGTERM/SIGINT/SIGUSR1 into a request to checkpoint and stop at the end of the step.
 
     SIGUSR1 is SLURM's warning before a job's time limit (``sbatch --signal``); SIGTERM is ``scancel`` or a
-    preemption. The SLURM job script (``slurm/template.sbatch``) requeues the job after a SIGUSR1 stop."""
+    preemption. The SLURM job script (``slurm/template.sbatch``) requeues the job after a SIGUSR1 stop.
 
-    def __init__(self):
+    ``request_file``: where the job script records a signal that came before the handlers existed (the training
+    processes ignore USR1 and TERM until then, so that an early one does not kill them): read once the handlers
+    are in, so a signal is either in the file or reaches a handler."""
+
+    def __init__(self, request_file: Path | None = None):
         self.received: int | None = None
         self._previous = {}
+        self._request_file = request_file
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self._request_file is not None and self.received is None:
+            try:
+                name = self._request_file.read_text().strip()
+            except OSError:
+                name = ""
+            if name in ("USR1", "TERM"):
+                self.received = getattr(signal, f"SIG{name}")
         return self
 
     def _handle(self, signum, frame):
@@ -355,7 +368,7 @@ class Trainer:
                    dynamic_ncols=True)
         last_ckpt, val_loss, stopped_by = resumed_from, None, "max_steps"
         try:
-            with StopSignal() as stop:
+            with StopSignal(self.run_dir / STOP_REQUEST) as stop:
                 while self.state.step < t.max_steps:
                     t0 = time.perf_counter()
                     out = self.train_step()

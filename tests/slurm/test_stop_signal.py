@@ -14,7 +14,7 @@ import time
 from hybridtron.train.checkpoint import CheckpointManager
 from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
-from hybridtron.train.run_dir import LAST_STOP
+from hybridtron.train.run_dir import LAST_STOP, STOP_REQUEST
 
 
 def test_sigusr1_checkpoints_stops_and_says_so(small_data_dir, cli_args, tmp_path):
@@ -46,3 +46,21 @@ def test_sigusr1_checkpoints_stops_and_says_so(small_data_dir, cli_args, tmp_pat
     assert main(cli_args(small_data_dir, run, [*flat, "--train.max_steps", str(end)])) == 0
     stop = json.loads((run / LAST_STOP).read_text())
     assert stop == {"stopped_by": "max_steps", "step": end, "max_steps": end, "checkpoint": f"step_{end:08d}"}
+
+
+def test_a_warning_recorded_before_the_handlers_stops_after_the_first_step(small_data_dir, cli_args, tmp_path, capsys):
+    """The job script writes the signal to `stop_request` when it forwards it: a warning that came while the
+    training processes still started (ignoring it) stops them after their first step, with a checkpoint, as if it
+    had come then; a file without a signal's name is no request."""
+    run = tmp_path / "run"
+    args = cli_args(small_data_dir, run, ["--train.max_steps", "20", "--checkpoint.every", "0",
+                                          "--train.eval_every", "0"])
+    run.mkdir()
+    (run / STOP_REQUEST).write_text("USR1\n")
+    assert main(args) == 0
+    assert "received signal SIGUSR1; saving a checkpoint at step 1 and stopping" in capsys.readouterr().out
+    stop = json.loads((run / LAST_STOP).read_text())
+    assert stop["stopped_by"] == "signal" and stop["step"] == 1 and stop["checkpoint"] == "step_00000001", stop
+    (run / STOP_REQUEST).write_text("")  # what a reader racing the script's write may see: not a request
+    assert main(args) == 0
+    assert json.loads((run / LAST_STOP).read_text())["stopped_by"] == "max_steps"
