@@ -21,6 +21,23 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 else:
     torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# The files that take the longest (minutes: several multi-process layouts, the SLURM cluster, interpreter-run
+# training), collected first: pytest-xdist hands each worker whole files in collection order, so the long ones
+# start at once and the short ones fill the end instead of one worker finishing a long file alone.
+LONG_FIRST = ("train/test_data_parallel.py", "train/test_context_parallel.py", "kernels/test_model_kernels.py",
+              "slurm/test_cluster.py", "model/test_state_tracking.py", "train/test_pipeline.py",
+              "train/test_tensor_parallel.py", "train/test_expert_parallel.py", "train/test_composed_parallel.py",
+              "train/test_plan.py", "train/test_hsdp.py", "bench/test_bench_train.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside each file, and of the other files, is kept
+
+
 SMALL_OVERRIDES = [
     ("data.sources", "[{path: stdlib, max_files: 40}]"),
     ("data.tokenizer.vocab_size", "512"),

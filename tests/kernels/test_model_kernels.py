@@ -104,14 +104,14 @@ def train_losses(name: str, backend: str, steps: int) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_convergence_triton_vs_reference(name):
-    """10 AdamW steps of the tiny model on each backend: the losses agree step by step (fp32: the kernels
-    differ from the reference only in summation order), and training does reduce the loss (by ~0.4 at step 10;
-    the reference's curve on these four cycled batches)."""
-    ref = train_losses(name, "reference", 10)
-    tri = train_losses(name, "triton", 10)
+    """5 AdamW steps of the tiny model on each backend: the losses agree step by step (fp32: the kernels
+    differ from the reference only in summation order), and training does reduce the loss: step 5 sees step 1's
+    batch again (four batches, cycled), ~0.25-0.3 lower on the reference."""
+    ref = train_losses(name, "reference", 5)
+    tri = train_losses(name, "triton", 5)
     diffs = [abs(a - b) / abs(a) for a, b in zip(tri, ref, strict=True)]
     assert max(diffs) < 1e-5, f"largest relative step loss difference {max(diffs):.2e} at step {diffs.index(max(diffs))}"
-    assert ref[-1] < ref[0] - 0.3, (ref[0], ref[-1])
+    assert ref[4] < ref[0] - 0.2, (ref[0], ref[4])
 
 
 def test_lm_z_loss_adds_the_log_partition_penalty():
