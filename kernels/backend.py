@@ -151,7 +151,15 @@ def resolve(op: str, requested: str = "auto", device: str | torch.device | None 
 _resolved: dict[tuple[str, str, str], str] = {}
 
 
-@torch.compiler.assume_constant_result
+def _constant_under_compile(fn):
+    """What ``torch.compiler.assume_constant_result`` does (torch 2.13: it sets this mark), without importing
+    torch._dynamo when this module is imported: that import costs ~3.5 s of CPU in every process (every rank,
+    every CLI command), also in those that never compile. The compile tests fail if the mark stops working."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_under_compile
 def pick(op: str, requested: str, device_type: str) -> str:
     """`resolve` for a model's forward, cached per (op, request, device type). torch.compile treats the answer
     as a constant, so the switch costs nothing in a compiled graph and causes no graph break."""
