@@ -180,15 +180,19 @@ def test_hax_module_without_a_key_source_has_no_scorer_or_buffer():
     assert not hasattr(m, "scorer") and "lsh_proj" not in dict(m.named_buffers())
 
 
-def test_export_refuses_the_branch_by_name():
-    """No Hugging Face target carries the branch yet: export says so before loading any weights."""
-    from hybridtron.train.hf.export import ExportError, choose_target
+def test_export_sends_the_branch_to_the_custom_code():
+    """No transformers class carries the branch: export chooses our custom code and names the branch as the
+    reason (tests/train/test_export_custom.py checks the exported model), before loading any weights."""
+    from hybridtron.train.hf.export import choose_target, custom_features
 
     cfg = ModelConfig(layer_pattern="LA", n_layers=2, deltanet=DeltaNetConfig(sparse_attention="hax"))
-    with pytest.raises(ExportError, match="sparse_attention=hax cannot be exported"):
-        choose_target(cfg)
+    assert choose_target(cfg) == "hybridtron"
+    assert custom_features(cfg) == ["model.deltanet.sparse_attention=hax (HAX sparse attention in the Gated DeltaNet "
+                                    "mixer)"]
     cfg.deltanet.sparse_attention = "none"
     assert choose_target(cfg) == "qwen3_5_text"
+    cfg = ModelConfig(layer_pattern="A", n_layers=2, deltanet=DeltaNetConfig(sparse_attention="hax"))
+    assert choose_target(cfg) == "qwen3_5_text"  # no Gated DeltaNet layer, so no branch
 
 
 @pytest.mark.parametrize("parallel", [("parallel.cp", "2"), ("parallel.tp", "2")])

@@ -1,5 +1,5 @@
-"""The custom-code export (``trust_remote_code=True``): Gated DeltaNet with negative eigenvalues and
-DeltaProduct, which transformers' Qwen3.5 lacks. Judged like the native exports, by transformers loading
+"""The custom-code export (``trust_remote_code=True``): Gated DeltaNet with negative eigenvalues,
+DeltaProduct and HAX's sparse attention branch, which transformers' Qwen3.5 lacks. Judged like the native exports, by transformers loading
 the directory (the modeling code is the copy written there): logits against ours in float32, greedy
 generation through transformers' own ``generate`` and cache against our decoder, transformers' cached
 decoding against its own full forward, tokenizer encodings; the directory loads without hybridtron."""
@@ -7,6 +7,7 @@ decoding against its own full forward, tokenizer encodings; the directory loads 
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import os
 import subprocess
@@ -58,6 +59,18 @@ def tiny_deltaproduct() -> ModelConfig:
     return load_config("tiny_deltaproduct").model
 
 
+HAX_KINDS = ("hax", "lsh", "key_selection", "window")
+
+
+def small_hax(kind: str) -> ModelConfig:
+    """HAX with a budget of 8 keys and 8 buckets, so that the checks' 32 to 64 tokens choose among keys (the
+    preset's 64 keys would take all of them); with "lsh", DeltaProduct too (the branch reads the values of the
+    first of the two delta steps)."""
+    return ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64,
+                       layer_pattern="LA", deltanet=DeltaNetConfig(**SMALL_DN, sparse_attention=kind, sparse_keys=8,
+                                                                   lsh_bits=3, n_householder=2 if kind == "lsh" else 1))
+
+
 CASES = {
     "neg_eigval_hybrid": lambda: ModelConfig(
         d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="LLA",
@@ -83,6 +96,10 @@ CASES = {
     "deltaproduct3_untied_headwise": lambda: ModelConfig(
         d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="LA",
         tie_embeddings=False, attn_gate="headwise", deltanet=DeltaNetConfig(**SMALL_DN, n_householder=3)),
+    # HAX (model/hax.py): the tiny_hax preset (Gated DeltaNet only: transformers' Qwen3.5 cannot decode with a
+    # cache without an attention layer, our text model can) and each kind of the branch on a small model.
+    "tiny_hax": lambda: load_config("tiny_hax").model,
+    **{f"hax_{kind}": functools.partial(small_hax, kind) for kind in HAX_KINDS},
 }
 
 
@@ -123,6 +140,7 @@ def test_custom_export_matches_in_logits_generation_and_cached_decoding(case, to
     assert "trust_remote_code=True" in said
     assert ("neg_eigval=true" in said) == dn.neg_eigval
     assert (f"n_householder={dn.n_householder} (DeltaProduct)" in said) == (dn.n_householder > 1)
+    assert (f"sparse_attention={dn.sparse_attention} (HAX" in said) == (dn.sparse_attention != "none")
     assert report.max_logit_diff <= 1e-4 and any(line.startswith("parity: max |logit") for line in logs)
     m = model.cfg.moe
     if m.n_experts:  # the export's own check routed to several experts in every MoE layer
@@ -134,6 +152,7 @@ def test_custom_export_matches_in_logits_generation_and_cached_decoding(case, to
     assert cfg["model_type"] == "hybridtron" and cfg["architectures"] == ["HybridtronForCausalLM"]
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_hybridtron.HybridtronForCausalLM"
     assert (cfg["linear_allow_neg_eigval"], cfg["linear_num_householder"]) == (dn.neg_eigval, dn.n_householder)
+    assert cfg.get("linear_sparse_attention", "none") == dn.sparse_attention
     for f in ("modeling_hybridtron.py", "configuration_hybridtron.py"):
         assert import_roots(out / f) <= {"torch", "transformers", ".configuration_hybridtron"}, f
 
@@ -203,6 +222,68 @@ def test_the_comparison_catches_a_missing_router_bias(tok_dir, tmp_path):
         assert (hf(x).logits - model(x)).abs().max().item() > 1e-2
 
 
+@pytest.mark.parametrize("kind", HAX_KINDS)
+def test_the_comparison_catches_a_wrong_or_missing_hax_branch(kind, tok_dir, tmp_path):
+    """The export's own check (`parity`) on a HAX export whose directory is then changed: without the branch
+    (its output vector zeroed), with half the key budget, with another LSH projection, with the key scorer's
+    ranking reversed. Each is far outside the tolerance; the directory as written is inside it."""
+    from safetensors.torch import load_file, save_file
+
+    from hybridtron.train.hf.export import PARITY_TOLERANCE, parity
+
+    model, _ = export_case(f"hax_{kind}", tok_dir, tmp_path / "hf")
+    weights, config = tmp_path / "hf" / "model.safetensors", tmp_path / "hf" / "config.json"
+    good, good_cfg = load_file(weights), json.loads(config.read_text())
+    hax = "model.layers.0.linear_attn.hax."
+
+    def measured(cfg=None, **tensors) -> float:
+        save_file({**good, **{hax + k: v for k, v in tensors.items()}}, weights, metadata={"format": "pt"})
+        config.write_text(json.dumps({**good_cfg, **(cfg or {})}))
+        return parity(model, tmp_path / "hf", V, trust_remote_code=True)["max_logit_diff"]
+
+    assert measured() <= PARITY_TOLERANCE
+    assert measured(out_scale=torch.zeros_like(good[hax + "out_scale"])) > 1e-2
+    assert measured({"linear_sparse_keys": 4}) > 1e-2
+    if kind in ("hax", "lsh"):
+        other = torch.randn(good[hax + "lsh_proj"].shape, generator=torch.Generator().manual_seed(5))
+        assert measured(lsh_proj=other) > 1e-2
+    if kind in ("hax", "key_selection"):
+        assert measured(**{"scorer.4.weight": -good[hax + "scorer.4.weight"]}) > 1e-2
+
+
+def test_export_refuses_a_directory_that_lost_the_hax_branch(tok_dir, tmp_path, monkeypatch):
+    """The branch's output vector written as zeros: the export measures the difference and writes nothing."""
+    from hybridtron.train.hf import export as export_module
+    from hybridtron.train.hf.export import ExportError
+
+    real = export_module.to_hf_names
+
+    def without_branch(state, cfg, target):
+        return {k: torch.zeros_like(v) if k.endswith("hax.out_scale") else v for k, v in real(state, cfg, target).items()}
+
+    monkeypatch.setattr(export_module, "to_hf_names", without_branch)
+    with pytest.raises(ExportError, match="exported model differs from the checkpoint"):
+        export_case("hax_hax", tok_dir, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_beam_search_reorders_the_hax_cache(tok_dir, tmp_path):
+    """Beam search reorders transformers' cache between steps; the HAX branch's keys and values, which that cache
+    holds for it, must follow (HybridtronForCausalLM._reorder_cache): cached beams equal uncached ones."""
+    export_case("hax_hax", tok_dir, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                           trust_remote_code=True).eval()
+    prompt = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(6))
+    # no_repeat_ngram_size=1: without it this model's beams all repeat one token, so that beams swapped between
+    # steps have the same keys and a cache left unordered gives the same result; the four beams and their scores
+    # are compared (with the branch's cache left unordered, the seventh new token already differs).
+    kw = dict(num_beams=4, num_return_sequences=4, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+              no_repeat_ngram_size=1, return_dict_in_generate=True, output_scores=True)
+    cached, uncached = hf.generate(prompt, use_cache=True, **kw), hf.generate(prompt, use_cache=False, **kw)
+    assert cached.sequences.tolist() == uncached.sequences.tolist()
+    assert torch.allclose(cached.sequences_scores, uncached.sequences_scores, atol=1e-5)
+
+
 @pytest.mark.slow
 def test_the_exported_directory_loads_without_hybridtron(tok_dir, tmp_path):
     """A fresh interpreter where `import hybridtron` fails (and the checkout is off sys.path) loads the
@@ -240,15 +321,18 @@ def test_the_exported_directory_loads_without_hybridtron(tok_dir, tmp_path):
     assert_same_greedy(model, ours, result["ids"], load_tokenizer(tok_dir).eos_id)
 
 
-def test_round_trip_of_a_custom_export_is_bit_exact(tok_dir, tmp_path):
+@pytest.mark.parametrize("case", ["tiny_deltaproduct", "tiny_hax"])
+def test_round_trip_of_a_custom_export_is_bit_exact(case, tok_dir, tmp_path):
     from safetensors.torch import load_file
 
     from hybridtron.train.hf.load import load_hf_weights, model_config_from_hf, read_hf_config
 
-    model, _ = export_case("tiny_deltaproduct", tok_dir, tmp_path / "a")
+    model, _ = export_case(case, tok_dir, tmp_path / "a")
     # The rotary length comes from the run (as with --init-from), not from max_position_embeddings.
     cfg = model_config_from_hf(read_hf_config(tmp_path / "a"), ModelConfig(max_seq_len=model.cfg.max_seq_len))
-    assert cfg.deltanet.neg_eigval and cfg.deltanet.n_householder == 2
+    dn, want = cfg.deltanet, model.cfg.deltanet
+    assert (dn.neg_eigval, dn.n_householder) == (want.neg_eigval, want.n_householder)
+    assert (dn.sparse_attention, dn.sparse_keys, dn.lsh_bits) == (want.sparse_attention, want.sparse_keys, want.lsh_bits)
     imported = GatedLM(cfg, cfg.vocab_size)
     load_hf_weights(imported, tmp_path / "a")
     export_model(imported.eval(), tok_dir, tmp_path / "b", log=lambda _: None)

@@ -27,6 +27,7 @@ PRESETS = {
     "tiny_structured": "Qwen3_5ForCausalLM",
     "tiny_moe": "HybridtronForCausalLM",  # the auxiliary-loss-free router bias
     "tiny_deltaproduct": "HybridtronForCausalLM",  # negative eigenvalues, DeltaProduct
+    "tiny_hax": "HybridtronForCausalLM",  # HAX sparse attention in every Gated DeltaNet mixer, no attention layer
 }
 SHORT = ["--model.n_layers", "4", "--train.max_steps", "2", "--checkpoint.every", "2", "--train.eval_every", "0",
          "--train.warmup_steps", "1"]

@@ -11,7 +11,8 @@ Targets, by what the model is (`choose_target`: a native class wherever one is e
 - ``qwen3`` (Qwen3ForCausalLM): ungated attention-only models with QK-norm and full rotary; ``llama``
   without QK-norm;
 - ``hybridtron`` (HybridtronForCausalLM, custom code): what no transformers class holds (`custom_features`):
-  Gated DeltaNet with negative eigenvalues (beta in (0, 2)) or DeltaProduct; MoE with the
+  Gated DeltaNet with negative eigenvalues (beta in (0, 2)), DeltaProduct or HAX's sparse attention
+  branch (model.deltanet.sparse_attention; its weights keep our names, ``linear_attn.hax.*``); MoE with the
   auxiliary-loss-free router bias, a sigmoid router or no shared expert. The directory then also holds
   ``configuration_hybridtron.py`` and ``modeling_hybridtron.py`` (train/hf/export_custom/, Qwen3.5's
   classes with the mixer and the MoE block replaced; torch and transformers only) with ``auto_map``
@@ -96,7 +97,9 @@ def custom_features(cfg: ModelConfig) -> list[str]:
     out = []
     if "L" in cfg.layer_types():  # the options act on delta-rule layers only: an attention-only model ignores them
         out += (["model.deltanet.neg_eigval=true (beta in (0, 2))"] if d.neg_eigval else []) + (
-            [f"model.deltanet.n_householder={d.n_householder} (DeltaProduct)"] if d.n_householder > 1 else [])
+            [f"model.deltanet.n_householder={d.n_householder} (DeltaProduct)"] if d.n_householder > 1 else []) + (
+            [f"model.deltanet.sparse_attention={d.sparse_attention} (HAX sparse attention in the Gated DeltaNet "
+             f"mixer)"] if d.sparse_attention != "none" else [])
     if m.n_experts:
         if m.bias_update_rate:
             out.append("model.moe.bias_update_rate>0 (the auxiliary-loss-free router bias chooses the experts)")
@@ -133,11 +136,6 @@ def choose_target(cfg: ModelConfig) -> str:
     nearest option that has one."""
     m = cfg.moe
     types = cfg.layer_types()
-    if "L" in types and cfg.deltanet.sparse_attention != "none":
-        raise ExportError(f"model.deltanet.sparse_attention={cfg.deltanet.sparse_attention} cannot be exported yet: "
-                          f"transformers has no such mixer and the custom-code export does not carry the sparse "
-                          f"attention branch (model/hax.py) with its key selection and cache; use the checkpoint with "
-                          f"hybridtron (sample, eval) or train without model.deltanet.sparse_attention")
     if cfg.attn_gate == "none" and "L" not in types and not m.n_experts:
         if cfg.rotary_fraction == 1.0:
             return "qwen3" if cfg.qk_norm else "llama"
@@ -204,8 +202,12 @@ def hf_config(cfg: ModelConfig, vocab_size: int, target: str, tok) -> object:
             norm_topk_prob=m.norm_topk_prob, moe_router_bias_update_rate=m.bias_update_rate,
             router_aux_loss_coef=m.aux_loss_coef,
             mlp_only_layers=[i for i in range(cfg.n_layers) if not m.is_moe_layer(i)]) if m.n_experts else {}
-        hf = HybridtronConfig(**common, **qwen, linear_allow_neg_eigval=cfg.deltanet.neg_eigval,
-                              linear_num_householder=cfg.deltanet.n_householder, **moe)
+        d = cfg.deltanet
+        sparse = dict(linear_sparse_attention=d.sparse_attention, linear_sparse_keys=d.sparse_keys,
+                      linear_sparse_dim=d.sparse_dim or dk, linear_lsh_bits=d.lsh_bits) if (
+            d.sparse_attention != "none" and "L" in cfg.layer_types()) else {}
+        hf = HybridtronConfig(**common, **qwen, linear_allow_neg_eigval=d.neg_eigval,
+                              linear_num_householder=d.n_householder, **sparse, **moe)
         hf.auto_map = {"AutoConfig": "configuration_hybridtron.HybridtronConfig",
                        "AutoModelForCausalLM": "modeling_hybridtron.HybridtronForCausalLM"}
         return hf

@@ -2,12 +2,12 @@
 
 The inverse of ``train/hf/export.py`` for the architectures it writes: ``qwen3_5_text`` / ``qwen3_5``
 (Qwen3.5 dense and hybrid), ``qwen3_5_moe_text`` / ``qwen3_5_moe``, ``qwen3_next``, ``qwen3``, ``llama`` and
-``hybridtron`` (our custom-code export: Qwen3.5 plus negative eigenvalues / DeltaProduct and MoE with
-our router options, read from its config.json; its Python files are never run here). The HF config becomes the model section (norms in
+``hybridtron`` (our custom-code export: Qwen3.5 plus negative eigenvalues / DeltaProduct / HAX sparse
+attention and MoE with our router options, read from its config.json; its Python files are never run here). The HF config becomes the model section (norms in
 the target's own convention, so every tensor is copied bit for bit and an export of the imported model
 reproduces the files' tensors exactly); the directory's ``tokenizer.json`` becomes the run's tokenizer
 (``data.tokenizer.kind=pretrained``). Training settings that HF configs do not carry (document
-masking, chunk sizes, MoE loss weights) stay as configured.
+masking, chunk sizes, MoE loss weights, HAX's ranking loss weight) stay as configured.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def model_config_from_hf(raw: dict, base: ModelConfig) -> ModelConfig:
             n_k_heads=raw["linear_num_key_heads"], n_v_heads=raw["linear_num_value_heads"],
             k_head_dim=raw["linear_key_head_dim"], v_head_dim=raw["linear_value_head_dim"],
             conv_size=raw["linear_conv_kernel_dim"], neg_eigval=bool(raw.get("linear_allow_neg_eigval", False)),
-            n_householder=int(raw.get("linear_num_householder", 1))))
+            n_householder=int(raw.get("linear_num_householder", 1)), **sparse_attention_from_hf(raw)))
     if mt.startswith("qwen3_5_moe"):
         cfg = replace(cfg, moe=replace(
             base.moe if base.moe.n_experts else MoEConfig(), n_experts=raw["num_experts"],
@@ -102,6 +102,20 @@ def model_config_from_hf(raw: dict, base: ModelConfig) -> ModelConfig:
                   scale=replace(cfg.scale, branch_specific=False, two_sided=False, magnitude_direction=False))
     cfg.validate()
     return cfg
+
+
+def sparse_attention_from_hf(raw: dict) -> dict:
+    """model.deltanet's HAX fields for a ``hybridtron`` export's ``linear_sparse_*`` (the ranking loss weight is
+    a training setting and stays as configured); none for every other config."""
+    kind = raw.get("linear_sparse_attention") or "none"
+    if kind == "none":
+        return {"sparse_attention": "none"}
+    if kind not in ("hax", "lsh", "key_selection", "window"):
+        raise HFImportError(f"linear_sparse_attention={kind!r} in config.json is not one of hax, lsh, key_selection, "
+                            f"window; re-export the model")
+    # (defaults: HybridtronConfig's, for a config.json written without them)
+    return {"sparse_attention": kind, "sparse_keys": int(raw.get("linear_sparse_keys", 64)),
+            "sparse_dim": int(raw.get("linear_sparse_dim", 0)), "lsh_bits": int(raw.get("linear_lsh_bits", 8))}
 
 
 def read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:

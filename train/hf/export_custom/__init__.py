@@ -1,6 +1,6 @@
 """The custom-code half of ``hybridtron export``: the two files copied next to ``config.json`` when a
-model has a feature no transformers class has (negative eigenvalues, DeltaProduct; MoE with the router
-bias, a sigmoid router or no shared expert).
+model has a feature no transformers class has (negative eigenvalues, DeltaProduct, HAX sparse attention;
+MoE with the router bias, a sigmoid router or no shared expert).
 
 ``configuration_hybridtron.py`` and ``modeling_hybridtron.py`` are written out verbatim and loaded by
 ``AutoConfig`` / ``AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)``. They import
