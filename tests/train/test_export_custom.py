@@ -99,6 +99,9 @@ CASES = {
     # HAX (model/hax.py): the tiny_hax preset (Gated DeltaNet only: transformers' Qwen3.5 cannot decode with a
     # cache without an attention layer, our text model can) and each kind of the branch on a small model.
     "tiny_hax": lambda: load_config("tiny_hax").model,
+    "gdn_only": lambda: ModelConfig(  # no attention layer: Qwen3.5's text model cannot decode it with a cache
+        d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, ffn_hidden=64, layer_pattern="L",
+        deltanet=DeltaNetConfig(**SMALL_DN)),
     **{f"hax_{kind}": functools.partial(small_hax, kind) for kind in HAX_KINDS},
 }
 

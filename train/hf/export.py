@@ -100,6 +100,9 @@ def custom_features(cfg: ModelConfig) -> list[str]:
             [f"model.deltanet.n_householder={d.n_householder} (DeltaProduct)"] if d.n_householder > 1 else []) + (
             [f"model.deltanet.sparse_attention={d.sparse_attention} (HAX sparse attention in the Gated DeltaNet "
              f"mixer)"] if d.sparse_attention != "none" else [])
+        if "A" not in cfg.layer_types():
+            out.append(f"model.layer_pattern={cfg.layer_pattern} without an attention layer (transformers' Qwen3.5 "
+                       f"cannot decode with its cache when no layer is attention)")
     if m.n_experts:
         if m.bias_update_rate:
             out.append("model.moe.bias_update_rate>0 (the auxiliary-loss-free router bias chooses the experts)")
