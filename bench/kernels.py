@@ -14,8 +14,10 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
   ours.
 - ``swiglu``: ``silu(g) * u`` -- eager, compiled, Liger's SiLU-mul, ours.
 - ``conv``: Gated DeltaNet's short causal depthwise convolution + SiLU (kernels/short_conv) over the q/k/v
-  channels of in_proj_qkv (hybrid_1b: 6144 channels, width 4, one sequence per ``--conv-seq``) -- eager
-  reference, compiled, Dao-AILab's ``causal_conv1d_fn`` (``causal-conv1d``, CUDA) where installed, ours.
+  channels of in_proj_qkv (hybrid_1b: 6144 channels, width 4; every ``--conv-seq`` x ``--conv-batch``, without
+  and with documents of mean length ``--dr-doc-len``) -- eager reference, compiled, Dao-AILab's
+  ``causal_conv1d_fn`` (``causal-conv1d``, CUDA; documents as its ``seq_idx``) where installed, ours; a verdict
+  each against the 70% of copy bandwidth target.
 - ``cross_entropy``: LM head + loss at a 152k vocabulary -- the plain path (logits, fp32 upcast,
   F.cross_entropy), compiled plain path, Liger's fused linear cross-entropy, ours (chunked).
 - ``delta_rule``: Gated DeltaNet's chunked gated delta rule, forward + backward (issue 10) -- the torch
@@ -250,24 +252,33 @@ def _causal_conv1d(device):
     return causal_conv1d_fn
 
 
-def conv_case(seq: int, channels: int, width: int, dtype, device, compile_peers: bool, ours: bool) -> Case:
-    """silu(causal depthwise conv) of one (1, seq, channels) row, no documents (causal-conv1d's document form
-    needs its seq_idx; every peer computes the same thing without). Weight (C, 1, K) as nn.Conv1d stores it."""
-    x = torch.randn(1, seq, channels, device=device, dtype=dtype)
+def conv_case(seq: int, channels: int, width: int, dtype, device, compile_peers: bool, ours: bool,
+              batch: int = 1, doc_len: int | None = None) -> Case:
+    """silu(causal depthwise conv) of ``batch`` (batch, seq, channels) rows; with ``doc_len``, each row cut into
+    documents (`packed_cu_seqlens`) given as doc ids (ours, the reference) or as causal-conv1d's seq_idx.
+    Weight (C, 1, K) as nn.Conv1d stores it."""
+    x = torch.randn(batch, seq, channels, device=device, dtype=dtype)
     w = (torch.rand(channels, 1, width, device=device) * 2 - 1) * width ** -0.5  # nn.Conv1d's default init
+    doc_ids = None
+    if doc_len:
+        cu = packed_cu_seqlens(batch, seq, doc_len)
+        doc_ids = (torch.searchsorted(cu, torch.arange(batch * seq), right=True) - 1).view(batch, seq).to(device)
 
     def eager(x, w):
-        return short_conv_reference(x, w)
+        return short_conv_reference(x, w, doc_ids)
 
     cands: dict = {"torch eager": eager, "torch.compile": _compiled(eager, compile_peers)}
     cc = _causal_conv1d(device)
-    # (B, C, T) as a transposed view of our (B, T, C): its channel-last layout, so no copy either way
+    # (B, C, T) as a transposed view of our (B, T, C): its channel-last layout, so no copy either way; its
+    # documents are seq_idx (B, T) int32, which it takes in that layout only
+    seq_idx = None if doc_ids is None else doc_ids.to(torch.int32)
     cands["causal-conv1d"] = cc if isinstance(cc, str) else (
-        lambda x, w: cc(x.transpose(1, 2), w[:, 0], activation="silu").transpose(1, 2))
+        lambda x, w: cc(x.transpose(1, 2), w[:, 0], seq_idx=seq_idx, activation="silu").transpose(1, 2))
     if ours:
-        cands["triton (ours)"] = lambda x, w: short_conv(x, w, backend="triton")
-    # fwd: read x; write y. bwd: read dy, x; write dx. w and dw (C x K) are negligible.
-    return Case("conv", f"B1 T{seq} C{channels} K{width} {_dt(dtype)}", [x, w], cands,
+        cands["triton (ours)"] = lambda x, w: short_conv(x, w, doc_ids, backend="triton")
+    # fwd: read x; write y. bwd: read dy, x; write dx. w and dw (C x K) and the doc ids are negligible.
+    docs = f" docs~{doc_len}" if doc_len else ""
+    return Case("conv", f"B{batch} T{seq} C{channels} K{width}{docs} {_dt(dtype)}", [x, w], cands,
                 bytes_moved=5 * x.numel() * x.element_size())
 
 
@@ -393,6 +404,7 @@ def moe_permute_case(tokens: int, d: int, experts: int, top_k: int, dtype, devic
                 bytes_moved=rows * d * x.element_size())
 
 
+CONV_TARGET = 0.7  # the short convolution's fwd + bwd at >= 70% of copy bandwidth (issue 20)
 DR_OURS, DR_FLA = "triton (ours)", "fla chunk_gated_delta_rule"  # the delta-rule candidates the target compares
 DR_TARGET = 0.8  # ours at <= 0.8x fla's time (issue 20), and no more peak memory than fla ...
 DR_HEAD_DIM, DR_SEQS, DR_BATCHES = 128, (4096, 16384), (1, 4)  # ... at this head dim, sequences, batches
@@ -710,6 +722,18 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
                 m = ours.peak_mib / plain.peak_mib
                 line += f"; {100 * m:.0f}% of its peak memory (target <= 15%: {'met' if m <= 0.15 else 'NOT met'})"
             out.append(line)
+    for s in shapes("conv"):
+        ours, cc = by.get(("conv", s, "triton (ours)")), by.get(("conv", s, "causal-conv1d"))
+        if ours is None:
+            continue
+        parts = []
+        if copy_gbs and "gbs" in ours.extra:
+            frac = ours.extra["gbs"] / copy_gbs
+            parts.append(f"{100 * frac:.0f}% of copy bandwidth (target >= {100 * CONV_TARGET:.0f}%: "
+                         f"{'met' if frac >= CONV_TARGET else 'NOT met'})")
+        if cc is not None:
+            parts.append(f"{cc.seconds / ours.seconds:.2f}x causal-conv1d's speed")
+        out.append(f"- conv {s}: " + "; ".join(parts or ["timed (no copy bandwidth or causal-conv1d to compare)"]))
     dr = [r for r in rows if r.op == "delta_rule"]
     for s in shapes("delta_rule"):
         out.append(_delta_rule_verdict([r for r in dr if r.shape == s]))
@@ -805,7 +829,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--dr-head-dim", type=int, default=128)
     ap.add_argument("--dr-chunk", type=int, default=64, choices=[16, 32, 64])
     ap.add_argument("--conv-seq", type=int, nargs="+", default=[4096, 8192],
-                    help="sequence lengths of the short convolution (batch 1)")
+                    help="sequence lengths of the short convolution (each with each --conv-batch, with and without "
+                         "documents of --dr-doc-len)")
+    ap.add_argument("--conv-batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--conv-dim", type=int, default=6144, help="conv channels: hybrid_1b's in_proj_qkv width "
                                                                 "(q, k: 16 x 128 each; v: 16 x 128)")
     ap.add_argument("--conv-size", type=int, default=4)
@@ -823,8 +849,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--append", default=str(RESULTS), help="results file to append the table to")
     ap.add_argument("--no-append", action="store_true")
     args = ap.parse_args(argv)
-    if min(args.dr_batch) < 1 or args.dr_doc_len < 1:
-        ap.error(f"--dr-batch {args.dr_batch} and --dr-doc-len {args.dr_doc_len} must be >= 1")
+    if min(args.dr_batch + args.conv_batch) < 1 or args.dr_doc_len < 1:
+        ap.error(f"--dr-batch {args.dr_batch}, --conv-batch {args.conv_batch} and --dr-doc-len {args.dr_doc_len} "
+                 f"must be >= 1")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("no CUDA device is visible; timings need a GPU (--device cpu only exercises the script)")
@@ -842,8 +869,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         "rotary": lambda: [rotary_case(args.tokens, args.heads, args.kv_heads, args.head_dim, args.rotary_fraction,
                                        dtype, device, compile_peers, ours)],
         "swiglu": lambda: [swiglu_case(args.tokens, args.ffn_hidden, dtype, device, compile_peers, ours)],
-        "conv": lambda: (conv_case(t, args.conv_dim, args.conv_size, dtype, device, compile_peers, ours)
-                         for t in args.conv_seq),
+        "conv": lambda: (conv_case(t, args.conv_dim, args.conv_size, dtype, device, compile_peers, ours, batch=b,
+                                   doc_len=args.dr_doc_len if docs == "packed" else None)
+                         for t in args.conv_seq for b in args.conv_batch for docs in ("none", "packed")),
         "cross_entropy": lambda: [cross_entropy_case(args.ce_tokens, args.d_model, args.vocab, dtype, device,
                                                      compile_peers, ours)],
         "delta_rule": lambda: (delta_rule_case(t, args.dr_heads, args.dr_head_dim, args.dr_chunk, dtype, device,

@@ -11,7 +11,7 @@ from hybridtron.bench import kernels as bench
 from hybridtron.model import moe
 
 TINY_MOE = ["--moe-d-model", "16", "--moe-experts", "4", "--moe-top-k", "2", "--moe-hidden", "8"]
-TINY_CONV = ["--conv-seq", "12", "--conv-dim", "16", "--conv-size", "4"]
+TINY_CONV = ["--conv-seq", "12", "--conv-batch", "2", "--conv-dim", "16", "--conv-size", "4"]
 
 
 def test_bench_runs_tiny_on_cpu_and_appends(tmp_path, capsys):
@@ -62,11 +62,14 @@ def test_verdicts_say_met_or_not():
     ]
     rows += [bench.Row("delta_rule", "s", "triton (ours)", seconds=1.2),
              bench.Row("delta_rule", "s", "fla chunk_gated_delta_rule", seconds=1.0)]
+    rows += [bench.Row("conv", "c", "triton (ours)", seconds=1.0, extra={"gbs": 2000.0}),
+             bench.Row("conv", "c", "causal-conv1d", seconds=1.5)]
     rows += [bench.Row("grouped_gemm", "s", bench.GG_OURS, seconds=1.2),
              bench.Row("grouped_gemm", "s", bench.GG_DENSE, seconds=1.0)]
     lines = bench.verdicts(rows, copy_gbs=3300.0)
     assert "- grouped_gemm: ours at 83% of the dense matmul's TFLOP/s (target >= 80%: met)" in lines
     assert "- delta_rule s: 1.20x fla's time (target <= 0.8: NOT met)" in lines
+    assert "- conv c: 61% of copy bandwidth (target >= 70%: NOT met); 1.50x causal-conv1d's speed" in lines
     assert lines[0] == ("- norm: 91% of copy bandwidth (target >= 85%: met); 1.50x torch.compile's speed "
                         "(target > 1: met)")
     assert "61% of copy bandwidth (target >= 85%: NOT met)" in lines[1] and "0.50x" in lines[1]
@@ -138,11 +141,22 @@ def test_moe_layer_verdict():
                     "the fp32-expert path 5.00x ours")
 
 
-def _fake_causal_conv1d_fn(x, weight, bias=None, activation=None):
-    """causal-conv1d's documented contract (x (B, C, T), weight (C, K)), to check our adapter's layouts on the CPU."""
+def _fake_causal_conv1d_fn(x, weight, bias=None, seq_idx=None, activation=None):
+    """causal-conv1d's documented contract (x (B, C, T), weight (C, K); seq_idx (B, T) int32: a tap never reads
+    another sequence's input), to check our adapter's layouts and documents on the CPU."""
     assert x.stride(1) == 1 and weight.dim() == 2  # handed our (B, T, C) as its channel-last view, no copy
+    B, C, T = x.shape
+    assert seq_idx is None or (seq_idx.dtype == torch.int32 and seq_idx.shape == (B, T))
     K = weight.shape[1]
-    y = F.conv1d(F.pad(x, (K - 1, 0)), weight[:, None], bias, groups=x.shape[1])
+    y = torch.zeros_like(x) if bias is None else bias[:, None].expand_as(x).clone()
+    for j in range(K):  # tap j reads x[t - s], s = K - 1 - j
+        s = K - 1 - j
+        xs = F.pad(x, (s, 0))[..., :T]
+        if seq_idx is not None and s:
+            same = torch.zeros(B, T, dtype=torch.bool)
+            same[:, s:] = seq_idx[:, s:] == seq_idx[:, :-s]
+            xs = xs * same[:, None]
+        y = y + xs * weight[:, j, None]
     return F.silu(y) if activation == "silu" else y
 
 
@@ -152,16 +166,19 @@ def test_conv_and_moe_permute_run_tiny_under_the_interpreter(tmp_path, monkeypat
     out = tmp_path / "RESULTS.md"
     # --no-compile: inductor on the CPU would take most of the time budget; the compile peer is listed as skipped
     rows = bench.main(["--device", "cpu", "--dtype", "float32", "--no-compile", "--ops", "conv", "moe_permute",
-                       "--tokens", "6", *TINY_MOE, *TINY_CONV, "--repeats", "1", "--warmup", "0", "--append", str(out)])
-    by = {(r.op, r.impl): r for r in rows}
-    for key in [("conv", "torch eager"), ("conv", "causal-conv1d"), ("conv", "triton (ours)"),
-                ("moe_permute", "torch eager"), ("moe_permute", "triton (ours)")]:
-        r = by[key]  # outputs and the gradients of x, w (conv) or x, ys, router weights (moe) agree with ours
-        assert r.seconds is not None and r.max_err is not None and r.max_err < 1e-4, r
-        assert r.rate.endswith("GB/s"), r
-    assert by["conv", "torch eager"].max_err > 0  # compared with ours, not with itself
+                       "--tokens", "6", *TINY_MOE, *TINY_CONV, "--dr-doc-len", "3", "--repeats", "1", "--warmup", "0", "--append", str(out)])
+    # conv: --conv-batch 2, without and with documents (causal-conv1d given them as seq_idx)
+    assert [r.shape for r in rows if r.op == "conv" and r.impl == "triton (ours)"] == [
+        "B2 T12 C16 K4 float32", "B2 T12 C16 K4 docs~3 float32"]
+    for r in rows:  # outputs and the gradients of x, w (conv) or x, ys, router weights (moe) agree with ours
+        if (r.op, r.impl) in {("conv", "torch eager"), ("conv", "causal-conv1d"), ("conv", "triton (ours)"),
+                              ("moe_permute", "torch eager"), ("moe_permute", "triton (ours)")}:
+            assert r.seconds is not None and r.max_err is not None and r.max_err < 1e-4, r
+            assert r.rate.endswith("GB/s"), r
+    assert all(r.max_err > 0 for r in rows if (r.op, r.impl) == ("conv", "torch eager"))  # compared with ours
     text = out.read_text()
-    assert "| conv | B1 T12 C16 K4 float32 | causal-conv1d | " in text
+    assert "| conv | B2 T12 C16 K4 float32 | causal-conv1d | " in text
+    assert "- conv B2 T12 C16 K4 docs~3 float32: " in text and "x causal-conv1d's speed" in text
     assert "| moe_permute | N6 E4 top2 d16 float32 | triton (ours) | " in text
     assert "| moe_permute | N6 E4 top2 d16 float32 | torch.compile | torch.compile skipped" in text
 
