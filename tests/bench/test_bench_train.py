@@ -123,3 +123,18 @@ def test_summary_takes_the_timed_steps_and_refuses_missing_ones():
 def test_unknown_variant_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown variant 'zero9'"):
         bench.main([*TINY, "--variants", "zero9", "--work-dir", str(tmp_path)])
+
+
+def test_mfu_verdicts_take_each_presets_issue_target_by_checkpointing():
+    rows = [bench.Row("ddp", "torch", "0", mfu=0.31, checkpointing="none"),
+            bench.Row("ddp_ac", "torch", "0", mfu=0.24, checkpointing="full"),
+            bench.Row("ds", "deepspeed", "1", checkpointing="none", note="exit 1"),  # no MFU: no verdict
+            bench.Row("bad", "torch", "0", mfu=0.5)]  # config did not load: no mode, no preset target
+    assert bench.notes(rows, 2, None, "hybrid_moe") == [
+        "- ddp (activation checkpointing none): MFU 31.0%; target >= 30%: met.",
+        "- ddp_ac (activation checkpointing full): MFU 24.0%; target >= 25%: NOT met."]
+    assert bench.notes(rows, 2, None, "hybrid_1b") == [
+        "- ddp (activation checkpointing none): MFU 31.0%; target >= 40%: NOT met."]
+    assert bench.notes(rows, 2, None, "configs/dense_1b.yaml")[0].endswith("target >= 55%: NOT met.")
+    assert bench.notes(rows, 2, None, "tiny") == []  # no issue sets a target for it
+    assert len(bench.notes(rows, 2, 0.2, "tiny")) == 3  # --target-mfu applies to every row with an MFU
