@@ -149,6 +149,17 @@ def _dot(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, b, acc, DOT: tl.constexpr):
+    """acc + a @ b as `_dot` rounds it; for 16-bit operands on the GPU the product accumulates into acc inside
+    the tensor-core instruction (no second tile of registers for the product, no separate add)."""
+    if DOT == tl.float64 or DOT == tl.float32 or EMULATE:
+        c = acc + _dot(a, b, DOT)
+    else:
+        c = tl.dot(a.to(DOT), b.to(DOT), acc, out_dtype=tl.float32)
+    return c
+
+
+@triton.jit
 def _sub_steps(rows, L, NH: tl.constexpr):
     """Flat sub-step rows -> token index, and whether the row is its token's first / last sub-step / real."""
     real = rows < L
@@ -474,27 +485,27 @@ def _wy_bwd_kernel(
         v_offs = ((b * L + rows) * HV + h)[:, None] * DV + cv[None, :]
         v = tl.load(V + v_offs, mask=real[:, None] & mv, other=0.0).to(COMPUTE)
         dx = _dot(tl.trans(tinv), dd, DOT)  # gradient of X = beta v (and Tinv^T d delta)
-        dy -= _dot(dx, tl.trans(S), DOT)
-        dk_out += _dot(delta, tl.trans(dS), DOT)
+        dy = _dot_acc(-dx, tl.trans(S), dy, DOT)
+        dk_out = _dot_acc(delta, tl.trans(dS), dk_out, DOT)
         dall_k += tl.sum(S.to(COMPUTE) * dS.to(COMPUTE), 1)
         tl.store(DV_OUT + v_offs, _cast(dx * beta[:, None], DV_OUT.dtype.element_ty), mask=real[:, None] & mv)
         dbeta += tl.sum(v * dx, 1)
-        dxu += _dot(dx, tl.trans(_dot(tinv, v * beta[:, None], DOT)), DOT)
+        dxu = _dot_acc(dx, tl.trans(_dot(tinv, v * beta[:, None], DOT)), dxu, DOT)
 
     # The gates, W, Gamma and k only now, not across the loop, and each (C, BK) tile consumed as soon as it
     # can be (register pressure).
     Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
     din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
     w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=mk, other=0.0)
-    dxu += _dot(dy, tl.trans(w), DOT)  # dX U^T + dY W^T; W is not needed again
+    dxu = _dot_acc(dy, tl.trans(w), dxu, DOT)  # dX U^T + dY W^T; W is not needed again
     k, k_rstd = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
     ky = tl.sum(k * dy, 1)
     d_dout = tl.sum(k * dk_out, 1)
     dk = (beta * din)[:, None] * dy + dout[:, None] * dk_out  # dY and d(dout k) end here
     # m = dA * Gamma on A's support, with dA = -(dX U^T + dY W^T); A = beta_i Gamma_ij (k k^T)_ij.
     m = tl.where(i[:, None] > i[None, :], -dxu * _decay_matrix(Gc, seg, C), 0.0)
-    dk += _dot(m * beta[:, None], k, DOT)
-    dk += _dot(tl.trans(m), k * beta[:, None], DOT)
+    dk = _dot_acc(m * beta[:, None], k, dk, DOT)
+    dk = _dot_acc(tl.trans(m), k * beta[:, None], dk, DOT)
     kk = _dot(k, tl.trans(k), DOT)
     dbeta += din * ky + tl.sum(m * kk, 1)
     z = m * kk * beta[:, None]  # d Gamma_ij * Gamma_ij through A

@@ -68,7 +68,7 @@ def test_delta_rule_dots_run_on_tensor_cores(compiled):
 # The one kernel that still spills on sm_90a, and the most it may (bytes of stack per thread at D128, chunk 64;
 # 176 with one value head per key head, 192 with two, as hybrid_moe):
 # _wy_bwd holds dY, d(dout k), dX U^T and the Tinv tiles across its value-tile loop at 255 registers.
-KNOWN_SPILLS = {"_wy_bwd_kernel": 192}
+KNOWN_SPILLS = {"_wy_bwd_kernel": 184}
 
 
 @pytest.mark.slow
