@@ -311,20 +311,21 @@ def _fla_chunk_gdr():
     return chunk_gated_delta_rule
 
 
-FLA_GUARD_LIFTED: list[bool] = []  # [True] once the bench lifted fla's Hopper guard (the verdicts say so)
+FLA_GUARD_LIFTED = False  # True once the bench lifted fla's Hopper guard (the verdicts say so)
 
 
 def _lift_fla_hopper_guard() -> None:
     """fla-core refuses its gated backward on Hopper with triton < 3.7.1 (its issue #640), and the lent GPUs run
     triton 3.6: the bench times fla with that guard lifted, as issue 20 asks. Its results may be off then; the
     table's max-diff column says by how much, and its time is what the verdict compares."""
+    global FLA_GUARD_LIFTED
     try:
         import fla.ops.common.chunk_o as chunk_o
     except Exception:
         return
     if getattr(chunk_o, "IS_NVIDIA_HOPPER", False):
         chunk_o.IS_NVIDIA_HOPPER = False
-        FLA_GUARD_LIFTED[:] = [True]
+        FLA_GUARD_LIFTED = True
 
 
 def packed_cu_seqlens(batch: int, seq: int, mean_len: int, seed: int = 0) -> torch.Tensor:

@@ -138,8 +138,8 @@ class GatedDeltaNet(nn.Module):
             cache["recurrent_state"] = state
         if self.hax is not None:  # model/hax.py; values of the first Householder sub-step
             if cp is not None:
-                raise NotImplementedError("model.deltanet.sparse_attention does not run under context parallelism; "
-                                          "set it to none or train without context parallelism")
+                raise ValueError("model.deltanet.sparse_attention does not run under context parallelism (the config "
+                                 "refuses it when it loads); set it to none or train without context parallelism")
             o = o + self.hax(v[:, :, 0].reshape(B, T, self.value_dim), doc_ids, cache).view(B, T, Hv, Dv).to(o.dtype)
         z = self.in_proj_z(x).view(B, T, Hv, Dv)
         o = self.norm.gated(o, z).to(x.dtype)  # gated RMSNorm per value head: norm(o) * silu(z), one kernel

@@ -110,9 +110,11 @@ def sparse_attention_from_hf(raw: dict) -> dict:
     kind = raw.get("linear_sparse_attention") or "none"
     if kind == "none":
         return {"sparse_attention": "none"}
-    if kind not in ("hax", "lsh", "key_selection", "window"):
-        raise HFImportError(f"linear_sparse_attention={kind!r} in config.json is not one of hax, lsh, key_selection, "
-                            f"window; re-export the model")
+    from hybridtron.model.hax import SOURCES
+
+    if kind not in SOURCES:
+        raise HFImportError(f"linear_sparse_attention={kind!r} in config.json is not one of {', '.join(SOURCES)}; "
+                            f"re-export the model")
     # (defaults: HybridtronConfig's, for a config.json written without them)
     return {"sparse_attention": kind, "sparse_keys": int(raw.get("linear_sparse_keys", 64)),
             "sparse_dim": int(raw.get("linear_sparse_dim", 0)), "lsh_bits": int(raw.get("linear_lsh_bits", 8))}
