@@ -47,8 +47,9 @@ k = v = beta = q = g = 0 there, so they write nothing and decay nothing).
 
 Precision: accumulation in fp32 (fp64 for fp64 inputs). For 16-bit q the dot products take 16-bit operands
 (one tensor-core pass at the full rate, as fla's kernels do) and the intermediates kept between kernels (Tinv,
-W, delta, the forward's chunk states) are stored in that dtype; the backward's recomputed chunk states and
-their cotangents stay fp32, because the decay's gradient sums S * dS' over the whole state. For fp32 inputs
+W, delta, the forward's chunk states, the backward's d delta and state cotangents) are stored in that dtype; the
+backward's recomputed chunk states stay fp32 for the one sum over a whole state, the decay's gradient
+sum(S * dS'), which _state_bwd takes while dS is still in fp32 registers. For fp32 inputs
 the dots use three TF32 products (``tf32x3``: each operand split into a TF32 head and a TF32 remainder, the
 remainder x remainder term dropped), about fp32's accuracy on the tensor cores; plain TF32 (10 mantissa bits)
 would put errors far above the fp32 reference's, and IEEE fp32 dots compile to scalar FMAs on the CUDA cores.
@@ -88,7 +89,7 @@ LAUNCH = {
     "output_fwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
     "output_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
     "state_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),  # 2 stages: over an A100 block's 163 KiB
-    "wy_bwd": lambda C, BK: (16, 8 if _wide(C, BK) else 4, 1),  # 16: fewer spilled bytes than 32 (176 vs 240 at R=1)
+    "wy_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),  # spill-free at 16 and 32; 32: wider MMAs
 }
 
 
@@ -397,7 +398,8 @@ def _output_bwd_kernel(
                      other=0.0).to(COMPUTE)
         dq_in += _dot(do, tl.trans(S), DOT)
         dp += _dot(do, tl.trans(delta), DOT)
-        tl.store(DDELTA + srow[:, None] * DV + cv[None, :], _dot(pt, do, DOT), mask=mv)
+        tl.store(DDELTA + srow[:, None] * DV + cv[None, :], _cast(_dot(pt, do, DOT), DDELTA.dtype.element_ty),
+                 mask=mv)
 
     qn, q_rstd = _load_unit_rows(Q, q_offs, last, DK, BK, COMPUTE)
     q = qn * scale
@@ -414,14 +416,17 @@ def _output_bwd_kernel(
 
 @triton.jit
 def _state_bwd_kernel(
-    Q, K, G, RESETS, DO, W, DDELTA, DHT, DSTATES, DH0,
-    T, L, LP, HK, HV, N,
+    Q, K, G, RESETS, DO, W, DDELTA, DHT, STATES, DSTATES, DALL, DH0,
+    T, L, LP, HK, HV, N, NV,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
     COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
     """Grid (B * HV, Dv tiles): the chunks in reverse order, dS (the cotangent of the state leaving the chunk)
-    in registers, starting from the final state's cotangent. Writes each chunk's dS' to DSTATES, completes
-    d delta = DDELTA + (dout k) dS' in place, and ends with the initial state's gradient."""
+    in registers, starting from the final state's cotangent. Writes each chunk's dS' to DSTATES, its tile's
+    share of sum(S * dS') (the chunk decay's gradient; S the state entering the chunk) to DALL (B * HV, N, NV)
+    in fp32, completes d delta = DDELTA + (dout k) dS' in place, and ends with the initial state's gradient.
+    The sum is taken here, against dS in fp32 registers, so DSTATES can be stored in the operand dtype (bf16
+    for bf16 inputs; _wy_bwd reads it only as a dot operand)."""
     bh = tl.program_id(0).to(tl.int64)
     cv = tl.program_id(1) * BV + tl.arange(0, BV)
     ck = tl.arange(0, BK)
@@ -432,14 +437,16 @@ def _state_bwd_kernel(
     for j in range(N):
         n = N - 1 - j
         tl.store(DSTATES + (bh * N + n) * DK * DV + s_offs, _cast(dS, DSTATES.dtype.element_ty), mask=s_mask)
+        S = tl.load(STATES + (bh * N + n) * DK * DV + s_offs, mask=s_mask, other=0.0)
+        tl.store(DALL + (bh * N + n) * NV + tl.program_id(1), tl.sum(tl.sum(S * dS, 1), 0))
         b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
         Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
         din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
         srow = bh * LP + rows
         k, _ = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
         dd_ptrs = DDELTA + srow[:, None] * DV + cv[None, :]
-        dd = tl.load(dd_ptrs, mask=mv, other=0.0) + _dot(k * dout[:, None], dS, DOT)
-        tl.store(dd_ptrs, dd, mask=mv)
+        dd = tl.load(dd_ptrs, mask=mv, other=0.0).to(COMPUTE) + _dot(k * dout[:, None], dS, DOT)
+        tl.store(dd_ptrs, _cast(dd, DDELTA.dtype.element_ty), mask=mv)
         q, _ = _load_unit_rows(Q, ((b * T + tok) * HK + hk) * DK, last, DK, BK, COMPUTE)
         q = q * _q_scale(DK, COMPUTE)
         do = tl.load(DO + ((b * T + tok) * HV + h)[:, None] * DV + cv[None, :], mask=last[:, None] & mv,
@@ -451,8 +458,8 @@ def _state_bwd_kernel(
 
 @triton.jit
 def _wy_bwd_kernel(
-    K, V, G, BETA, RESETS, TINV, STATES, DSTATES, W, DELTA, DDELTA, DK_PART, DG_PART, DK_OUT, DV_OUT, DG, DBETA,
-    T, L, LP, HK, HV, N,
+    K, V, G, BETA, RESETS, TINV, STATES, DSTATES, DALL, W, DELTA, DDELTA, DK_PART, DG_PART, DK_OUT, DV_OUT, DG,
+    DBETA, T, L, LP, HK, HV, N, NV, NVP: tl.constexpr,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
     COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -469,49 +476,62 @@ def _wy_bwd_kernel(
     srow = bh * LP + rows
     tinv = tl.load(TINV + srow[:, None] * C + i[None, :])
 
+    # Two passes over the value tiles, so that no more than two (C, BK) fp32 tiles are live at once (on sm_90a
+    # the one-pass form held dY, d(dout k) and dX U^T together and spilled): the first ends dY and dX U^T, the
+    # second sums d(dout k) with dk, which the first pass's results have started, live beside it.
     dy = tl.zeros([C, BK], dtype=COMPUTE)  # gradient of Y = beta din k: Tinv^T dW, dW = -d delta S^T
-    dk_out = tl.zeros([C, BK], dtype=COMPUTE)  # d(dout k) = delta dS'^T
     dxu = tl.zeros([C, C], dtype=COMPUTE)  # dX U^T, the U half of -dA
-    dall_k = tl.zeros([BK], dtype=COMPUTE)  # sum(S * dS') by state row: d dall
     dbeta = tl.zeros([C], dtype=COMPUTE)
     for v0 in range(0, DV, BV):
         cv = v0 + tl.arange(0, BV)
         mv = (cv < DV)[None, :]
-        s_offs = (bh * N + n) * DK * DV + ck[:, None] * DV + cv[None, :]
-        S = tl.load(STATES + s_offs, mask=(ck < DK)[:, None] & mv, other=0.0)
-        dS = tl.load(DSTATES + s_offs, mask=(ck < DK)[:, None] & mv, other=0.0)
+        S = tl.load(STATES + (bh * N + n) * DK * DV + ck[:, None] * DV + cv[None, :], mask=(ck < DK)[:, None] & mv,
+                    other=0.0)
         dd = tl.load(DDELTA + srow[:, None] * DV + cv[None, :], mask=mv, other=0.0)
-        delta = tl.load(DELTA + srow[:, None] * DV + cv[None, :], mask=mv, other=0.0)
         v_offs = ((b * L + rows) * HV + h)[:, None] * DV + cv[None, :]
         v = tl.load(V + v_offs, mask=real[:, None] & mv, other=0.0).to(COMPUTE)
         dx = _dot(tl.trans(tinv), dd, DOT)  # gradient of X = beta v (and Tinv^T d delta)
         dy = _dot_acc(-dx, tl.trans(S), dy, DOT)
-        dk_out = _dot_acc(delta, tl.trans(dS), dk_out, DOT)
-        dall_k += tl.sum(S.to(COMPUTE) * dS.to(COMPUTE), 1)
         tl.store(DV_OUT + v_offs, _cast(dx * beta[:, None], DV_OUT.dtype.element_ty), mask=real[:, None] & mv)
         dbeta += tl.sum(v * dx, 1)
         dxu = _dot_acc(dx, tl.trans(_dot(tinv, v * beta[:, None], DOT)), dxu, DOT)
 
-    # The gates, W, Gamma and k only now, not across the loop, and each (C, BK) tile consumed as soon as it
-    # can be (register pressure).
+    # The gates, W, Gamma and k only now, and each (C, BK) tile consumed as soon as it can be.
     Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
     din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
     w = tl.load(W + srow[:, None] * DK + ck[None, :], mask=mk, other=0.0)
     dxu = _dot_acc(dy, tl.trans(w), dxu, DOT)  # dX U^T + dY W^T; W is not needed again
     k, k_rstd = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)
     ky = tl.sum(k * dy, 1)
-    d_dout = tl.sum(k * dk_out, 1)
-    dk = (beta * din)[:, None] * dy + dout[:, None] * dk_out  # dY and d(dout k) end here
+    k = _cast(k, DOT)  # from here only a dot operand: rounded once, as every dot would, in half the registers
+    dk = (beta * din)[:, None] * dy  # dY ends here
     # m = dA * Gamma on A's support, with dA = -(dX U^T + dY W^T); A = beta_i Gamma_ij (k k^T)_ij.
     m = tl.where(i[:, None] > i[None, :], -dxu * _decay_matrix(Gc, seg, C), 0.0)
-    dk = _dot_acc(m * beta[:, None], k, dk, DOT)
-    dk = _dot_acc(tl.trans(m), k * beta[:, None], dk, DOT)
-    kk = _dot(k, tl.trans(k), DOT)
-    dbeta += din * ky + tl.sum(m * kk, 1)
-    z = m * kk * beta[:, None]  # d Gamma_ij * Gamma_ij through A
-    dG = din * beta * ky - dout * d_dout + tl.sum(z, 1) - tl.sum(z, 0) + tl.load(DG_PART + srow)
+    # dk += (m * beta) k + m^T (beta * k) = (mb + mb^T) k with mb = m * beta: one dot (mb is strictly lower
+    # triangular, so the sum adds nothing to anything and rounds as the two operands did apart).
+    mb = m * beta[:, None]
+    dk = _dot_acc(mb + tl.trans(mb), k, dk, DOT)
+    mkk = m * _dot(k, tl.trans(k), DOT)
+    dbeta += din * ky + tl.sum(mkk, 1)
+    z = mkk * beta[:, None]  # d Gamma_ij * Gamma_ij through A
+    dG = din * beta * ky + tl.sum(z, 1) - tl.sum(z, 0) + tl.load(DG_PART + srow)
+
+    dk_out = tl.zeros([C, BK], dtype=COMPUTE)  # d(dout k) = delta dS'^T
+    for v0 in range(0, DV, BV):
+        cv = v0 + tl.arange(0, BV)
+        mv = (cv < DV)[None, :]
+        dS = tl.load(DSTATES + (bh * N + n) * DK * DV + ck[:, None] * DV + cv[None, :],
+                     mask=(ck < DK)[:, None] & mv, other=0.0)
+        delta = tl.load(DELTA + srow[:, None] * DV + cv[None, :], mask=mv, other=0.0)
+        dk_out = _dot_acc(delta, tl.trans(dS), dk_out, DOT)
+    k, k_rstd = _load_unit_rows(K, ((b * L + rows) * HK + hk) * DK, real, DK, BK, COMPUTE)  # not kept across it
+    d_dout = tl.sum(k * dk_out, 1)
+    dk += dout[:, None] * dk_out
+    dG -= dout * d_dout
     # G_end enters dout (exp(G_end - G_i)) and dall (exp(G_end)).
-    dG += tl.where(i == C - 1, tl.sum(dout * d_dout, 0) + dall * tl.sum(dall_k, 0), 0.0)
+    jv = tl.arange(0, NVP)
+    d_dall = tl.sum(tl.load(DALL + (bh * N + n) * NV + jv, mask=jv < NV, other=0.0), 0)  # sum(S * dS'): _state_bwd
+    dG += tl.where(i == C - 1, tl.sum(dout * d_dout, 0) + dall * d_dall, 0.0)
     tl.store(DG + (b * T + tok) * HV + h, _cast(tl.cumsum(dG, 0, reverse=True), DG.dtype.element_ty), mask=first)
     tl.store(DBETA + (b * L + rows) * HV + h, _cast(dbeta, DBETA.dtype.element_ty), mask=real)
     dk += tl.load(DK_PART + srow[:, None] * BK + ck[None, :])
@@ -625,14 +645,16 @@ def chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, initial_state, chunk_
     w, delta = scratch(N * C, Dk, dtype=op), scratch(N * C, Dv, dtype=op)
     lw = _launch("wy_fwd", C, cs["BK"], Dv)
     _wy_fwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, delta, w, **sc, **cs, LOAD_TINV=True, **lw)
-    # The chunk states and their cotangents in fp32 here: the decay's gradient sums S * dS' over the whole state
-    # (d dall), a sum that bf16 copies of both would leave with bf16's relative error; every dot still takes
-    # them as bf16 operands. They live only for the backward, not from the forward on.
+    # The chunk states in fp32 and their cotangents in the operand dtype: the decay's gradient sums S * dS' over
+    # the whole state, a sum _state_bwd takes from these fp32 states and its fp32 registers (DALL); everywhere
+    # else both are dot operands, rounded to the operand dtype anyway. The states live only for the backward.
     states = _states(m, k, g, rs, w, delta, initial_state, None, dev, dtype=acc)
-    # d delta in fp32: the sum of the local and the carried part. dk_part keeps the padded BK columns (zeros
-    # past Dk): _wy_bwd adds it to a BK-wide tile unmasked.
-    ddelta = scratch(N * C, Dv)
-    dk_part, dg_part, dstates = scratch(N * C, cs["BK"]), scratch(N * C), scratch(N, Dk, Dv)
+    # d delta (the local part, then its sum with the carried part) and the state cotangents in the operand
+    # dtype: the kernels that read them take them only as dot operands, which round to it anyway (the local part
+    # is rounded once more before the sum). dk_part in fp32 (it is added, not multiplied), with the padded BK
+    # columns (zeros past Dk): _wy_bwd adds it to a BK-wide tile unmasked.
+    ddelta = scratch(N * C, Dv, dtype=op)
+    dk_part, dg_part, dstates = scratch(N * C, cs["BK"]), scratch(N * C), scratch(N, Dk, Dv, dtype=op)
     dh0 = torch.empty(B, Hv, Dk, Dv, dtype=acc, device=dev)
     # Per value head; with r > 1 kept in fp32 until the group sum.
     dq_h = torch.empty(B, T, Hv, Dk, dtype=q.dtype if r == 1 else acc, device=dev)
@@ -641,10 +663,12 @@ def chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, initial_state, chunk_
     lo, ls, lw = (_launch(name, C, cs["BK"], Dv) for name in ("output_bwd", "state_bwd", "wy_bwd"))
     _output_bwd_kernel[(N, B * Hv)](q, k, g, rs, do, states, delta, ddelta, dk_part, dg_part, dq_h, **sc, N=N,
                                     **cs, **lo)
-    _state_bwd_kernel[(B * Hv, triton.cdiv(Dv, ls["BV"]))](q, k, g, rs, do, w, ddelta, dht, dstates, dh0, **sc,
-                                                          N=N, **cs, **ls)
-    _wy_bwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, states, dstates, w, delta, ddelta, dk_part, dg_part,
-                                dk_h, dv, dg, dbeta, **sc, N=N, **cs, **lw)
+    nv = triton.cdiv(Dv, ls["BV"])
+    dall = scratch(N, nv)
+    _state_bwd_kernel[(B * Hv, nv)](q, k, g, rs, do, w, ddelta, dht, states, dstates, dall, dh0, **sc, N=N, NV=nv,
+                                    **cs, **ls)
+    _wy_bwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, states, dstates, dall, w, delta, ddelta, dk_part, dg_part,
+                                dk_h, dv, dg, dbeta, **sc, N=N, NV=nv, NVP=next_pow2(nv), **cs, **lw)
     if r > 1:
         dq_h = dq_h.view(B, T, Hk, r, Dk).sum(3).to(q.dtype)
         dk_h = dk_h.view(B, T, n_h, Hk, r, Dk).sum(4).to(k.dtype)
