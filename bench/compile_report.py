@@ -152,7 +152,8 @@ def _kernel_modules():
     import importlib
 
     names = [f"hybridtron.kernels.{op}.triton_kernels" for op in
-             ("norm", "rotary", "swiglu", "gated_attention", "cross_entropy", "short_conv", "moe_permute")]
+             ("norm", "rotary", "swiglu", "gated_attention", "cross_entropy", "short_conv", "moe_permute",
+              "moe_gemm")]
     names += ["hybridtron.kernels.gated_delta_rule.chunk_kernels", "hybridtron.kernels.gated_delta_rule.recurrent"]
     return [importlib.import_module(n) for n in names]
 
@@ -275,6 +276,12 @@ def run_preset(preset: str, seq: int = 128, decode: int = 2) -> None:
     docs = torch.cumsum(torch.rand(1, seq, generator=g) < 0.02, 1) if cfg.model.doc_mask else None
     with torch.autocast("cpu", dtype=torch.bfloat16), _SkipProducts():
         model(ids, docs, labels=torch.roll(ids, -1, 1)).backward()
+        from hybridtron.model.moe import MoE
+
+        moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
+        if moe is not None:  # model.moe.gather=gemm is no preset's choice: compile its grouped GEMMs at these widths
+            moe.gather = "gemm"
+            moe(torch.randn(seq, cfg.model.d_model, requires_grad=True)).sum().backward()
         with torch.no_grad():
             cache = model.new_cache()
             model(ids[:, :8], cache=cache)

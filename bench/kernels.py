@@ -36,7 +36,8 @@ Ops and the peers each is timed against (a peer that is not installed is listed 
   something else, so it is not compared with ours).
 - ``moe_layer``: a whole MoE layer (model/moe.py: router, aux and z losses, permute, grouped expert SwiGLUs,
   unpermute, shared expert), forward + backward, at the hybrid_moe preset's sizes, as the trainer runs it (fp32
-  parameters, ``--dtype`` autocast, fp32 input from the norm) -- ours, the masked per-expert loop
+  parameters, ``--dtype`` autocast, fp32 input from the norm) -- ours, the same layer with the permutation fused
+  into the gate_up GEMM (``model.moe.gather=gemm``, kernels/moe_gemm; where Triton runs), the masked per-expert loop
   (``moe_reference``, the ground truth), the same layer with autocast off (fp32 experts: the path the layer took
   before it cast for the grouped GEMM; a rate baseline) and a dense SwiGLU of the same active FLOPs (hidden =
   top_k x expert hidden + shared hidden; a rate baseline). Rated in TFLOP/s of the active FLOPs.
@@ -486,6 +487,7 @@ def grouped_gemm_case(tokens: int, d: int, experts: int, top_k: int, hidden: int
 
 ML_OURS = "MoE layer (ours)"
 ML_LOOP = "MoE layer, masked per-expert loop (moe_reference)"
+ML_GATHER = "MoE layer, rows gathered by the gate_up GEMM (model.moe.gather=gemm)"
 ML_FP32 = "MoE layer, autocast off: fp32 experts (rate baseline, not compared)"
 ML_DENSE = "dense SwiGLU, same active FLOPs (rate baseline, not compared)"
 ML_TARGET = 1.3  # the MoE layer's fwd+bwd within 1.3x the dense SwiGLU's time
@@ -510,6 +512,14 @@ def moe_layer_case(tokens: int, d: int, experts: int, top_k: int, hidden: int, s
     for p in [*moe.parameters(), *dense.parameters()]:
         torch.nn.init.normal_(p, std=0.02)
     moe.train()
+    # The same layer and weights with the permutation fused into the gate_up GEMM (kernels/moe_gemm, Triton): the
+    # default stays the permute path until this row shows the gathered one faster on the GPU.
+    why_not = backend.unavailable_reason("triton", device)
+    if why_not is None:
+        cfg.moe.gather, cfg.kernels.moe = "gemm", "triton"
+        gathered = MoE(cfg).to(device)
+        gathered.load_state_dict(moe.state_dict())
+        gathered.train()
     x = torch.randn(tokens, d, device=device)
     amp = dtype if dtype != torch.float32 else None
 
@@ -520,6 +530,11 @@ def moe_layer_case(tokens: int, d: int, experts: int, top_k: int, hidden: int, s
         with autocast():
             y = moe(x)
         return y, moe.aux_loss
+
+    def gather_gemm(x):
+        with autocast():
+            y = gathered(x)
+        return y, gathered.aux_loss
 
     def loop(x):
         with autocast():
@@ -534,7 +549,8 @@ def moe_layer_case(tokens: int, d: int, experts: int, top_k: int, hidden: int, s
         with autocast():
             return dense(x)
 
-    cands: dict = {ML_OURS: layer, ML_LOOP: loop, ML_FP32: fp32, ML_DENSE: swiglu}
+    cands: dict = {ML_OURS: layer, ML_GATHER: gather_gemm if why_not is None else f"Triton unavailable: {why_not}",
+                   ML_LOOP: loop, ML_FP32: fp32, ML_DENSE: swiglu}
     per_token = moe.active_params_per_token()
     shape = f"N{tokens} E{experts} top{top_k} d{d} I{hidden} shared{shared} " + (f"{_dt(dtype)} autocast" if amp else
                                                                                    "fp32, no autocast")
@@ -756,6 +772,11 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
                     f"(target <= {ML_TARGET}: {'met' if t <= ML_TARGET else 'NOT met'})")
             if fp32 is not None:
                 line += f"; the fp32-expert path {fp32.seconds / ours.seconds:.2f}x ours"
+            gathered = by.get(("moe_layer", s, ML_GATHER))
+            if gathered is not None and gathered.seconds:
+                line += (f"; rows gathered by the gate_up GEMM (model.moe.gather=gemm): "
+                         f"{gathered.seconds / dense.seconds:.2f}x the dense's time, {ours.seconds / gathered.seconds:.2f}x "
+                         f"ours' speed")
             out.append(line)
     att = [r for r in rows if r.op == "attention"]
     for shape in dict.fromkeys(r.shape for r in att):  # one line per (seq, head dim, documents), in run order

@@ -96,6 +96,10 @@ class MoEConfig:
     every: int = 1  # layer i is MoE when (i + 1) % every == 0 (Qwen's decoder_sparse_step) ...
     layers: list[int] = field(default_factory=list)  # ... unless this lists the MoE layers explicitly
     backend: Literal["native", "megablocks"] = "native"
+    # Where the token rows are put into expert order for the gate_up projection: "permute" (the measured default)
+    # writes them (kernels/moe_permute) and the grouped GEMM reads them; "gemm" gathers them in the gate_up GEMM's
+    # operand loads (kernels/moe_gemm: Triton, on model.kernels.moe's switch; its reference is the permute path).
+    gather: Literal["permute", "gemm"] = "permute"
 
     def is_moe_layer(self, i: int) -> bool:
         if self.n_experts == 0:

@@ -19,6 +19,16 @@ as grouped matmuls over those slices:
 - ``megablocks``: megablocks' grouped GEMM (``grouped_gemm.ops.gmm``, the kernel behind its dMoE) on
   CUDA, with the same routing, weights and layout.
 
+Between the two grouped GEMMs the activation is one pass over the gate_up output (kernels/moe_gemm's packed
+SwiGLU: it reads the [gate | up] halves where they lie and returns their gradient as one tensor), on the dense
+SwiGLU's backend switch (``model.kernels.swiglu``). ``model.moe.gather`` says where the token rows are put
+into expert order: ``permute`` (the default, the measured path) writes them with kernels/moe_permute and the
+grouped GEMM reads them; ``gemm`` fuses that gather into the gate_up GEMM's operand loads (kernels/moe_gemm's
+Triton grouped GEMM, on ``model.kernels.moe``'s switch; its backward computes dx as expert-ordered rows that the
+permutation's combine kernel sums per token, and the weight gradient with the same gathered loads), so the
+permuted (N k, d) rows are neither written nor kept for the backward. The down projection stays on
+``model.moe.backend`` either way.
+
 Precision: the router's logits, softmax/sigmoid and top-k are fp32 on purpose (autocast switched off for
 them). Everything else runs in the compute dtype (``expert_dtype``): under bf16 autocast the token rows are
 cast once, before the permutation (which then moves half the bytes), and the expert weights once per forward,
@@ -50,10 +60,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ConfigError, ModelConfig
+from ..kernels.backend import pick_for
+from ..kernels.moe_gemm import gathered_linear, swiglu_packed
 from ..kernels.moe_permute import moe_permute, moe_unpermute, sort_assignments
 from .mlp import SwiGLU
 
 STATS = ("aux_loss", "z_loss", "dropped", "forwards")  # MoE._sums, summed over the micro-batches of a step
+# model.moe.gather: where the token rows are put into expert order for the gate_up projection. "permute": a
+# kernel writes the permuted rows (N k, d), then the grouped GEMM reads them (the measured default); "gemm": the
+# gate_up GEMM loads them through the order itself (kernels/moe_gemm, Triton: model.kernels.moe), no permuted copy.
+GATHERS = ("permute", "gemm")
 
 
 def _no_autocast(device_type: str):
@@ -128,7 +144,13 @@ class MoE(nn.Module):
         self.router_kind, self.norm_topk_prob = m.router, m.norm_topk_prob
         self.aux_loss_coef, self.z_loss_coef, self.bias_update_rate = m.aux_loss_coef, m.z_loss_coef, m.bias_update_rate
         self.backend = m.backend
-        self.kernel_backend = cfg.kernels.moe  # token permute / unpermute: kernels/moe_permute
+        self.kernel_backend = cfg.kernels.moe  # token permute / unpermute, gathered GEMM: kernels/moe_permute, moe_gemm
+        self.swiglu_backend = cfg.kernels.swiglu  # the experts' activation, switched as the dense SwiGLU's
+        self.gather = m.gather
+        if self.gather not in GATHERS:
+            raise ConfigError(f"model.moe.gather={self.gather!r} is not a choice; choose one of {list(GATHERS)}: "
+                              f"permute (a permutation kernel, then the grouped GEMM) or gemm (the gate_up GEMM "
+                              f"gathers the token rows itself; Triton)")
         if self.backend == "megablocks":
             try:
                 import grouped_gemm.ops  # noqa: F401  (installed with megablocks)
@@ -232,11 +254,14 @@ class MoE(nn.Module):
         # The experts, the permutation and the shared expert run in the compute dtype (expert_dtype): under bf16
         # autocast the rows are cast once here, and the expert weights once per forward in run_experts.
         xe = x.to(expert_dtype(x, self.experts.gate_up_proj))
-        xs = moe_permute(xe, order, pos, k, backend=self.kernel_backend)  # (N k, d), expert-sorted: x[order // k]
-        if self.expert_dispatch is None:
-            ys = self.run_experts(xs, counts, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.expert_dispatch is None and self.gathers_in_gemm(xe):
+            ys = self.run_experts_gathered(xe, order, pos, counts)
         else:
-            ys = self.expert_dispatch(self, xs, counts)
+            xs = moe_permute(xe, order, pos, k, backend=self.kernel_backend)  # (N k, d), expert-sorted: x[order // k]
+            if self.expert_dispatch is None:
+                ys = self.run_experts(xs, counts, self.experts.gate_up_proj, self.experts.down_proj)
+            else:
+                ys = self.expert_dispatch(self, xs, counts)
         out = moe_unpermute(ys, order, pos, weights, k, backend=self.kernel_backend)  # (N, d): weighted sum per token
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(xe)) * self.shared_expert(xe)
@@ -248,12 +273,37 @@ class MoE(nn.Module):
         device) through their SwiGLU experts, in xs's dtype (the weights are cast to it: autocast does not reach
         the grouped GEMM). host_counts: the same counts on the host where the caller has them already."""
         dt = xs.dtype
-        gate_up_proj, down_proj = gate_up_proj.to(dt), down_proj.to(dt)
         offsets = counts.cumsum(0).to(torch.int32)
         if host_counts is None and self.backend == "megablocks":
             host_counts = counts.tolist()  # megablocks' gmm takes the sizes on the host: one copy for both matmuls
-        gate, up = grouped_linear(xs, gate_up_proj, offsets, self.backend, host_counts).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, down_proj, offsets, self.backend, host_counts)
+        h = grouped_linear(xs, gate_up_proj.to(dt), offsets, self.backend, host_counts)
+        return self._activation_and_down(h, down_proj.to(dt), offsets, host_counts)
+
+    def gathers_in_gemm(self, xe: torch.Tensor) -> bool:
+        """The gate_up GEMM gathers the token rows itself: model.moe.gather=gemm where model.kernels.moe runs our
+        Triton kernels. On the reference backend the gather is the permutation's (the same formula), and expert
+        parallelism sends the permuted rows to other ranks, so both keep the permute path."""
+        return self.gather == "gemm" and pick_for("moe", self.kernel_backend, xe) == "triton"
+
+    def run_experts_gathered(self, xe: torch.Tensor, order: torch.Tensor, pos: torch.Tensor,
+                             counts: torch.Tensor) -> torch.Tensor:
+        """`run_experts` on the token rows xe (N, d) themselves: the gate_up GEMM reads row r of the expert-sorted
+        assignments as xe[order[r] // k] (kernels/moe_gemm), so the permuted (N k, d) rows are never written, nor
+        kept for the backward (xe is, k times smaller). Same result, rows in the same expert order."""
+        dt = xe.dtype
+        offsets = counts.cumsum(0).to(torch.int32)
+        host_counts = counts.tolist() if self.backend == "megablocks" else None  # the down projection's gmm
+        h = gathered_linear(xe, order, pos, self.top_k, self.experts.gate_up_proj.to(dt), offsets,
+                            backend=self.kernel_backend)
+        return self._activation_and_down(h, self.experts.down_proj.to(dt), offsets, host_counts)
+
+    def _activation_and_down(self, h: torch.Tensor, down_proj: torch.Tensor, offsets: torch.Tensor,
+                             host_counts: list[int] | None) -> torch.Tensor:
+        """silu(gate) * up on the gate_up rows h (R, 2 I) = [gate | up] in one pass (the packed SwiGLU reads the
+        halves where they lie and hands the backward one (R, 2 I) gradient: no copy of either half, no
+        concatenation), then the down projection."""
+        return grouped_linear(swiglu_packed(h, backend=self.swiglu_backend), down_proj, offsets, self.backend,
+                              host_counts)
 
     # -- between optimizer steps ------------------------------------------------------------------------
 
