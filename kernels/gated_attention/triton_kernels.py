@@ -61,30 +61,63 @@ def _cfg(bm: int, bn: int, warps: int, stages: int) -> triton.Config:
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=warps, num_stages=stages)
 
 
-# GPU candidates, (BLOCK_M, BLOCK_N, warps, stages), per head-dim block. Wider head dims hold bigger
-# tiles in registers / shared memory, so they get smaller key blocks and fewer pipeline stages. The
-# forward's and dQ's BLOCK_M is the query tile kept in registers; dK/dV's BLOCK_N is the key tile.
-# Pruned by compiling for sm_90a (bench/compile_report.py; tests/kernels/test_gated_attention.py keeps it):
-# at head dims 128 and 256 no candidate spills or exceeds a block's shared memory, and all run their dots
-# on warpgroup MMA except dK/dV at 256. There the two (BLOCK_N, 256) fp32 accumulators fill the registers:
-# every 64-key tile (which warpgroup MMA needs) spilled 104-992 B a thread at 8 warps, and 16 warps cap a
-# thread at 128 registers and spill more; the 32-key tiles run on mma.sync without spilling.
+# GPU candidates, (BLOCK_M, BLOCK_N, warps, stages), per (operand bytes, head-dim block): 2 for bf16 / fp16, whose
+# dots run on tensor cores, 4 for fp32, whose IEEE dots are CUDA-core FMAs. Wider head dims hold bigger tiles in
+# registers / shared memory, so they get smaller key blocks and fewer pipeline stages. The forward's and dQ's
+# BLOCK_M is the query tile kept in registers; dK/dV's BLOCK_N is the key tile.
+# Pruned by compiling every (dtype, head dim 64 / 128 / 256, gate) for sm_90a (bench/compile_report.py; figures in
+# bench/RESULTS.md, 2026-11-25): no candidate exceeds a block's shared memory, and none spills except fp32 at 256.
+# 2 bytes: all dots on warpgroup MMA except dK/dV at 256. There the two (BLOCK_N, 256) fp32 accumulators fill the
+# registers: every 64-key tile (which warpgroup MMA needs) spilled 104-992 B a thread at 8 warps, and 16 warps cap
+# a thread at 128 registers and spill more; the 32-key tiles run on mma.sync without spilling.
+# 4 bytes: an FMA dot holds each thread's rows of its operands over the whole head dim in registers, so the tiles
+# that fit shrink with D: 32 x 32 at 64, 16 x 16 (forward, dQ) at 128; the bf16 tiles spilled 0.1-24 KB there.
+# At 256 no forward or dQ tile is spill-free (16 x 16 at 8 warps, the smallest, keeps 144 / 152 B of stack; 4 or
+# 16 warps and wider tiles spill 1.8-2.8 KB), so the least-spilling one is kept: fp32 is the exact path, not a fast
+# one.
 _FWD = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)],
-    256: [(64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 8, 2)],
+    (2, 64): [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4)],
+    (2, 128): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 2)],
+    (2, 256): [(64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 8, 2)],
+    (4, 64): [(32, 32, 8, 2), (32, 16, 4, 2), (16, 32, 4, 2), (16, 16, 4, 2)],
+    (4, 128): [(16, 16, 8, 2)],
+    (4, 256): [(16, 16, 8, 3)],  # spills (above)
 }
 _DKDV = {
-    64: [(64, 128, 8, 3), (32, 64, 4, 4)],
-    128: [(16, 128, 8, 3), (32, 128, 8, 1), (32, 64, 8, 3)],
-    256: [(32, 32, 8, 1), (64, 32, 8, 1), (16, 32, 8, 2)],
+    (2, 64): [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 8, 3)],
+    (2, 128): [(16, 128, 8, 3), (32, 128, 8, 1), (32, 64, 8, 3)],
+    (2, 256): [(32, 32, 8, 1), (64, 32, 8, 1), (16, 32, 8, 2)],
+    (4, 64): [(16, 128, 8, 2), (16, 64, 8, 2), (32, 32, 8, 2)],
+    (4, 128): [(32, 64, 8, 1), (16, 64, 8, 2), (16, 32, 8, 2)],
+    (4, 256): [(32, 32, 8, 1), (16, 32, 8, 2)],
 }
 _DQ = {
-    64: [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 4)],
-    128: [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)],
-    256: [(64, 32, 8, 2), (64, 32, 8, 3)],
+    (2, 64): [(128, 32, 4, 4), (128, 64, 8, 3), (64, 64, 4, 4), (64, 32, 4, 4)],
+    (2, 128): [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)],
+    (2, 256): [(64, 32, 8, 2), (64, 32, 8, 3)],
+    (4, 64): [(32, 32, 8, 2), (64, 16, 8, 2), (32, 16, 4, 2), (16, 32, 4, 2)],
+    (4, 128): [(16, 16, 8, 2)],
+    (4, 256): [(16, 16, 8, 2)],  # spills (above)
 }
+TABLES = {"fwd": _FWD, "dkdv": _DKDV, "dq": _DQ}
 _INTERPRET = _cfg(16, 16, 4, 1)  # tiny tiles: several per test sequence, so every masking branch runs
+SHARED_LIMIT = 232448  # bytes of shared memory one block may use on an H100 (sm_90)
+
+
+def shared_bytes(kernel: str, row: tuple, block_d: int, elem: int) -> int:
+    """An upper bound on the shared memory a candidate ``row`` of TABLES[kernel] takes at head-dim block
+    ``block_d`` and ``elem``-byte operands: its pipelined tiles (``stages`` copies), the tiles it keeps, the
+    probabilities tile the second dot reads, 1 KiB for barriers and scratch. Checked against what triton 3.7.1
+    allocates for sm_90a (bench/compile_report.py, every candidate of the tables and the sweeps that pruned them:
+    0.51-0.99 of this), so the CPU tests can hold the tables under a block's limit without compiling."""
+    bm, bn, _, stages = row
+    if kernel == "fwd":  # K and V tiles through the pipeline, the query tile, P
+        tiles = stages * 2 * bn * block_d + bm * block_d + bm * bn
+    elif kernel == "dq":  # K and V through the pipeline, the query and dA tiles, dS
+        tiles = stages * 2 * bn * block_d + 2 * bm * block_d + bm * bn
+    else:  # query and dA tiles through the pipeline and once more transposed for the dots, the key and value tiles, P^T
+        tiles = stages * 2 * bm * block_d + 2 * bm * block_d + 2 * bn * block_d + bn * bm
+    return elem * tiles + 1024
 
 
 def _configs(table: dict) -> list[triton.Config]:
@@ -98,12 +131,16 @@ def _tier(block_d: int) -> int:
     return 64 if block_d <= 64 else 128 if block_d <= 128 else 256
 
 
+def table_key(q: torch.Tensor, block_d: int) -> tuple[int, int]:
+    """The tables' key for a launch on ``q`` at head-dim block ``block_d``: fp32 inputs take the FMA dots' small
+    tiles, bf16 / fp16 the tensor cores'."""
+    return (4 if q.element_size() >= 4 else 2), _tier(block_d)
+
+
 def _pruner(table: dict):
     def prune(configs, named_args, **kwargs):
-        want = {(bm, bn, w, s) for bm, bn, w, s in table[_tier(kwargs["BLOCK_D"])]}
-        kept = [c for c in configs
-                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in want]
-        return kept or configs[:1]
+        want = set(table[table_key(named_args["Q"], kwargs["BLOCK_D"])])
+        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in want]
     return prune
 
 

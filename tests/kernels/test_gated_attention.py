@@ -317,6 +317,62 @@ def test_compiles_without_graph_breaks(docs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_autotune_tables_cover_every_dtype_and_head_dim_within_shared_memory():
+    """The GPU's autotune tables, without compiling: every dtype and head dim the op accepts has candidates; the
+    pruner hands the autotuner exactly its (dtype, head-dim block) row (fp16 shares bf16's, fp32 has its own); the
+    tiles divide the 128-row launch-order super-tiles; and each candidate's shared-memory bound is under an H100
+    block's limit. (Registers and spills need ptxas: the slow sm_90a compile test and bench/compile_report.py.)"""
+    pytest.importorskip("triton")
+    from hybridtron.kernels.gated_attention import triton_kernels as tk
+    from hybridtron.kernels.gated_attention.op import KERNEL_DTYPES, MAX_HEAD_DIM
+
+    block_ds = sorted({max(16, 1 << (d - 1).bit_length()) for d in range(1, MAX_HEAD_DIM + 1)})
+    keys = {tk.table_key(torch.empty(0, dtype=dt), bd) for dt in KERNEL_DTYPES for bd in block_ds}
+    assert keys == {(e, d) for e in (2, 4) for d in (64, 128, 256)}
+    for name, table in tk.TABLES.items():
+        assert set(table) == keys, name
+        every = [tk._cfg(*row) for row in sorted({row for rows in table.values() for row in rows})]
+        prune = tk._pruner(table)
+        for dt in KERNEL_DTYPES:
+            for bd in block_ds:
+                key = tk.table_key(torch.empty(0, dtype=dt), bd)
+                kept = prune(every, {"Q": torch.empty(0, dtype=dt)}, BLOCK_D=bd)
+                got = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
+                assert got == set(table[key]) and len(kept) == len(table[key]), (name, dt, bd)
+        for (elem, block_d), rows in table.items():
+            assert rows and len(set(rows)) == len(rows), (name, elem, block_d)
+            for row in rows:
+                bm, bn, warps, stages = row
+                assert 128 % bm == 0 and 128 % bn == 0 and bm >= 16 and bn >= 16, (name, row)
+                assert warps in (4, 8) and 1 <= stages <= 4, (name, row)
+                need = tk.shared_bytes(name, row, block_d, elem)
+                assert need <= tk.SHARED_LIMIT, f"{name} {elem}-byte D{block_d} {row}: up to {need} B of shared memory"
+
+
+# What triton 3.7.1 allocated for sm_90a (bench/compile_report.py, 2026-11-25): (kernel, row, block_d, operand
+# bytes, shared bytes), the candidates closest to the bound among those compiled, and the fp32 ones that were over
+# the limit (pruned since).
+_SHARED_COMPILED = [
+    ("dq", (64, 32, 8, 3), 256, 2, 164864),
+    ("dq", (64, 32, 8, 3), 256, 4, 327696),
+    ("dq", (128, 64, 8, 2), 128, 4, 262152),
+    ("fwd", (64, 64, 8, 2), 256, 2, 164864),
+    ("fwd", (128, 128, 8, 2), 128, 4, 262168),
+    ("fwd", (128, 64, 8, 4), 64, 4, 163904),
+    ("dkdv", (16, 128, 8, 3), 128, 2, 90368),
+    ("dkdv", (32, 128, 8, 1), 128, 4, 180224),
+    ("dkdv", (64, 32, 8, 1), 256, 2, 131072),
+]
+
+
+@pytest.mark.parametrize("kernel,row,block_d,elem,compiled", _SHARED_COMPILED)
+def test_shared_memory_bound_covers_what_triton_allocated(kernel, row, block_d, elem, compiled):
+    pytest.importorskip("triton")
+    from hybridtron.kernels.gated_attention.triton_kernels import shared_bytes
+
+    assert compiled <= shared_bytes(kernel, row, block_d, elem) <= 2 * compiled
+
+
 # Compiles gated attention's kernels for an H100 (bench/compile_report.py's stand-in driver: triton's bundled
 # ptxas, no GPU), every autotune candidate the pruner keeps, at head dims 128 and 256, bf16, elementwise gate.
 _COMPILE_SM90 = """
