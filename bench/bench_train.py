@@ -71,10 +71,10 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "ddp": [("parallel.engine", "torch"), ("parallel.zero_stage", "0")],
     "fsdp2_zero2": [("parallel.engine", "torch"), ("parallel.zero_stage", "2")],
     "fsdp2_zero3": [("parallel.engine", "torch"), ("parallel.zero_stage", "3")],
-    "ds_zero0": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "0")],
-    "ds_zero1": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "1")],
-    "ds_zero2": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "2")],
-    "ds_zero3": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "3")],
+    "ds_zero0": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "0"), ("train.compile", "false")],
+    "ds_zero1": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "1"), ("train.compile", "false")],
+    "ds_zero2": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "2"), ("train.compile", "false")],
+    "ds_zero3": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "3"), ("train.compile", "false")],
 }
 DEFAULT_VARIANTS = ["ddp", "fsdp2_zero2", "fsdp2_zero3", "ds_zero1", "ds_zero2", "ds_zero3"]
 # data settings that do not change the prepared tokens: left out of the data directory's key
