@@ -148,6 +148,17 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _source_rows(ORDER, rows, rmask, TOPK: tl.constexpr, GATHER: tl.constexpr):
+    """The A / X rows that expert-sorted rows ``rows`` read: the token row order[r] // k of each assignment when
+    gathering (the permutation's gather), else the rows themselves. int64: row offsets can pass 2^31 elements."""
+    if GATHER:
+        src = (tl.load(ORDER + rows, mask=rmask, other=0) // TOPK).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    return src
+
+
+@triton.jit
 def _tile_of_expert(OFFS, t, E, E_BLOCK: tl.constexpr, BM: tl.constexpr):
     """Row tile t of the expert-aligned tiling: (expert, first row, end of the expert's rows). The expert is E
     for tiles past the last one. From the running counts alone: each expert has cdiv(count, BM) tiles, so the
@@ -179,10 +190,7 @@ def _grouped_mm_kernel(A, ORDER, B, OFFS, C, N, K, E, stride_a, stride_be, strid
     if e < E:
         rows = row0 + tl.arange(0, BM)
         rmask = rows < row_end
-        if GATHER:
-            src = (tl.load(ORDER + rows, mask=rmask, other=0) // TOPK).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
+        src = _source_rows(ORDER, rows, rmask, TOPK, GATHER)
         cols = (tl.program_id(0) % n_tiles) * BN + tl.arange(0, BN)
         cmask = cols < N
         ks = tl.arange(0, BK)
@@ -221,10 +229,7 @@ def _grouped_wgrad_kernel(DH, X, ORDER, OFFS, DW, N, K, stride_dh, stride_x,
     for r0 in range(start, end, BK):
         rows = r0 + tl.arange(0, BK)
         rmask = rows < end
-        if GATHER:
-            src = (tl.load(ORDER + rows, mask=rmask, other=0) // TOPK).to(tl.int64)
-        else:
-            src = rows.to(tl.int64)
+        src = _source_rows(ORDER, rows, rmask, TOPK, GATHER)
         # dH rows as they lie (BK x BM, unit stride along BM), transposed in registers / shared memory
         dh = tl.load(DH + rows.to(tl.int64)[:, None] * stride_dh + ms[None, :], mask=rmask[:, None] & mmask[None, :],
                      other=0.0)

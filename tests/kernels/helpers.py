@@ -84,3 +84,14 @@ def assert_same_loss_and_grads(ref, tri, ids, labels, doc_ids=None) -> dict[str,
     for n, g in g_ref.items():
         torch.testing.assert_close(g_tri[n], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     return g_tri
+
+
+def assert_compiled_matches_eager(f, *leaves) -> None:
+    """``torch.compile(f, fullgraph=True)`` (aot_eager: the custom ops' fake implementations and autograd through
+    the traced graph, no inductor codegen) gives eager's outputs and the gradients of ``leaves``."""
+    eager = f(*leaves)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves)
+    torch.testing.assert_close(compiled, eager)
+    for a, b in zip(torch.autograd.grad(eager.sum(), leaves), torch.autograd.grad(compiled.sum(), leaves),
+                    strict=True):
+        torch.testing.assert_close(a, b)

@@ -18,7 +18,7 @@ from hybridtron.kernels.moe_gemm import (
 from hybridtron.kernels.moe_permute import sort_assignments
 from hybridtron.kernels.swiglu import swiglu
 
-from .helpers import check_against_reference
+from .helpers import assert_compiled_matches_eager, check_against_reference
 
 pytest.importorskip("triton")
 
@@ -172,9 +172,4 @@ def test_compiles_without_graph_breaks():
     def f(x, w):
         return swiglu_packed(gathered_linear(x, order, pos, 2, w, offsets, backend="triton"), backend="triton")
 
-    eager = f(x, w)
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)
-    torch.testing.assert_close(compiled, eager)
-    for a, b in zip(torch.autograd.grad(eager.sum(), (x, w)), torch.autograd.grad(compiled.sum(), (x, w)),
-                    strict=True):
-        torch.testing.assert_close(a, b)
+    assert_compiled_matches_eager(f, x, w)

@@ -19,7 +19,7 @@ from hybridtron.kernels.moe_permute import (
 )
 from hybridtron.model.lm import GatedLM
 
-from .helpers import assert_same_loss_and_grads, check_against_reference
+from .helpers import assert_compiled_matches_eager, assert_same_loss_and_grads, check_against_reference
 
 pytest.importorskip("triton")
 
@@ -116,9 +116,4 @@ def test_compiles_without_graph_breaks():
         xs = moe_permute(x, order, pos, 2, backend="triton")
         return moe_unpermute(xs * xs, order, pos, w, 2, backend="triton")
 
-    eager = f(x, w)
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w)
-    torch.testing.assert_close(compiled, eager)
-    for a, b in zip(torch.autograd.grad(eager.sum(), (x, w)), torch.autograd.grad(compiled.sum(), (x, w)),
-                    strict=True):
-        torch.testing.assert_close(a, b)
+    assert_compiled_matches_eager(f, x, w)
