@@ -322,7 +322,6 @@ def test_autotune_tables_cover_every_dtype_and_head_dim_within_shared_memory():
     pruner hands the autotuner exactly its (dtype, head-dim block) row (fp16 shares bf16's, fp32 has its own); the
     tiles divide the 128-row launch-order super-tiles; and each candidate's shared-memory bound is under an H100
     block's limit. (Registers and spills need ptxas: the slow sm_90a compile test and bench/compile_report.py.)"""
-    pytest.importorskip("triton")
     from hybridtron.kernels.gated_attention import triton_kernels as tk
     from hybridtron.kernels.gated_attention.op import KERNEL_DTYPES, MAX_HEAD_DIM
 
@@ -367,7 +366,6 @@ _SHARED_COMPILED = [
 
 @pytest.mark.parametrize("kernel,row,block_d,elem,compiled", _SHARED_COMPILED)
 def test_shared_memory_bound_covers_what_triton_allocated(kernel, row, block_d, elem, compiled):
-    pytest.importorskip("triton")
     from hybridtron.kernels.gated_attention.triton_kernels import shared_bytes
 
     assert compiled <= shared_bytes(kernel, row, block_d, elem) <= 2 * compiled
