@@ -85,12 +85,39 @@ def _wide(C: int, BK: int) -> bool:
 
 LAUNCH = {
     "wy_fwd": lambda C, BK: (64, 8 if _wide(C, BK) else 4, 1),
-    "state_fwd": lambda C, BK: (32, 4, 2),  # sequential over chunks: more, smaller programs
     "output_fwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
     "output_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),
-    "state_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),  # 2 stages: over an A100 block's 163 KiB
     "wy_bwd": lambda C, BK: (32, 8 if _wide(C, BK) else 4, 1),  # spill-free at 16 and 32; 32: wider MMAs
 }
+
+# The two state passes run their chunks one after another; their only parallelism is B x HV x (Dv / BV) programs
+# (64 at batch 1, 16 heads, BV 32: half an H100's SMs), so the value tile trades programs for work per program,
+# and which wins depends on the batch and the GPU. On the GPU they are autotuned per shape over these (BV, warps,
+# stages), each compiled spill-free for sm_90a at D128 (bench/compile_report.py); under the interpreter one.
+# (_state_bwd at 2 stages went over an A100 block's 163 KiB.)
+STATE_TUNE = {
+    "state_fwd": [(16, 4, 2), (32, 4, 2), (64, 4, 2)],
+    "state_bwd": [(16, 4, 1), (16, 8, 1), (32, 8, 1)],  # (32, 4) and (64, 8) spilled 32 and 8 B
+}
+STATE_INTERPRET = (32, 4, 1)
+STATE_SLOT = 16  # _state_bwd's S * dS' partial sums: one per 16 value columns (the narrowest tile), see DALL
+
+
+def _prune_state_tiles(configs, named_args, **kwargs):
+    """No tile wider than the value head dim (padded to a power of two >= 16) needs launching."""
+    widest = max(16, next_pow2(kwargs["DV"]))
+    kept = [c for c in configs if c.kwargs["BV"] <= widest]
+    return kept or configs[:1]
+
+
+def _state_autotune(name: str, in_place: str):
+    """triton.autotune over STATE_TUNE[name], keyed by the shape (programs, chunks, head dims; argument dtypes are
+    in triton's key too). ``in_place``: the argument the kernel updates in place, restored after each timing run."""
+    rows = [STATE_INTERPRET] if interpreter_requested() else STATE_TUNE[name]
+    configs = [triton.Config({"BV": bv}, num_warps=w, num_stages=st) for bv, w, st in rows]
+    return triton.autotune(configs=configs, key=["BH", "N", "DK", "DV"], restore_value=[in_place],
+                           reset_to_zero=["DALL"] if name == "state_bwd" else None,
+                           prune_configs_by={"early_config_prune": _prune_state_tiles})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -291,15 +318,16 @@ def _wy_fwd_kernel(
         tl.store(U + srow[:, None] * DV + cv[None, :], _cast(u, U.dtype.element_ty), mask=(cv < DV)[None, :])
 
 
+@_state_autotune("state_fwd", in_place="U")
 @triton.jit
 def _state_fwd_kernel(
     K, G, RESETS, W, U, S0, STATES, FINAL,
-    T, L, LP, HK, HV, N,
+    T, L, LP, HK, HV, N, BH,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
     HAS_S0: tl.constexpr, STORE_FINAL: tl.constexpr, COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """Grid (B * HV, Dv tiles): the chunks in order, state columns cv in registers (in COMPUTE). Writes the
+    """Grid (BH = B * HV, Dv tiles): the chunks in order, state columns cv in registers (in COMPUTE). Writes the
     state entering each chunk to STATES (B, HV, N, DK, DV), delta over U in place, and the final state."""
     bh = tl.program_id(0).to(tl.int64)
     cv = tl.program_id(1) * BV + tl.arange(0, BV)
@@ -414,17 +442,18 @@ def _output_bwd_kernel(
              mask=last[:, None] & (ck < DK)[None, :])
 
 
+@_state_autotune("state_bwd", in_place="DDELTA")
 @triton.jit
 def _state_bwd_kernel(
     Q, K, G, RESETS, DO, W, DDELTA, DHT, STATES, DSTATES, DALL, DH0,
-    T, L, LP, HK, HV, N, NV,
+    T, L, LP, HK, HV, N, BH, NS,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
     COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
-    """Grid (B * HV, Dv tiles): the chunks in reverse order, dS (the cotangent of the state leaving the chunk)
+    """Grid (BH = B * HV, Dv tiles): the chunks in reverse order, dS (the cotangent of the state leaving the chunk)
     in registers, starting from the final state's cotangent. Writes each chunk's dS' to DSTATES, its tile's
-    share of sum(S * dS') (the chunk decay's gradient; S the state entering the chunk) to DALL (B * HV, N, NV)
-    in fp32, completes d delta = DDELTA + (dout k) dS' in place, and ends with the initial state's gradient.
+    share of sum(S * dS') (the chunk decay's gradient; S the state entering the chunk) to slot (tile) of DALL
+    (B * HV, N, NS) in fp32 (NS: the slots of the narrowest tile; the launcher zeroes the rest), completes d delta = DDELTA + (dout k) dS' in place, and ends with the initial state's gradient.
     The sum is taken here, against dS in fp32 registers, so DSTATES can be stored in the operand dtype (bf16
     for bf16 inputs; _wy_bwd reads it only as a dot operand)."""
     bh = tl.program_id(0).to(tl.int64)
@@ -438,7 +467,7 @@ def _state_bwd_kernel(
         n = N - 1 - j
         tl.store(DSTATES + (bh * N + n) * DK * DV + s_offs, _cast(dS, DSTATES.dtype.element_ty), mask=s_mask)
         S = tl.load(STATES + (bh * N + n) * DK * DV + s_offs, mask=s_mask, other=0.0)
-        tl.store(DALL + (bh * N + n) * NV + tl.program_id(1), tl.sum(tl.sum(S * dS, 1), 0))
+        tl.store(DALL + (bh * N + n) * NS + tl.program_id(1), tl.sum(tl.sum(S * dS, 1), 0))
         b, h, hk, rows, tok, first, last, real = _chunk_setup(n, bh, L, T, HV, R, NH, C)
         Gc, G_end, seg, seg_end = _gates(G, RESETS, b, h, tok, first, T, HV, HAS_RESETS, COMPUTE, C)
         din, dout, dall = _state_decays(Gc, G_end, seg, seg_end)
@@ -459,7 +488,7 @@ def _state_bwd_kernel(
 @triton.jit
 def _wy_bwd_kernel(
     K, V, G, BETA, RESETS, TINV, STATES, DSTATES, DALL, W, DELTA, DDELTA, DK_PART, DG_PART, DK_OUT, DV_OUT, DG,
-    DBETA, T, L, LP, HK, HV, N, NV, NVP: tl.constexpr,
+    DBETA, T, L, LP, HK, HV, N, NS, NSP: tl.constexpr,
     R: tl.constexpr, NH: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, HAS_RESETS: tl.constexpr,
     COMPUTE: tl.constexpr, DOT: tl.constexpr, C: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
 ):
@@ -529,8 +558,8 @@ def _wy_bwd_kernel(
     dk += dout[:, None] * dk_out
     dG -= dout * d_dout
     # G_end enters dout (exp(G_end - G_i)) and dall (exp(G_end)).
-    jv = tl.arange(0, NVP)
-    d_dall = tl.sum(tl.load(DALL + (bh * N + n) * NV + jv, mask=jv < NV, other=0.0), 0)  # sum(S * dS'): _state_bwd
+    jv = tl.arange(0, NSP)
+    d_dall = tl.sum(tl.load(DALL + (bh * N + n) * NS + jv, mask=jv < NS, other=0.0), 0)  # sum(S * dS'): _state_bwd
     dG += tl.where(i == C - 1, tl.sum(dout * d_dout, 0) + dall * d_dall, 0.0)
     tl.store(DG + (b * T + tok) * HV + h, _cast(tl.cumsum(dG, 0, reverse=True), DG.dtype.element_ty), mask=first)
     tl.store(DBETA + (b * L + rows) * HV + h, _cast(dbeta, DBETA.dtype.element_ty), mask=real)
@@ -587,10 +616,9 @@ def _states(m: dict, k, g, rs, w, u, initial_state, final, dev, dtype=None) -> t
     B, T, n_h, Hk, Hv, Dk, Dv, N = m["shapes"]
     sc, cs = m["scalars"], m["consts"]
     states = torch.empty(B, Hv, N, Dk, Dv, dtype=dtype or m["op"], device=dev)
-    ls = _launch("state_fwd", cs["C"], cs["BK"], Dv)
-    _state_fwd_kernel[(B * Hv, triton.cdiv(Dv, ls["BV"]))](
-        k, g, rs, w, u, initial_state, states, final, **sc, N=N, HAS_S0=initial_state is not None,
-        STORE_FINAL=final is not None, **cs, **ls)
+    _state_fwd_kernel[lambda meta: (B * Hv, triton.cdiv(Dv, meta["BV"]))](
+        k, g, rs, w, u, initial_state, states, final, **sc, N=N, BH=B * Hv, HAS_S0=initial_state is not None,
+        STORE_FINAL=final is not None, **cs)
     return states
 
 
@@ -660,15 +688,16 @@ def chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, initial_state, chunk_
     dq_h = torch.empty(B, T, Hv, Dk, dtype=q.dtype if r == 1 else acc, device=dev)
     dk_h = torch.empty(B, T, n_h, Hv, Dk, dtype=k.dtype if r == 1 else acc, device=dev)
     dv, dg, dbeta = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
-    lo, ls, lw = (_launch(name, C, cs["BK"], Dv) for name in ("output_bwd", "state_bwd", "wy_bwd"))
+    lo, lw = (_launch(name, C, cs["BK"], Dv) for name in ("output_bwd", "wy_bwd"))
     _output_bwd_kernel[(N, B * Hv)](q, k, g, rs, do, states, delta, ddelta, dk_part, dg_part, dq_h, **sc, N=N,
                                     **cs, **lo)
-    nv = triton.cdiv(Dv, ls["BV"])
-    dall = scratch(N, nv)
-    _state_bwd_kernel[(B * Hv, nv)](q, k, g, rs, do, w, ddelta, dht, states, dstates, dall, dh0, **sc, N=N, NV=nv,
-                                    **cs, **ls)
+    # One S * dS' slot per 16 value columns, zeroed: a wider tile fills fewer (its sum covers several).
+    ns = triton.cdiv(Dv, STATE_SLOT)
+    dall = torch.zeros(B, Hv, N, ns, dtype=acc, device=dev)
+    _state_bwd_kernel[lambda meta: (B * Hv, triton.cdiv(Dv, meta["BV"]))](
+        q, k, g, rs, do, w, ddelta, dht, states, dstates, dall, dh0, **sc, N=N, BH=B * Hv, NS=ns, **cs)
     _wy_bwd_kernel[(N, B * Hv)](k, v, g, beta, rs, tinv, states, dstates, dall, w, delta, ddelta, dk_part, dg_part,
-                                dk_h, dv, dg, dbeta, **sc, N=N, NV=nv, NVP=next_pow2(nv), **cs, **lw)
+                                dk_h, dv, dg, dbeta, **sc, N=N, NS=ns, NSP=next_pow2(ns), **cs, **lw)
     if r > 1:
         dq_h = dq_h.view(B, T, Hk, r, Dk).sum(3).to(q.dtype)
         dk_h = dk_h.view(B, T, n_h, Hk, r, Dk).sum(4).to(k.dtype)

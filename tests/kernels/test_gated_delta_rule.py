@@ -111,6 +111,38 @@ def test_float64_equals_the_recurrence():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("bv,warps", [(16, 4), (64, 4)])
+def test_every_state_tile_width_the_gpu_may_pick_gives_the_recurrence(bv, warps, monkeypatch):
+    """On the GPU the two state passes are autotuned over their value-tile width (chunk_kernels.STATE_TUNE); the
+    interpreter runs one. Forced to each other width, with value dims over several tiles (80 = 16 x 5 = 64 + 16)
+    and the decay's S * dS' partial sums spread over a different number of slots, the kernels still equal the
+    token-by-token recurrence in float64, every gradient included."""
+    import triton
+
+    from hybridtron.kernels.gated_delta_rule import chunk_kernels as ck
+
+    for kernel in (ck._state_fwd_kernel, ck._state_bwd_kernel):
+        monkeypatch.setattr(kernel, "configs", [triton.Config({"BV": bv}, num_warps=warps, num_stages=1)])
+    x = inputs(1, 19, 1, 2, 1, 16, 80, beta_max=2.0, reset_p=0.2, init=True, seed=5)
+    got = grads(chunk_gated_delta_rule, x, chunk_size=16)
+    want = grads(delta_rule_recurrent, x)
+    for name, a, b in zip(["o", "final state", "q", "k", "v", "g", "beta", "initial_state"], got, want,
+                          strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-11, msg=lambda m, name=name: f"BV {bv}, {name}: {m}")
+
+
+def test_state_tile_pruning():
+    """No candidate wider than the (padded) value head dim is launched; the narrowest is kept whatever Dv is."""
+    import triton
+
+    from hybridtron.kernels.gated_delta_rule.chunk_kernels import _prune_state_tiles
+
+    configs = [triton.Config({"BV": bv}) for bv in (16, 32, 64)]
+    assert [c.kwargs["BV"] for c in _prune_state_tiles(configs, {}, DV=20)] == [16, 32]
+    assert [c.kwargs["BV"] for c in _prune_state_tiles(configs, {}, DV=8)] == [16]
+    assert [c.kwargs["BV"] for c in _prune_state_tiles(configs, {}, DV=128)] == [16, 32, 64]
+
+
 @pytest.mark.parametrize("wrong", ["no_resets", "no_decay"])
 def test_the_tolerance_fails_a_kernel_that_drops_resets_or_the_decay(wrong):
     """The comparison can fail: measured against a reference that ignores the documents (or the decay), the
