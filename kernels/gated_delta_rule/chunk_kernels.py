@@ -105,9 +105,8 @@ STATE_SLOT = 16  # _state_bwd's S * dS' partial sums: one per 16 value columns (
 
 def _prune_state_tiles(configs, named_args, **kwargs):
     """No tile wider than the value head dim (padded to a power of two >= 16) needs launching."""
-    widest = max(16, next_pow2(kwargs["DV"]))
-    kept = [c for c in configs if c.kwargs["BV"] <= widest]
-    return kept or configs[:1]
+    widest = max(16, next_pow2(kwargs["DV"]))  # every table holds a 16-column candidate, so one is always kept
+    return [c for c in configs if c.kwargs["BV"] <= widest]
 
 
 def _state_autotune(name: str, in_place: str):

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .. import backend, triton_utils
+from ..swiglu.triton_kernels import swiglu_grads, swiglu_math
 from ..triton_utils import compute_dtype, next_pow2, row_block, warps
 
 # ---- SwiGLU on the packed gate_up rows ---------------------------------------------------------------------
@@ -39,7 +40,7 @@ def _swiglu_packed_fwd_kernel(H, Y, M, HID, stride_h, stride_y, COMPUTE: tl.cons
     h = H + r[:, None] * stride_h + c[None, :]
     g = tl.load(h, mask=m, other=0.0).to(COMPUTE)
     u = tl.load(h + HID, mask=m, other=0.0).to(COMPUTE)
-    tl.store(Y + r[:, None] * stride_y + c[None, :], (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=m)
+    tl.store(Y + r[:, None] * stride_y + c[None, :], swiglu_math(g, u).to(Y.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -52,11 +53,10 @@ def _swiglu_packed_bwd_kernel(DY, H, DH, M, HID, stride_dy, stride_h, stride_dh,
     h = H + r[:, None] * stride_h + c[None, :]
     g = tl.load(h, mask=m, other=0.0).to(COMPUTE)
     u = tl.load(h + HID, mask=m, other=0.0).to(COMPUTE)
-    sig = tl.sigmoid(g)
+    dg, du = swiglu_grads(dy, g, u)
     dh = DH + r[:, None] * stride_dh + c[None, :]
-    # d silu(g)/dg = sig (1 + g (1 - sig)); sigmoid recomputed rather than kept (as kernels/swiglu)
-    tl.store(dh, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DH.dtype.element_ty), mask=m)
-    tl.store(dh + HID, (dy * g * sig).to(DH.dtype.element_ty), mask=m)
+    tl.store(dh, dg.to(DH.dtype.element_ty), mask=m)
+    tl.store(dh + HID, du.to(DH.dtype.element_ty), mask=m)
 
 
 def _swiglu_tiles(inner: int) -> tuple[int, int]:

@@ -18,12 +18,25 @@ BLOCK = 1024
 
 
 @triton.jit
+def swiglu_math(g, u):
+    """silu(g) * u on loaded tiles (also the MoE experts' packed kernel's, kernels/moe_gemm)."""
+    return g * tl.sigmoid(g) * u
+
+
+@triton.jit
+def swiglu_grads(dy, g, u):
+    """(d g, d u) of silu(g) * u, sigmoid(g) recomputed: d silu(g)/dg = sig (1 + g (1 - sig))."""
+    sig = tl.sigmoid(g)
+    return dy * u * sig * (1.0 + g * (1.0 - sig)), dy * g * sig
+
+
+@triton.jit
 def _swiglu_fwd_kernel(G, U, Y, N, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     g = tl.load(G + offs, mask=mask, other=0.0).to(COMPUTE)
     u = tl.load(U + offs, mask=mask, other=0.0).to(COMPUTE)
-    tl.store(Y + offs, (g * tl.sigmoid(g) * u).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, swiglu_math(g, u).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -33,11 +46,9 @@ def _swiglu_bwd_kernel(DY, G, U, DG, DU, N, COMPUTE: tl.constexpr, BLOCK: tl.con
     dy = tl.load(DY + offs, mask=mask, other=0.0).to(COMPUTE)
     g = tl.load(G + offs, mask=mask, other=0.0).to(COMPUTE)
     u = tl.load(U + offs, mask=mask, other=0.0).to(COMPUTE)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    tl.store(DU + offs, (dy * silu).to(DU.dtype.element_ty), mask=mask)
-    # d silu(g)/dg = sig (1 + g (1 - sig))
-    tl.store(DG + offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
+    dg, du = swiglu_grads(dy, g, u)
+    tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
 
 
 def swiglu_fwd(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
