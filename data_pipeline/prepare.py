@@ -37,7 +37,7 @@ import numpy as np
 
 from hybridtron.configs.job import DataConfig
 
-from .atomic import write_text_atomic
+from ..atomic import write_text_atomic
 from .errors import DataError, EmptySourceError, SourceChangedError, one_line
 from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
 from .sources import (

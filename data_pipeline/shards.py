@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .atomic import fsync_dir, write_bytes_atomic, write_chunks_atomic, write_text_atomic
+from ..atomic import fsync_dir, write_bytes_atomic, write_chunks_atomic, write_text_atomic
 from .errors import DataError
 
 MANIFEST = "manifest.json"

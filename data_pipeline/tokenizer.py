@@ -14,7 +14,7 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .atomic import write_bytes_atomic
+from ..atomic import write_bytes_atomic
 from .errors import DataError, DataNotFoundError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"

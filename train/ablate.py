@@ -21,8 +21,8 @@ from pathlib import Path
 
 import yaml
 
+from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
-from hybridtron.data_pipeline.atomic import write_text_atomic
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 SHARED_ONLY = ("data.", "train.max_steps", "train.seed")

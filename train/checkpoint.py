@@ -41,7 +41,7 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from hybridtron.data_pipeline.atomic import fsync_dir, write_text_atomic
+from hybridtron.atomic import fsync_dir, write_text_atomic
 
 from .parallel.mesh import launch_world
 from .parallel.tensor_parallel import canonical_state_dicts, to_row_order

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, parse_overrides
 from hybridtron.data_pipeline import DataError, build_dataset, build_loader, prepare_data
-from hybridtron.data_pipeline.atomic import write_text_atomic
 from hybridtron.model import GatedLM, flops_per_token
 
 from .build import checkpoint_step, load_for_inference, model_for_checkpoint, select_rank_device

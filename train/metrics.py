@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from hybridtron.data_pipeline.atomic import write_text_atomic
+from hybridtron.atomic import write_text_atomic
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, no sparsity). MFU is reported only when
 # the device is found here or train.peak_flops is set: a CPU has no meaningful single figure.

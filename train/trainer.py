@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
+from hybridtron.atomic import write_bytes_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config
-from hybridtron.data_pipeline.atomic import write_bytes_atomic
 
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
 from .device import autocast_context, step_weight_casts

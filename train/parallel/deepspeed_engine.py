@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig
-from hybridtron.data_pipeline.atomic import write_text_atomic
 
 from ..device import autocast_dtype
 

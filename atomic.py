@@ -1,4 +1,4 @@
-"""Durable, atomic file writes shared by shards, tokenizers, checkpoints and run files.
+"""Durable, atomic file writes shared by shards, tokenizers, checkpoints, run files and the kernel tuner's cache.
 
 Write to a temporary name in the same directory, fsync, ``os.replace`` onto the final name, then fsync
 the directory so the rename itself survives a crash: a reader sees the old file or the new one, never
