@@ -45,11 +45,13 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import inspect
+import json
 import math
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -123,6 +125,10 @@ def build_hf(ours: torch.nn.Module, cfg: JobConfig, vocab: int, device: torch.de
                          f"lacks); transformers has no class of its own to compare it with")
     state, plain_cfg, _folded = plain_state(ours, target)
     hf_cfg = hf_config(plain_cfg, vocab, target, NO_SPECIAL_TOKENS)
+    if device.type == "cpu":  # fla's and causal-conv1d's kernels need a GPU: transformers' torch paths here
+        from hybridtron.train.hf.torch_paths import import_with_torch_paths
+
+        import_with_torch_paths()
     with device:
         hf = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation=attn).to(device)
     state = to_hf_names(state, plain_cfg, target)
@@ -186,8 +192,20 @@ def _fla_problem() -> str:
 
 
 def ours_paths(cfg: JobConfig, device: torch.device) -> str:
+    """Each op's backend: for ``auto`` on a measured device what the tuner chose (after the warm-up steps met the
+    shape classes), else what the switch resolves to."""
+    from hybridtron.kernels import tune
+
+    measured: dict[str, set[str]] = {}
+    for key, d in tune.decisions().items():
+        measured.setdefault(key.split("[")[0], set()).add(d.chosen)
     ops = ("attention", "delta_rule", "conv", "norm", "rotary", "swiglu", "cross_entropy")
-    return "; ".join(f"{op} {backend.resolve(op, getattr(cfg.model.kernels, op), device)}" for op in ops)
+    out = []
+    for op in ops:
+        req = getattr(cfg.model.kernels, op)
+        out.append(f"{op} {'/'.join(sorted(measured[op]))} (auto, measured)" if req == "auto" and op in measured
+                   else f"{op} {backend.resolve(op, req, device)}")
+    return "; ".join(out)
 
 
 def _installed(name: str) -> bool:
@@ -328,6 +346,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--append", nargs="?", const=str(RESULTS), default=None, metavar="PATH",
                     help="append the table to PATH (default bench/RESULTS.md)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write both sides' figures and the ratio to FILE")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.repeats < 1 or args.warmup < 0:
         ap.error("--steps and --repeats must be >= 1, --warmup >= 0")
@@ -354,6 +373,7 @@ def main(argv: list[str] | None = None) -> str:
     ]
     batches = make_batches(vocab, cfg.train.micro_batch_size, cfg.data.seq_len, device)
     measure(sides, batches, cfg, device, args.warmup, args.steps, args.repeats)
+    sides[0].kernels = ours_paths(cfg, device)  # what auto measured and chose in the warm-up steps
     if not all(math.isfinite(v) for s in sides for v in s.losses):
         print("warning: a loss is not finite", file=sys.stderr)
     body = report(sides, cfg, device, args)
@@ -361,6 +381,15 @@ def main(argv: list[str] | None = None) -> str:
               f"{time.strftime('%Y-%m-%d')}; {versions()})")
     print(header)
     print(body)
+    if args.json:
+        ours, hf = sides
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "preset": args.preset, "device": str(device), "versions": versions(),
+            "sides": [{"name": s.name, "kernels": s.kernels, "tokens_per_s": statistics.median(s.rates),
+                       "rates": s.rates, "losses": s.losses} for s in sides],
+            "ratio": statistics.median(ours.rates) / statistics.median(hf.rates), "target": TARGET,
+            "hf_has_fla": "fla kernels" in hf.kernels}, indent=1) + "\n")
     if args.append:
         cmd = " ".join(["python -m hybridtron.bench.bench_hf", *(sys.argv[1:] if argv is None else argv)])
         append_results(args.append, header, cmd, body)

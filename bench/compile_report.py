@@ -154,7 +154,8 @@ def _kernel_modules():
     names = [f"hybridtron.kernels.{op}.triton_kernels" for op in
              ("norm", "rotary", "swiglu", "gated_attention", "cross_entropy", "short_conv", "moe_permute",
               "moe_gemm")]
-    names += ["hybridtron.kernels.gated_delta_rule.chunk_kernels", "hybridtron.kernels.gated_delta_rule.recurrent"]
+    names += ["hybridtron.kernels.gated_delta_rule.chunk_kernels", "hybridtron.kernels.gated_delta_rule.recurrent",
+              "hybridtron.kernels.gated_attention.gate_kernels"]
     return [importlib.import_module(n) for n in names]
 
 
@@ -276,12 +277,21 @@ def run_preset(preset: str, seq: int = 128, decode: int = 2) -> None:
     docs = torch.cumsum(torch.rand(1, seq, generator=g) < 0.02, 1) if cfg.model.doc_mask else None
     with torch.autocast("cpu", dtype=torch.bfloat16), _SkipProducts():
         model(ids, docs, labels=torch.roll(ids, -1, 1)).backward()
+        from hybridtron.model.attention import GatedAttention
         from hybridtron.model.moe import MoE
 
         moe = next((m for m in model.modules() if isinstance(m, MoE)), None)
         if moe is not None:  # model.moe.gather=gemm is no preset's choice: compile its grouped GEMMs at these widths
             moe.gather = "gemm"
             moe(torch.randn(seq, cfg.model.d_model, requires_grad=True)).sum().backward()
+        attn = next((m for m in model.modules() if isinstance(m, GatedAttention)), None)
+        if attn is not None:  # the output gate after a peer's attention (sdpa, flex, flash-attn: auto's choices)
+            from hybridtron.kernels.gated_attention.gate import sigmoid_gate
+
+            H, D = attn.n_heads, attn.head_dim
+            a = torch.randn(1, seq, H, D, dtype=torch.bfloat16, requires_grad=True)
+            for shape in ((1, seq, H, D), (1, seq, H)):
+                sigmoid_gate(a, torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)).sum().backward()
         with torch.no_grad():
             cache = model.new_cache()
             model(ids[:, :8], cache=cache)

@@ -301,9 +301,12 @@ def cross_entropy_case(tokens: int, d: int, vocab: int, dtype, device, compile_p
                 flops=6.0 * tokens * d * vocab, ours="triton (ours, chunked)")
 
 
-def _fla_chunk_gdr():
-    """flash-linear-attention's chunk_gated_delta_rule, or the reason it is unavailable (it imports only where an
-    NVIDIA driver is; carry its ``fla-core`` wheel to the GPU machine as Liger's above)."""
+def _fla_chunk_gdr(device=None):
+    """flash-linear-attention's chunk_gated_delta_rule, or the reason it is unavailable (its kernels run on CUDA
+    only; carry its ``fla-core`` wheel to the GPU machine as Liger's above)."""
+    why = backend.peer_unavailable_reason("fla", device)
+    if why is not None:
+        return f"fla unavailable ({why})"
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except Exception as e:
@@ -367,7 +370,7 @@ def delta_rule_case(seq: int, heads: int, head_dim: int, chunk: int, dtype, devi
         return delta_rule_chunked(q, k, v, g, beta, resets=resets, chunk_size=chunk)[0]
 
     cands: dict = {"torch eager (reference)": reference, "torch.compile (reference)": _compiled(reference, compile_peers)}
-    fla = _fla_chunk_gdr()
+    fla = _fla_chunk_gdr(device)
     cands[DR_FLA] = fla if isinstance(fla, str) else (
         lambda q, k, v, g, beta: fla(q, k[:, :, 0], v[:, :, 0], g, beta[:, :, 0], use_qk_l2norm_in_kernel=True,
                                      cu_seqlens=cu)[0])

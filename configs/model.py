@@ -188,24 +188,25 @@ class ScaleVectorConfig:
         return self.branch_specific or self.two_sided or self.magnitude_direction
 
 
-KernelBackend = Literal["auto", "reference", "triton", "flash-attn"]
+KernelBackend = Literal["auto", "reference", "triton", "sdpa", "flex", "flash-attn", "fla", "causal-conv1d"]
 
 
 @dataclass
 class KernelConfig:
     """Which implementation runs each fused op (kernels/backend.py). auto: the fastest correct one on the
-    device (CUDA: Triton, or flash-attn for attention where installed; CPU: the pure-torch reference).
-    An explicit backend that cannot run on the run's device is refused, never replaced. Changing these
-    changes neither the parameters nor the checkpoint layout, only how they are computed."""
+    device -- on CUDA, for attention, the delta rule and the short convolution, measured at each shape class
+    among ours and the installed peers (kernels/tune.py), for the other ops our Triton kernels; on the CPU the
+    pure-torch reference. An explicit backend that cannot run on the run's device is refused, never replaced.
+    Changing these changes neither the parameters nor the checkpoint layout, only how they are computed."""
 
     norm: KernelBackend = "auto"  # RMSNorm (+ residual add), gated RMSNorm of the delta-rule mixer
     rotary: KernelBackend = "auto"  # rotary embedding of q and k (with the QK-norm fused)
     swiglu: KernelBackend = "auto"  # silu(gate) * up
-    attention: KernelBackend = "auto"  # gated flash attention
+    attention: KernelBackend = "auto"  # gated attention: triton, sdpa, flex, flash-attn, reference
     cross_entropy: KernelBackend = "auto"  # LM head matmul + loss in chunks (the logits never exist whole)
-    conv: KernelBackend = "auto"  # Gated DeltaNet's short causal depthwise convolution + SiLU
+    conv: KernelBackend = "auto"  # GDN's short causal depthwise conv + SiLU: triton, causal-conv1d, fla, reference
     moe: KernelBackend = "auto"  # MoE token permute (expert-sorted gather) / unpermute (weighted combine)
-    delta_rule: KernelBackend = "auto"  # Gated DeltaNet's gated delta rule: chunked (WY/UT) and decoding kernels
+    delta_rule: KernelBackend = "auto"  # GDN's gated delta rule (chunked, decoding): triton, fla, reference
     hax: KernelBackend = "auto"  # gathered sparse attention of the HAX branch (model.deltanet.sparse_attention)
 
     def validate(self) -> None:

@@ -7,13 +7,20 @@ Backends:
 - ``triton``: our Triton kernels. On a CUDA device always (with triton installed); on the CPU only under
   Triton's interpreter, i.e. ``TRITON_INTERPRET=1`` in the environment *before* the process decorates any
   kernel (set it before starting Python). That is how CI runs them: slowly, at tiny shapes.
-- ``flash-attn``: the flash-attn package's CUDA kernels (attention only; CUDA only).
+- The field's libraries, each through an adapter of ours with the op's exact semantics (imported lazily; the
+  ``.[gpu]`` extra installs them): ``sdpa`` (attention: torch's scaled_dot_product_attention, cuDNN's kernel
+  where it applies, then the fused gate), ``flex`` (attention: torch's flex_attention with a causal x document
+  block mask, compiled once per shape), ``flash-attn`` (attention: flash-attn's CUDA kernels), ``fla``
+  (the delta rule: fla-core's chunked kernels, FlashQLA's where fla dispatches to them; the short convolution:
+  fla's Triton causal conv), ``causal-conv1d`` (the short convolution: Dao-AILab's CUDA kernel).
 
-A config asks per op (``model.kernels.<op>``) for one of these or ``auto``. ``auto`` is the fastest
-correct backend that can run on the device of the tensors: on CUDA the first runnable entry of the op's
-``AUTO_ORDER``; on the CPU ``reference`` (the interpreter is a test tool, not a speed-up). An explicit
-backend that cannot run where it is asked is refused with a `BackendError` naming the op, the device, why,
-and what to choose instead -- never silently replaced by another.
+A config asks per op (``model.kernels.<op>``) for one of these or ``auto``. ``auto`` is the fastest correct
+backend on the device of the tensors: on the CPU ``reference`` (the interpreter is a test tool, not a
+speed-up); on CUDA, for the ops with peers (``TUNED_OPS``), the one kernels/tune.py measured fastest among
+those that agree with the reference at the call's shape class (cached per machine), and for the others, or
+where no measurement may run (inside a torch.compile trace), the first runnable entry of ``AUTO_ORDER``. An
+explicit backend that cannot run where it is asked is refused with a `BackendError` naming the op, the
+device, why, and what to choose instead -- never silently replaced by another.
 
 Op folders follow one layout (``kernels/<op>/``): ``reference.py`` (pure torch), ``triton_kernels.py``
 (the ``@triton.jit`` kernels and their launchers; imported lazily, so the package works without triton),
@@ -23,29 +30,32 @@ taking ``backend=``). Nothing under ``kernels/`` imports ``torch.distributed``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
 
 import torch
 
-BACKENDS = ("reference", "triton", "flash-attn")
+BACKENDS = ("reference", "triton", "sdpa", "flex", "flash-attn", "fla", "causal-conv1d")
 CHOICES = ("auto", *BACKENDS)
 
-# Backends each op implements, and the order ``auto`` tries them in on CUDA (fastest correct first).
+# Backends each op implements, in the order ``auto`` takes them on CUDA where it does not measure (ops without
+# peers, or inside a torch.compile trace): ours first, the path CI tests (kernels/tune.py measures the others).
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "norm": ("triton", "reference"),
     "rotary": ("triton", "reference"),
     "swiglu": ("triton", "reference"),
-    # Ours first: it fuses the gate, takes fp32 and any head dim up to 256, and reads documents without a host
-    # sync; flash-attn (bf16/fp16, head dims a multiple of 8, gate applied apart) when asked for by name.
-    "attention": ("triton", "flash-attn", "reference"),
+    "attention": ("triton", "sdpa", "flex", "flash-attn", "reference"),
     "cross_entropy": ("triton", "reference"),
-    "conv": ("triton", "reference"),  # short causal depthwise convolution + SiLU (Gated DeltaNet)
+    "conv": ("triton", "causal-conv1d", "fla", "reference"),  # short causal depthwise convolution + SiLU (GDN)
     "moe": ("triton", "reference"),  # MoE token permute / unpermute
-    "delta_rule": ("triton", "reference"),  # chunked gated delta rule (training, prefill); recurrent for decoding
+    "delta_rule": ("triton", "fla", "reference"),  # chunked gated delta rule (training, prefill); recurrent decodes
     "hax": ("triton", "reference"),  # gathered sparse attention of the HAX branch (model/hax.py)
 }
+# The ops whose ``auto`` is decided by measurement on CUDA (kernels/tune.py): those with a peer library beside
+# ours. The others keep AUTO_ORDER: ours against the eager reference only, measured faster on 2026-11-24's H100.
+TUNED_OPS = ("attention", "delta_rule", "conv")
 OPS = tuple(AUTO_ORDER)
 
 _TRUE = ("1", "true", "yes", "on", "y")  # what triton's knobs read as true
@@ -66,8 +76,25 @@ def triton_installed() -> bool:
 
 
 @functools.cache
+def installed(module: str) -> bool:
+    """Whether ``module`` (a peer library) can be found, without importing it (fla imports triton and probes the
+    GPU at import)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def flash_attn_installed() -> bool:
-    return importlib.util.find_spec("flash_attn") is not None
+    return installed("flash_attn")
+
+
+# backend -> (module to find, what to install): the peer libraries, each an optional GPU extra.
+PEERS = {
+    "flash-attn": ("flash_attn", "pip install flash-attn (a CUDA build), or the project's .[gpu] extra"),
+    "fla": ("fla", "pip install fla-core (pure Python), or the project's .[gpu] extra"),
+    "causal-conv1d": ("causal_conv1d", "pip install causal-conv1d (a CUDA build), or the project's .[gpu] extra"),
+}
 
 
 def _device_type(device: str | torch.device | None) -> str:
@@ -93,24 +120,43 @@ def triton_unavailable_reason(device: str | torch.device | None = None) -> str |
     return f"Triton kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {dev!r}"
 
 
-def flash_attn_unavailable_reason(device: str | torch.device | None = None) -> str | None:
+def peer_unavailable_reason(backend: str, device: str | torch.device | None = None) -> str | None:
+    """None when the peer library behind ``backend`` (PEERS) can run on ``device``, else why not: each runs on
+    CUDA GPUs only (fla's Triton kernels do not run under Triton's interpreter either)."""
+    module, how = PEERS[backend]
     if _device_type(device) != "cuda":
-        return "flash-attn runs on CUDA GPUs only"
+        return f"{backend} runs on CUDA GPUs only"
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
-    if not flash_attn_installed():
-        return "the flash-attn package is not installed (pip install flash-attn, or the project's .[gpu] extra)"
+    if not installed(module):
+        return f"the {module} package is not installed ({how})"
+    return None
+
+
+def flash_attn_unavailable_reason(device: str | torch.device | None = None) -> str | None:
+    return peer_unavailable_reason("flash-attn", device)
+
+
+def flex_unavailable_reason(device: str | torch.device | None = None) -> str | None:
+    """flex_attention ships with torch >= 2.5. Its backward runs on CUDA only (torch 2.13 refuses it on the CPU):
+    the adapter refuses a CPU call that needs gradients; a CPU forward (evaluation) runs."""
+    if not installed("torch.nn.attention.flex_attention"):
+        return f"torch {torch.__version__} has no flex_attention (torch >= 2.5 has)"
+    if _device_type(device) not in ("cuda", "cpu"):
+        return f"flex_attention runs on CUDA (forward also on the CPU), not on {_device_type(device)!r}"
     return None
 
 
 def unavailable_reason(backend: str, device: str | torch.device | None = None) -> str | None:
     """None when ``backend`` can run on ``device``, else a sentence saying why not."""
-    if backend == "reference":
-        return None
+    if backend in ("reference", "sdpa"):
+        return None  # pure torch: wherever torch runs
     if backend == "triton":
         return triton_unavailable_reason(device)
-    if backend == "flash-attn":
-        return flash_attn_unavailable_reason(device)
+    if backend == "flex":
+        return flex_unavailable_reason(device)
+    if backend in PEERS:
+        return peer_unavailable_reason(backend, device)
     raise BackendError(f"unknown kernel backend {backend!r}; choose one of {list(CHOICES)}")
 
 
@@ -149,6 +195,21 @@ def resolve(op: str, requested: str = "auto", device: str | torch.device | None 
 
 
 _resolved: dict[tuple[str, str, str], str] = {}
+_forced: dict[tuple[str, str], str] = {}  # (op, device type) -> backend, while `forced` holds
+
+
+@contextlib.contextmanager
+def forced(choices: dict[str, str], device_type: str):
+    """Within: every request of the ops in ``choices`` on ``device_type`` (auto or explicit) runs the given backend,
+    unchecked. For the memory planner's fake run (train/plan.py), whose CPU tensors must take the GPU's kernels
+    (their custom ops' fake implementations give the shapes, no kernel runs)."""
+    saved = dict(_forced)
+    _forced.update({(op, device_type): b for op, b in choices.items()})
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
 
 
 def _constant_under_compile(fn):
@@ -160,9 +221,19 @@ def _constant_under_compile(fn):
 
 
 @_constant_under_compile
-def pick(op: str, requested: str, device_type: str) -> str:
-    """`resolve` for a model's forward, cached per (op, request, device type). torch.compile treats the answer
-    as a constant, so the switch costs nothing in a compiled graph and causes no graph break."""
+def pick(op: str, requested: str, device_type: str, shape: tuple | None = None) -> str:
+    """`resolve` for a model's forward, cached per (op, request, device type); for ``auto`` on a device the tuner
+    measures on (CUDA), the decision kernels/tune.py keeps for the call's ``shape`` class (each op's
+    ``shape_class``). torch.compile treats the answer as a constant, so the switch costs nothing in a compiled
+    graph and causes no graph break (no measurement runs inside a trace: the tuner answers from what it knows)."""
+    hit = _forced.get((op, device_type))
+    if hit is not None:
+        return hit
+    if requested == "auto" and shape is not None and op in TUNED_OPS:
+        from . import tune
+
+        if tune.measures_on(device_type):
+            return tune.choose(op, shape, device_type)
     key = (op, requested, device_type)
     hit = _resolved.get(key)
     if hit is None:
@@ -176,10 +247,10 @@ def is_distributed(t: torch.Tensor | None) -> bool:
     return t is not None and type(t) is not torch.Tensor and hasattr(t, "placements") and hasattr(t, "to_local")
 
 
-def pick_for(op: str, requested: str, *tensors: torch.Tensor | None) -> str:
-    """`pick` for the device of ``tensors[0]``, except that DTensor inputs go to the reference (torch's DTensor
-    rules know its ops; our custom ops take plain tensors): ``auto`` resolves to it, an explicit Triton or
-    flash-attn request is refused."""
+def pick_for(op: str, requested: str, *tensors: torch.Tensor | None, shape: tuple | None = None) -> str:
+    """`pick` for the device of ``tensors[0]`` (and the call's ``shape`` class, for the tuned ops), except that
+    DTensor inputs go to the reference (torch's DTensor rules know its ops; our custom ops take plain tensors):
+    ``auto`` resolves to it, an explicit kernel request is refused."""
     if any(is_distributed(t) for t in tensors):
         if requested in ("auto", "reference"):
             return "reference"
@@ -187,13 +258,13 @@ def pick_for(op: str, requested: str, *tensors: torch.Tensor | None) -> str:
             f"model.kernels.{op}={requested} takes plain tensors, but tensor parallelism hands this op DTensors; "
             f"choose model.kernels.{op}=auto (the reference under tensor parallelism) or reference"
         )
-    return pick(op, requested, tensors[0].device.type)
+    return pick(op, requested, tensors[0].device.type, shape)
 
 
 def clear_cache() -> None:
     """Forget resolved backends (tests that change TRITON_INTERPRET or what is installed)."""
     _resolved.clear()
-    for fn in (triton_installed, flash_attn_installed):
+    for fn in (triton_installed, installed):
         getattr(fn, "cache_clear", lambda: None)()  # (a test may have replaced them)
 
 

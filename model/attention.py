@@ -11,9 +11,11 @@ output of each head is multiplied by sigmoid(x W_g), x being the normed block in
 
 ``model.kernels.attention`` picks how attention and gate are computed (kernels/backend.py): ``reference``
 is SDPA then the gate, below; ``triton`` is our gated flash attention (kernels/gated_attention: causal,
-grouped-query, documents as per-token bounds, the gate fused into its epilogue); ``flash-attn`` is
-flash-attn's (varlen) kernel then the gate. Same parameters and outputs for all. Decoding with a KV cache
-(queries shorter than keys) always runs the SDPA path.
+grouped-query, documents as per-token bounds, the gate fused into its epilogue); ``sdpa``, ``flex`` and
+``flash-attn`` are torch's SDPA (cuDNN where it applies), torch's flex attention and flash-attn's (varlen)
+kernel, each then the gate in one fused pass; ``auto`` on CUDA the fastest of them that agrees with the
+reference at the call's shape class (kernels/tune.py). Same parameters and outputs for all. Decoding with a
+KV cache (queries shorter than keys) always runs the SDPA path.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from ..configs import ModelConfig
 from ..kernels.backend import pick_for
 from ..kernels.gated_attention import gated_attention
+from ..kernels.tune_cases import attention_shape
 from .linear import make_linear
 from .norm import build_norm
 from .rotary import apply_rotary_qk
@@ -148,7 +151,9 @@ class GatedAttention(nn.Module):
         if self.context_parallel is not None and cache is None:  # x is one piece of the sequence: ring attention
             out = self.context_parallel.attention(q, k, v, doc_ids)  # over all pieces' keys and values
         else:
-            backend = pick_for("attention", self.kernel_backend, q, k, v)
+            docs = doc_ids is not None or attn_mask is not None  # decoding (a cache) runs SDPA: nothing to measure
+            shape = attention_shape(q, k, v, self.gate, docs) if cache is None else None
+            backend = pick_for("attention", self.kernel_backend, q, k, v, shape=shape)
             if backend != "reference" and cache is None:
                 gate_in = self.gate_proj(x) if self.gate == "headwise" else gate if self.gate == "elementwise" else None
                 if doc_ids is None and attn_mask is not None:

@@ -12,6 +12,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# fla-core is installed for its adapter's tests (kernels/gated_delta_rule/fla_backend.py); transformers would bind its
+# GPU kernels into the Qwen3.5 models the export tests run on the CPU, so those modules are imported with it hidden.
+from hybridtron.train.hf.torch_paths import import_with_torch_paths  # noqa: E402
+
+import_with_torch_paths()
+
 # Tests are CPU-only and must be reproducible. Under pytest-xdist (./run.sh test runs one worker per core) every
 # worker, and every process it starts (torchrun ranks, CLI runs), takes one intra-op thread: more threads than
 # cores make torch's parallel loops wait on each other (seen: 20x slower steps). Alone, two match the CI machine.

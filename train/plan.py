@@ -247,13 +247,12 @@ def _own_fake_mode_for_dtensor_shapes():
 
 
 def gpu_backend(op: str, requested: str) -> str:
-    """The backend ``op`` runs on the GPUs the plan is for: ``auto`` is the first of the op's ``AUTO_ORDER`` (our
-    Triton kernels, triton being installed there); flash-attn (when asked for by name) keeps what our attention
-    keeps (q, k, v, the output and the log-sum-exp), so the plan counts it as ours."""
-    from hybridtron.kernels.backend import AUTO_ORDER
-
-    b = AUTO_ORDER[op][0] if requested == "auto" else requested
-    return "triton" if b == "flash-attn" else b
+    """The backend the plan counts ``op``'s memory with on the GPUs it is for: ours (``triton``) for ``auto`` and for
+    every peer library. ``auto`` there takes whichever is measured fastest, and the peers keep what ours keeps for
+    the backward (attention: q, k, v, the output and the log-sum-exp; the delta rule: its inputs and one chunk
+    system; the convolution: its inputs) while their custom kernels have no fake implementations of ours to run
+    on the plan's fake tensors."""
+    return "reference" if requested == "reference" else "triton"
 
 
 @contextlib.contextmanager
@@ -263,23 +262,18 @@ def gpu_kernels(cfg: JobConfig):
     and log-sum-exp, not the T x T probabilities the reference's autograd would; the chunked delta rule its
     inputs, decay terms and chunk states; the fused loss its two gradients, never the logits), and its custom
     ops' fake implementations give the shapes (no kernel runs on fake tensors). The kernels' own scratch inside
-    one launch is not counted. The backend switch's cache for the CPU device type answers for this run only."""
+    one launch is not counted. `backend.forced` holds the choice for the CPU device type for this run only."""
     from hybridtron.kernels import backend
 
-    saved = dict(backend._resolved)
-    for op in backend.OPS:  # the config's request, and the backend it resolved to (ops pick again inside)
-        requested = getattr(cfg.model.kernels, op)
-        chosen = gpu_backend(op, requested)
-        if op == "cross_entropy" and cfg.parallel.tp > 1 and chosen == "triton":
+    chosen = {}
+    for op in backend.OPS:  # the config's request, and the backend it resolves to on the GPU
+        chosen[op] = gpu_backend(op, getattr(cfg.model.kernels, op))
+        if op == "cross_entropy" and cfg.parallel.tp > 1 and chosen[op] == "triton":
             # The vocabulary-parallel loss launches its two kernels inside its own loop (no custom op to fake); the
             # reference runs the same loop and saves the same gradients, only its per-chunk scratch differs.
-            chosen = "reference"
-        backend._resolved[(op, requested, "cpu")] = backend._resolved[(op, chosen, "cpu")] = chosen
-    try:
+            chosen[op] = "reference"
+    with backend.forced(chosen, "cpu"):
         yield
-    finally:
-        backend._resolved.clear()
-        backend._resolved.update(saved)
 
 
 def _known(t: torch.Tensor) -> torch.Tensor | None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import BackendError, pick
-from .reference import apply_gate, doc_bounds, gated_attention_reference
+from ..backend import BackendError, pick_for
+from ..tune_cases import attention_shape, gate_kind
+from .reference import doc_bounds, gated_attention_reference
 
 MAX_HEAD_DIM = 256  # beyond it a query tile and a key tile no longer fit in shared memory with pipelining
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -165,8 +166,10 @@ def cu_seqlens_from_bounds(start: torch.Tensor) -> torch.Tensor:
 
 
 def _flash_attn(q, k, v, gate, cu_seqlens, doc_ids, scale, B, T):
-    """flash-attn's causal (varlen) kernel, then the gate as a separate elementwise op."""
+    """flash-attn's causal (varlen) kernel, then the gate in one fused pass (gate.py)."""
     from flash_attn import flash_attn_func, flash_attn_varlen_func
+
+    from .gate import sigmoid_gate
 
     D = q.shape[-1]
     if q.dtype not in (torch.float16, torch.bfloat16) or {k.dtype, v.dtype} != {q.dtype}:
@@ -190,7 +193,7 @@ def _flash_attn(q, k, v, gate, cu_seqlens, doc_ids, scale, B, T):
             *(t.reshape(N, *t.shape[-2:]) for t in (q, k, v)), cu, cu, max_len, max_len,
             softmax_scale=scale, causal=True,
         ).view(q.shape)
-    return apply_gate(attn, gate)
+    return sigmoid_gate(attn, gate)
 
 
 def gated_attention(
@@ -210,17 +213,27 @@ def gated_attention(
     h // (H // KV)); gate None, (..., H) headwise or (..., H, D) elementwise. Documents: ``doc_ids`` (B, T)
     (runs of equal ids within a row), or ``cu_seqlens`` (n_docs + 1,) over the flattened tokens as in
     flash-attn's varlen API; neither: each batch row (the whole packed sequence) is one document.
-    scale: default 1 / sqrt(D). backend: model.kernels.attention (reference | triton | flash-attn | auto).
+    scale: default 1 / sqrt(D). backend: model.kernels.attention (reference | triton | sdpa | flex | flash-attn |
+    auto: on CUDA the fastest correct one at this call's shape class, measured by kernels/tune.py).
     Returns (..., H, D) in q's dtype (the autocast dtype under autocast, except on the reference backend).
     """
     B, T = _check(q, k, v, gate, cu_seqlens, doc_ids)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    chosen = pick("attention", backend, q.device.type)
+    docs = cu_seqlens is not None or doc_ids is not None
+    chosen = pick_for("attention", backend, q, k, v, shape=attention_shape(q, k, v, gate_kind(q, gate), docs))
     if chosen == "reference":
         return gated_attention_reference(q, k, v, gate, cu_seqlens=cu_seqlens, doc_ids=doc_ids, scale=scale)
     q, k, v, gate = _autocast(q, k, v, gate)
     if chosen == "flash-attn":
         return _flash_attn(q, k, v, gate, cu_seqlens, doc_ids, scale, B, T)
+    if chosen == "sdpa":
+        from .sdpa import sdpa_gated_attention
+
+        return sdpa_gated_attention(q, k, v, gate, doc_ids=doc_ids, cu_seqlens=cu_seqlens, scale=scale)
+    if chosen == "flex":
+        from .flex import flex_gated_attention
+
+        return flex_gated_attention(q, k, v, gate, doc_ids=doc_ids, cu_seqlens=cu_seqlens, scale=scale)
     _check_kernel(q, k, v, gate)
     N = B * T
     start, end = doc_bounds(B, T, cu_seqlens=cu_seqlens, doc_ids=doc_ids, device=q.device)

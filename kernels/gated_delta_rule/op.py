@@ -6,6 +6,10 @@ mixer, which picks the reference or the Triton kernels.
 - ``triton``: `chunk_gated_delta_rule` (chunk.py: forward and backward), except when no gradient is wanted and
   only a few tokens come (decoding): `recurrent_gated_delta_rule` (recurrent.py: forward only, the state kept in
   registers over the tokens). The kernel modules import triton on first use, so this one needs none.
+- ``fla``: fla-core's chunked kernels (fla_backend.py; FlashQLA's where fla dispatches to them), decoding on our
+  recurrent kernel as above.
+- ``auto``: on CUDA the fastest of these that agrees with the reference at the call's shape class
+  (kernels/tune.py), measured for the chunked form.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import pick_for, starts_from_cu_seqlens
+from ..tune_cases import delta_rule_shape
 from .reference import delta_rule_chunked, delta_rule_recurrent
 
 DECODE_TOKENS = 16  # up to this many tokens without gradients: the recurrent kernel (one pass, no chunk systems)
@@ -29,19 +34,29 @@ def gated_delta_rule(q, k, v, g, beta, *, resets=None, initial_state=None, outpu
             raise ValueError(f"gated_delta_rule: cu_seqlens describes one packed row (B = 1) in place of resets; got "
                              f"B={q.shape[0]}{' and resets' if resets is not None else ''}")
         resets = starts_from_cu_seqlens(cu_seqlens, q.shape[1], "gated_delta_rule")
-    if pick_for("delta_rule", backend, q, k, v) == "reference":
+    inputs = (q, k, v, g, beta, initial_state)
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    decoding = not wants_grad and q.shape[1] <= DECODE_TOKENS
+    # A class is measured for the chunked form only: decoding steps keep our recurrent kernel whatever auto chose.
+    shape = None if algo == "recurrent" or decoding else delta_rule_shape(
+        q, k, v, g, beta, initial_state, output_final_state, resets is not None, chunk_size)
+    chosen = pick_for("delta_rule", backend, q, k, v, shape=shape)
+    if chosen == "reference":
         if algo == "recurrent":
             return delta_rule_recurrent(q, k, v, g, beta, resets=resets, initial_state=initial_state,
                                         output_final_state=output_final_state)
         return delta_rule_chunked(q, k, v, g, beta, resets=resets, initial_state=initial_state,
                                   output_final_state=output_final_state, chunk_size=chunk_size)
-    inputs = (q, k, v, g, beta, initial_state)
-    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    if not wants_grad and q.shape[1] <= DECODE_TOKENS:
+    if decoding:
         from .recurrent import recurrent_gated_delta_rule
 
         return recurrent_gated_delta_rule(q, k, v, g, beta, resets=resets, initial_state=initial_state,
                                           output_final_state=output_final_state)
+    if chosen == "fla":
+        from .fla_backend import fla_gated_delta_rule
+
+        return fla_gated_delta_rule(q, k, v, g, beta, resets=resets, initial_state=initial_state,
+                                    output_final_state=output_final_state, chunk_size=chunk_size)
     from .chunk import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(q, k, v, g, beta, resets=resets, initial_state=initial_state,

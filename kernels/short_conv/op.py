@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import pick_for, starts_from_cu_seqlens
+from ..tune_cases import conv_shape
 from .reference import short_conv_reference
 
 MAX_K = 4  # widths the Triton kernel takes (kernels/short_conv/triton_kernels.py carries a K-1 row window)
@@ -77,7 +78,9 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | No
     """``silu(causal_conv(x, weight, doc_ids, past))`` (kernels/short_conv/reference.py): the depthwise causal
     convolution over earlier inputs of the same document, then SiLU. x (B, T, C); weight (C, 1, K);
     doc_ids (B, T) or None; past (B, K-1, C) or None. The kernel's output is in x's dtype (a bf16 activation
-    with an fp32 filter under autocast gives bf16, as conv1d does). backend: model.kernels.conv.
+    with an fp32 filter under autocast gives bf16, as conv1d does). backend: model.kernels.conv (auto: on CUDA the
+    fastest correct of triton, causal-conv1d and fla at the call's shape class, kernels/tune.py; a call with
+    ``past`` -- decoding -- runs our kernel whichever was chosen).
     cu_seqlens: packed sequences in one row (B = 1) as cumulative lengths, instead of doc_ids (past continues
     the first)."""
     if cu_seqlens is not None:
@@ -86,8 +89,15 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | No
                              f"B={x.shape[0]}{' and doc_ids' if doc_ids is not None else ''}")
         doc_ids = starts_from_cu_seqlens(cu_seqlens, x.shape[1], "short_conv").long().cumsum(1)
     K = _check(x, weight, doc_ids, past)
-    if pick_for("conv", backend, x, weight, past) == "reference" or (K > MAX_K and backend == "auto"):
+    # A class is measured without a decoding window (past) only: decoding steps run our kernel whatever auto chose.
+    shape = conv_shape(x, weight, doc_ids is not None) if past is None else None
+    chosen = pick_for("conv", backend, x, weight, past, shape=shape)
+    if chosen == "reference" or (K > MAX_K and backend == "auto"):
         return short_conv_reference(x, weight, doc_ids, past)
+    if chosen in ("causal-conv1d", "fla") and past is None:
+        from .peers import peer_short_conv
+
+        return peer_short_conv(x, weight, doc_ids, backend=chosen)
     if K > MAX_K:
         raise ValueError(f"short_conv: the Triton kernel takes filter widths 1-{MAX_K}, not {K} (its window is "
                          f"registers); choose model.kernels.conv=reference or auto for wider filters")

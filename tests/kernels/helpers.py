@@ -47,3 +47,24 @@ def assert_compiled_matches_eager(f, *leaves) -> None:
     for a, b in zip(torch.autograd.grad(eager.sum(), leaves), torch.autograd.grad(compiled.sum(), leaves),
                     strict=True):
         torch.testing.assert_close(a, b)
+
+
+def fake_timer(times: dict[str, float], log: list | None = None, tick=None):
+    """A timer for kernels/tune.py (``tune.configure(timer=...)``): each candidate runs once, so a failure in it
+    becomes its entry, and is given the time the test names (3.0 ms for one it does not name). ``log`` collects the
+    candidates of every call; ``tick()`` runs once per call (a test's clock)."""
+    def timer(fns, device):
+        if tick is not None:
+            tick()
+        out = {}
+        for name, fn in fns.items():
+            try:
+                fn()
+                out[name] = times.get(name, 3.0)
+            except Exception as e:  # noqa: BLE001  (the tuner drops it with this as the reason)
+                out[name] = e
+        if log is not None:
+            log.append(sorted(fns))
+        return out
+
+    return timer

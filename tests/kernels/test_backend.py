@@ -46,17 +46,26 @@ def test_flash_attn_refused_on_cpu_and_for_other_ops(no_interpreter):
         resolve("norm", "cuda", "cpu")
 
 
-def test_auto_on_cuda_takes_the_first_runnable(no_interpreter, monkeypatch):
+def test_auto_on_cuda_without_a_measurement_takes_the_first_runnable(no_interpreter, monkeypatch):
+    """Where no shape class is measured (ops without peers, decoding calls, a compile trace): AUTO_ORDER, ours first."""
     monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(backend, "triton_installed", lambda: True)
-    monkeypatch.setattr(backend, "flash_attn_installed", lambda: False)
+    installed = {"flash_attn": False, "fla": False}
+    monkeypatch.setattr(backend, "installed", lambda m: installed.get(m, True))
     assert resolve("norm", "auto", "cuda") == "triton"
     assert resolve("attention", "auto", "cuda") == "triton"
-    monkeypatch.setattr(backend, "flash_attn_installed", lambda: True)
-    assert resolve("attention", "auto", "cuda") == "triton"  # ours takes every dtype flash-attn refuses
+    installed["flash_attn"] = True
+    assert resolve("attention", "auto", "cuda") == "triton"  # ours takes every dtype and head dim the peers refuse
+    assert resolve("attention", "flash-attn", "cuda") == "flash-attn"
     monkeypatch.setattr(backend, "triton_installed", lambda: False)
-    assert resolve("attention", "auto", "cuda") == "flash-attn"
+    assert resolve("attention", "auto", "cuda") == "sdpa"  # torch's, wherever torch runs
+    assert resolve("delta_rule", "auto", "cuda") == "reference"  # fla not installed
+    installed["fla"] = True
+    assert resolve("delta_rule", "auto", "cuda") == "fla"
     assert resolve("cross_entropy", "auto", "cuda") == "reference"
+    with pytest.raises(BackendError, match="the causal_conv1d package is not installed"):
+        installed["causal_conv1d"] = False
+        resolve("conv", "causal-conv1d", "cuda")
 
 
 def test_config_refuses_what_cannot_run(no_interpreter):

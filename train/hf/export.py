@@ -349,6 +349,9 @@ def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote
 
     from hybridtron.model.moe import MoE
 
+    from .torch_paths import import_with_torch_paths
+
+    import_with_torch_paths()  # a CPU check: transformers' torch paths, not fla's or causal-conv1d's GPU kernels
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     if trust_remote_code:
         drop_remote_code_copy(type(hf))
