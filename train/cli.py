@@ -1,4 +1,4 @@
-"""``hybridtron`` command line: prepare, train, ablate, plan, export, eval, sample; submit and status (SLURM).
+"""``hybridtron`` command line: prepare, train, ablate, plan, export, eval, sample, kernels; submit and status (SLURM).
 
 Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``).
 ``train`` reads like the recipe it is: config -> data -> model -> parallelize -> init -> fit.
@@ -356,10 +356,38 @@ def cmd_ablate(args) -> int:
     return 0
 
 
+def cmd_kernels(args) -> int:
+    """Measure ``auto``'s choices at a preset's shapes on this GPU and print the table (kernels/tune_report.py)."""
+    from hybridtron.configs import load_config
+    from hybridtron.kernels import tune
+    from hybridtron.kernels.tune_report import markdown, measure_peaks, rows
+
+    from .device import select_device
+    from .kernel_choice import measure_preset
+
+    cfg = load_config(args.config or DEFAULT_PRESET, parse_overrides(args.overrides))
+    device = select_device(cfg.train)
+    if device.type != "cuda" and not args.measure_on_cpu:
+        print("hybridtron kernels: auto runs the pure-torch reference on the CPU, so nothing is measured here; on a "
+              "CUDA GPU this command measures attention, the delta rule and the short convolution at the preset's "
+              "shapes, ours against the installed peers (sdpa, flex, flash-attn, fla, causal-conv1d)")
+        return 0
+    tune.configure(refresh=args.retune, devices=("cuda", "cpu") if args.measure_on_cpu else ("cuda",))
+    measure_preset(cfg, device, log=_log)
+    peaks = measure_peaks(device) if device.type == "cuda" else None
+    table = rows(tune.decisions(), tune.shapes(), peaks)
+    print(markdown(table, peaks))
+    print(f"\ncache: {tune.cache_path()} (reused by every run on this machine; --retune measures again)")
+    if args.json:
+        write_text_atomic(Path(args.json), json.dumps({"machine": tune.fingerprint(device.type), "rows": table},
+                                                      indent=1) + "\n")
+    return 0
+
+
 # ---- argument parsing ---------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
-    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,plan,export,eval,sample,submit,status}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,plan,export,eval,sample,kernels,submit,status}")
 
     def add_subcommand(name, **kw):  # every subcommand: --debug, and the exit codes in its --help
         sp = sub.add_parser(name, epilog=EXIT_CODES, **kw)
@@ -423,6 +451,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
     sp.add_argument("--batches", type=int, default=0, help="validation micro-batches (default: train.eval_batches)")
     sp.set_defaults(func=cmd_eval)
+    sp = add_subcommand("kernels", help="measure which kernel auto runs for each op at a preset's shapes on this GPU")
+    sp.add_argument("--config", default=None, help=f"preset name or YAML path (default: {DEFAULT_PRESET})")
+    sp.add_argument("--retune", action="store_true", help="measure again what the tuner's cache already knows")
+    sp.add_argument("--json", default=None, metavar="FILE", help="also write the table's rows to FILE")
+    sp.add_argument("--measure-on-cpu", action="store_true",
+                    help="measure on the CPU too (tests; ours there runs under TRITON_INTERPRET=1, numbers mean nothing)")
+    sp.set_defaults(func=cmd_kernels)
     sp = add_subcommand("sample", help="generate text from a checkpoint")
     common(sp, with_config=False)
     sp.add_argument("--checkpoint", default=None)

@@ -6,6 +6,7 @@ Everything it needs is built by the recipe in ``train/cli.py`` and handed in; si
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import signal
@@ -22,6 +23,7 @@ from tqdm import tqdm
 from hybridtron.atomic import write_bytes_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config
 
+from . import kernel_choice
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
 from .device import autocast_context, step_weight_casts
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
@@ -369,9 +371,14 @@ class Trainer:
         last_ckpt, val_loss, stopped_by = resumed_from, None, "max_steps"
         try:
             with StopSignal(self.run_dir / STOP_REQUEST) as stop:
+                first = True  # this process's first step: it meets (and measures) every kernel shape class first
                 while self.state.step < t.max_steps:
                     t0 = time.perf_counter()
-                    out = self.train_step()
+                    with kernel_choice.first_step(self.device, t.compile) if first else contextlib.nullcontext():
+                        out = self.train_step()
+                    if first:
+                        kernel_choice.share(self.mesh, self.run_dir, log)
+                        first = False
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     dt = time.perf_counter() - t0
