@@ -421,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "dense_1b 0.55; hybrid_1b 0.40 without activation checkpointing; hybrid_moe 0.30 "
                          "without, 0.25 with it)")
     ap.add_argument("--prepare-only", action="store_true", help="prepare the data and stop")
+    ap.add_argument("--json", default=None, metavar="FILE",
+                    help="also write the rows, and each run's kernel choices (its kernels.json), to FILE")
     ap.add_argument("--append", nargs="?", const=str(RESULTS), default=None, metavar="PATH",
                     help=f"append the table to PATH (default {RESULTS})")
     return ap
@@ -470,6 +472,15 @@ def main(argv: list[str] | None = None) -> list[Row]:
     body = table(rows) + ("\n\n" + "\n".join(lines) if lines else "")
     print(head)
     print(body)
+    if args.json:
+        choices = {}
+        for name, _ in variants:
+            f = root / name / "kernels.json"
+            if f.is_file():
+                choices[name] = {k: d["chosen"] for k, d in json.loads(f.read_text())["decisions"].items()}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"preset": args.preset, "device": device, "rows": [
+            dataclasses.asdict(r) for r in rows], "kernel_choices": choices}, indent=1) + "\n")
     if args.append:
         cmd = "python -m hybridtron.bench.bench_train " + shlex.join(sys.argv[1:] if argv is None else argv)
         append_results(Path(args.append), head, cmd, body)

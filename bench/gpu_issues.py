@@ -1,9 +1,26 @@
-"""Every GPU measurement of the three speed targets (the hybrid step and the delta rule, the MoE step, the dense step
-and gated attention), one after another on one CUDA GPU, each command's output kept in its own log:
+"""Every GPU measurement of the speed targets, one after another on one CUDA GPU, each command's output kept in its
+own log -- and the quick check that fits one 10-minute call of a lent GPU:
 
-    python -m hybridtron.bench.gpu_issues                    # all of them, in order
+    python -m hybridtron.bench.gpu_issues --quick --out $OUT  # <= 8 min from a cold machine: one table, quick.json
+    python -m hybridtron.bench.gpu_issues                    # the full set (an hour), in order
     python -m hybridtron.bench.gpu_issues --only delta_rule_conv moe_kernels
-    python -m hybridtron.bench.gpu_issues --dry-run          # the commands, not run
+    python -m hybridtron.bench.gpu_issues --dry-run [--quick]  # the commands, not run
+
+``--quick`` (issue 33): the versions; every backend of attention, the delta rule and the short convolution at the
+presets' and the targets' shapes, with documents and without, measured by the tuner itself (bench/kernel_grid.py:
+checked against the reference, timed; SDPA's own kernels beside); the three GPU presets end to end for a few steps
+with ``auto`` (bench_train: tokens/s, MFU, peak memory, the kernels ``auto`` chose); hybrid_1b against transformers
++ fla (bench_hf). Commands run in that order under one deadline (``--deadline-s``, 480 by default): each gets at
+most its own cap and what is left, one that would start with under 30 s left is listed as not run. The end is one
+table with met / NOT met against the targets and ``quick.json`` with every figure.
+
+On a lent GPU machine (the device tool: torch and triton are there; fla-core is not, and nothing can be
+downloaded there): here ``pip download --no-deps -d .whl fla-core==0.6.0`` into a git-ignored ``.whl``, then one
+call with carry ``[".whl"]``:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && mkdir -p /tmp/pkg && \
+    ln -sfn "$PWD" /tmp/pkg/hybridtron && export PYTHONPATH=/tmp/site:/tmp/pkg && \
+    python3 -m hybridtron.bench.gpu_issues --quick --out $OUT
 
 What each command measures and the target it is judged against are in bench/RESULTS.md (its verdict lines say
 met / NOT met). The kernel benches do not append to bench/RESULTS.md from here (``--no-append``): their tables are
@@ -14,6 +31,7 @@ in the logs; the training benches print their rows and the preset's MFU verdict.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -42,18 +60,145 @@ COMMANDS: list[tuple[str, str, list[str]]] = [
 ]
 NAMES = [name for name, _, _ in COMMANDS]
 
+# The quick check: (name, module, arguments, cap in seconds). "{out}" is --out. Priority order: the kernel grid is
+# the issue's first question, then the hybrid preset and its comparison with transformers + fla, then the others.
+# The training benches prepare a smaller slice of the stdlib corpus (enough tokens for a few steps, a quicker BPE).
+_QUICK_DATA = ["--extra", "data.sources=[{path: stdlib, max_files: 400}]"]
+_QUICK_STEPS = ["--variants", "ddp", "--steps", "2", "--warmup", "1", *_QUICK_DATA]
+QUICK: list[tuple[str, str, list[str], int]] = [
+    ("kernel_grid", "kernel_grid", ["--budget-s", "150", "--json", "{out}/kernel_grid.json"], 200),
+    ("train_hybrid", "bench_train", ["--preset", "hybrid_1b", *_QUICK_STEPS, "--json", "{out}/train_hybrid.json"], 110),
+    ("hf_hybrid", "bench_hf", ["--preset", "hybrid_1b", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                               "--json", "{out}/hf_hybrid.json"], 100),
+    ("train_dense", "bench_train", ["--preset", "dense_1b", *_QUICK_STEPS, "--json", "{out}/train_dense.json"], 90),
+    ("train_moe", "bench_train", ["--preset", "hybrid_moe", *_QUICK_STEPS, "--json", "{out}/train_moe.json"], 100),
+]
+QUICK_NAMES = [name for name, _, _, _ in QUICK]
+# end-to-end targets (issue 33, one H100, bf16, the presets as configured)
+MFU_TARGETS = {"train_dense": 0.55, "train_hybrid": 0.45, "train_moe": 0.30}
+HF_TARGET = 2.0
+DEADLINE_S = 480
+MIN_START_S = 30
+
 
 def command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module if module == "pytest" else f"hybridtron.bench.{module}", *args]
 
 
+def versions() -> dict:
+    """The software the figures depend on, and the GPU."""
+    import torch
+
+    from hybridtron.kernels.tune import PEER_DISTRIBUTIONS, _version
+
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+        out["cudnn"] = torch.backends.cudnn.version()
+    for dist in (*PEER_DISTRIBUTIONS, "transformers", "liger-kernel"):
+        if (v := _version(dist)) is not None:
+            out[dist] = v
+    return out
+
+
+def _run(name: str, cmd: list[str], log: Path, timeout: float):
+    print(f"== {name}: {' '.join(cmd)} (log {log}, at most {timeout:.0f} s)", flush=True)
+    t0 = time.monotonic()
+    # the test suite turns the Triton interpreter on unless the environment says otherwise: here it must not
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.monotonic() - t0
+    print(f"   {name}: exit {rc} after {wall:.0f} s", flush=True)
+    return rc, wall
+
+
+def _load(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def quick_summary(out: Path, ran: dict[str, tuple]) -> tuple[list[dict], list[str]]:
+    """Every target of the quick check from the commands' JSON files: (verdict dicts, the table's lines)."""
+    vs: list[dict] = []
+    grid = _load(out / "kernel_grid.json")
+    if grid:
+        vs += grid["verdicts"]
+    hf = _load(out / "hf_hybrid.json")
+    for name, target in MFU_TARGETS.items():
+        data = _load(out / f"{name}.json")
+        row = (data or {}).get("rows", [{}])[0] if data else {}
+        mfu = row.get("mfu")
+        vs.append({"target": f"{name.removeprefix('train_')} preset MFU ({row.get('tokens_per_s') or 0:,.0f} tokens/s)",
+                   "value": mfu, "bound": f">= {target:.0%}", "met": None if mfu is None else mfu >= target})
+    ratio = hf["ratio"] if hf and hf.get("hf_has_fla") else None
+    vs.append({"target": "hybrid_1b tokens/s: ours / transformers + fla", "value": ratio, "bound": f">= {HF_TARGET}",
+               "met": None if ratio is None else ratio >= HF_TARGET})
+    lines = ["| target | value | bound | verdict |", "| --- | ---: | --- | --- |"]
+    for v in vs:
+        value = "-" if v["value"] is None else f"{v['value']:.2f}"
+        verdict = "not measured" if v["met"] is None else "met" if v["met"] else "NOT met"
+        lines.append(f"| {v['target']} | {value} | {v['bound']} | {verdict} |")
+    for name, (rc, wall) in ran.items():
+        lines.append(f"- {name}: {'exit ' + str(rc) if rc is not None else 'not run (deadline)'}"
+                     + (f" after {wall:.0f} s" if wall is not None else ""))
+    return vs, lines
+
+
+def quick(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_issues: no CUDA device here; these are GPU measurements (--dry-run lists them)", file=sys.stderr)
+        return 2
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    info = versions()
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    ran: dict[str, tuple] = {}
+    for name, module, extra, cap in QUICK:
+        left = args.deadline_s - (time.monotonic() - t0)
+        if left < MIN_START_S:
+            ran[name] = (None, None)
+            continue
+        cmd = command(module, [a.replace("{out}", str(out)) for a in extra])
+        ran[name] = _run(name, cmd, out / f"{name}.log", min(cap, left))
+    vs, lines = quick_summary(out, ran)
+    print(f"\nquick GPU check ({info.get('gpu', 'GPU')}, {time.strftime('%Y-%m-%d')}, "
+          f"{time.monotonic() - t0:.0f} s):")
+    print("\n".join(lines))
+    choices = {n: d.get("kernel_choices") for n in MFU_TARGETS if (d := _load(out / f"{n}.json"))}
+    for name, c in choices.items():
+        for variant, picked in (c or {}).items():
+            print(f"- {name} {variant}: auto chose " + "; ".join(f"{k}: {v}" for k, v in picked.items()))
+    (out / "quick.json").write_text(json.dumps({"versions": info, "verdicts": vs, "kernel_choices": choices,
+                                                "commands": {n: {"rc": rc, "wall_s": w} for n, (rc, w) in ran.items()},
+                                                "grid": _load(out / "kernel_grid.json"),
+                                                "hf": _load(out / "hf_hybrid.json")}, indent=1) + "\n")
+    return 0 if all(rc in (0, None) for rc, _ in ran.values()) else 1  # None: not run (deadline), said above
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the quick check (<= 8 min): one table, quick.json")
+    ap.add_argument("--deadline-s", type=int, default=DEADLINE_S, help=f"--quick: seconds in all ({DEADLINE_S})")
     ap.add_argument("--only", nargs="+", choices=NAMES, help="run these commands only (default: all, in order)")
     ap.add_argument("--out", type=Path, default=Path("gpu-results"), help="directory for one log per command")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds each command may run")
     ap.add_argument("--dry-run", action="store_true", help="print the commands, run none")
     args = ap.parse_args(argv)
+    if args.quick:
+        if args.dry_run:
+            for name, module, extra, cap in QUICK:
+                print(f"{name} (<= {cap} s): {' '.join(command(module, [a.replace('{out}', str(args.out)) for a in extra]))}")
+            return 0
+        return quick(args)
     chosen = [c for c in COMMANDS if not args.only or c[0] in args.only]
     if args.dry_run:
         for name, module, extra in chosen:
@@ -67,18 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     failed = []
     for name, module, extra in chosen:
-        log = args.out / f"{name}.log"
-        cmd = command(module, extra)
-        print(f"== {name}: {' '.join(cmd)} (log {log})", flush=True)
-        t0 = time.monotonic()
-        # the test suite turns the Triton interpreter on unless the environment says otherwise: here it must not
-        env = {**os.environ, "TRITON_INTERPRET": "0"}
-        with log.open("w") as f:
-            try:
-                rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout, env=env).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-        print(f"   {name}: exit {rc} after {time.monotonic() - t0:.0f} s", flush=True)
+        rc, _ = _run(name, command(module, extra), args.out / f"{name}.log", args.timeout)
         if rc != 0:
             failed.append(name)
     print(f"{len(chosen) - len(failed)} of {len(chosen)} commands ended cleanly"

@@ -66,3 +66,121 @@ def test_the_gpu_tests_it_names_exist():
         if module == "pytest":
             files = [a for a in extra if a.endswith(".py")]
             assert files and all((root / f).is_file() for f in files), (name, files)
+
+
+QUICK = [(name, module, [a.replace("{out}", "/tmp/x") for a in extra]) for name, module, extra, _ in gpu_issues.QUICK]
+
+
+@pytest.mark.parametrize("name,module,extra", QUICK, ids=[c[0] for c in QUICK])
+def test_every_quick_command_parses_with_its_bench(name, module, extra, monkeypatch):
+    test_every_command_parses_with_its_bench(name, module, extra, monkeypatch)
+
+
+def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, monkeypatch, capsys):
+    """The quick check's driver with stand-in commands (each writes the JSON its bench would): commands run in order
+    until the deadline leaves under 30 s, one table names every target met / NOT met / not measured, quick.json
+    holds it all."""
+    import json
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H100")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
+    payloads = {
+        "kernel_grid": {"verdicts": [{"target": "attention T4k D128", "value": 0.97, "bound": ">= 0.95", "met": True}]},
+        "train_hybrid": {"rows": [{"tokens_per_s": 60000.0, "mfu": 0.41}], "kernel_choices": {
+            "ddp": {"attention[...]": "sdpa", "delta_rule[...]": "fla"}}},
+        "hf_hybrid": {"ratio": 2.1, "hf_has_fla": True},
+        "train_dense": {"rows": [{"tokens_per_s": 90000.0, "mfu": 0.56}]},
+    }
+    clock = [0.0]
+    monkeypatch.setattr(gpu_issues.time, "monotonic", lambda: clock[0])
+    spent = {"kernel_grid": 150, "train_hybrid": 110, "hf_hybrid": 100, "train_dense": 100}
+    ran = []
+
+    def fake_run(name, cmd, log, timeout):
+        ran.append((name, timeout))
+        assert cmd[1:3] == ["-m", f"hybridtron.bench.{dict((n, m) for n, m, _, _ in gpu_issues.QUICK)[name]}"]
+        (tmp_path / f"{name}.json").write_text(json.dumps(payloads[name]))
+        clock[0] += spent[name]
+        return 0, spent[name]
+
+    monkeypatch.setattr(gpu_issues, "_run", fake_run)
+    assert gpu_issues.main(["--quick", "--out", str(tmp_path)]) == 0
+    # each command gets its cap or what is left; train_moe, with 20 s left at its turn, is not started
+    assert ran == [("kernel_grid", 200), ("train_hybrid", 110), ("hf_hybrid", 100), ("train_dense", 90)]
+    out = capsys.readouterr().out
+    assert "| attention T4k D128 | 0.97 | >= 0.95 | met |" in out
+    assert "| hybrid preset MFU (60,000 tokens/s) | 0.41 | >= 45% | NOT met |" in out
+    assert "| dense preset MFU (90,000 tokens/s) | 0.56 | >= 55% | met |" in out
+    assert "| moe preset MFU (0 tokens/s) | - | >= 30% | not measured |" in out
+    assert "| hybrid_1b tokens/s: ours / transformers + fla | 2.10 | >= 2.0 | met |" in out
+    assert "- train_moe: not run (deadline)" in out
+    assert "train_hybrid ddp: auto chose attention[...]: sdpa; delta_rule[...]: fla" in out
+    saved = json.loads((tmp_path / "quick.json").read_text())
+    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 5
+
+
+def test_kernel_grid_verdicts():
+    from hybridtron.bench import kernel_grid
+
+    results = {
+        "att T4k D128": {"chosen": "sdpa", "times_ms": {"sdpa": 1.0, "triton": 2.0},
+                         "sdpa_kernels": {"CUDNN_ATTENTION": 0.9, "FLASH_ATTENTION": 1.2, "EFFICIENT_ATTENTION": "x"}},
+        "att T4k D128 docs": {"chosen": "triton", "times_ms": {"triton": 0.25, "sdpa": 2.0}},
+        "dr B1 T4k": {"chosen": "fla", "times_ms": {"fla": 4.0, "triton": 4.4}},
+        "dr B4 T4k": {"chosen": "triton", "times_ms": {"triton": 6.0}, "fla_unchecked_ms": 5.0},
+    }
+    vs = {v["target"]: v for v in kernel_grid.verdicts(results)}
+    att = vs["attention T4k D128: auto speed / fastest SDPA kernel's"]
+    assert att["value"] == pytest.approx(0.9) and att["met"] is False  # cuDNN alone beat sdpa's own priority
+    assert vs["attention T4k D128: time with 512-token documents / without"]["value"] == pytest.approx(0.25)
+    assert vs["delta rule B1 T4k docs: auto time / fla's"]["met"] is True
+    ours = vs["delta rule B1 T4k docs: ours (triton) time / fla's"]
+    assert ours["value"] == pytest.approx(1.1) and ours["met"] is False
+    assert vs["delta rule B4 T16k docs: auto time / fla's"]["met"] is None  # not measured
+    dropped = vs["delta rule B4 T4k docs: auto time / fla's"]  # fla dropped by the check: its time is the baseline
+    assert dropped["value"] == pytest.approx(1.2) and dropped["met"] is False
+    assert any("| NOT met |" in line for line in kernel_grid.verdict_lines(list(vs.values())))
+
+
+def test_kernel_grid_runs_end_to_end_on_tiny_classes(tmp_path, monkeypatch, capsys):
+    """The grid's own code path at tiny classes on the CPU (the tuner's real checks, injected timings): each class
+    measured and remembered in the cache, SDPA's kernels timed alone (those the CPU lacks named as failed), the
+    JSON written, the budget honoured."""
+    import json
+
+    from hybridtron.bench import kernel_grid
+    from hybridtron.kernels import backend, tune
+
+    from ..kernels.helpers import fake_timer
+
+    def fp32(shape, **dims):  # bf16 on the CPU is outside flash-attention's rule for SDPA's GQA gradients too
+        return shape[0], tuple((k, "float32" if k == "dtype" else dims.get(k, v)) for k, v in shape[1])
+
+    att = fp32(kernel_grid._attention(64, 2, 1, 8, False, B=1))
+    none = frozenset()
+    monkeypatch.setattr(kernel_grid, "GRID", [("att T4k D128", att, "tiny", none),
+                                              ("conv C6144 docs", fp32(kernel_grid._conv(8), T=64, B=1), "tiny", none),
+                                              ("dr B1 T4k", kernel_grid._delta(1, 64, 1, 1), "not reached", none)])
+    monkeypatch.setenv("HYBRIDTRON_CACHE_DIR", str(tmp_path / "cache"))
+    tune.reset()
+    backend.clear_cache()
+    clock = [0.0]
+    monkeypatch.setattr(kernel_grid.time, "monotonic", lambda: clock[0])
+
+    def tick():
+        clock[0] += 5.0
+
+    tune.configure(timer=fake_timer({"sdpa": 1.0, "triton": 2.0}, tick=tick))
+    try:
+        assert kernel_grid.main(["--device", "cpu", "--budget-s", "22", "--json", str(tmp_path / "g.json")]) == 0
+    finally:
+        tune.reset()
+    data = json.loads((tmp_path / "g.json").read_text())
+    assert set(data["results"]) == {"att T4k D128", "conv C6144 docs"} and data["skipped"] == ["dr B1 T4k"]
+    assert data["results"]["att T4k D128"]["chosen"] == "sdpa"
+    assert set(data["results"]["att T4k D128"]["sdpa_kernels"]) == set(kernel_grid.SDPA_KERNELS)
+    assert len(json.loads((tmp_path / "cache" / "kernel_choices.json").read_text())["machines"]) == 1
+    assert "| target | value | bound | verdict |" in capsys.readouterr().out
