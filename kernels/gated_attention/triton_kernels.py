@@ -40,7 +40,9 @@ Both recompute P = exp2(scores - lse) and dS = P (dP - Delta).
 
 Tile sizes are autotuned per head-dim block (16..256) and dtype on the GPU; under TRITON_INTERPRET=1 one
 small config is used (autotuning would run every config in Python). fp32 inputs use IEEE fp32 dots, not
-TF32, so an fp32 run is as exact as the fp32 reference.
+TF32, so an fp32 run is as exact as the fp32 reference. bf16 under the interpreter computes what the GPU does where
+the interpreter would not (EMU_BF16: its bf16 dots, `_dot`, and its fp32 -> bf16 casts, `_round` and `_dot_rounded`);
+on the GPU those switches compile to nothing.
 """
 
 from __future__ import annotations
@@ -173,14 +175,48 @@ def _load_tile(ptrs, rmask, dmask, CHECK_ROWS: tl.constexpr, EVEN_D: tl.constexp
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
-    """tl.dot with fp32 accumulation. DOT_F32: upcast the operands first -- only for bfloat16 under the
-    interpreter, whose tl.dot multiplies bfloat16 bit patterns as integers (triton 3.7, triton-lang/triton#11584).
-    Products of bfloat16 values are exact in fp32, so this computes what the GPU's bf16 MMA does."""
-    if DOT_F32:
+def _dot(a, b, PRECISION: tl.constexpr, EMU_BF16: tl.constexpr):
+    """tl.dot with fp32 accumulation. EMU_BF16 (bfloat16 under the interpreter, see `_round`): upcast the operands
+    first, as the interpreter's tl.dot multiplies bfloat16 bit patterns as integers (triton 3.7,
+    triton-lang/triton#11584). Products of bfloat16 values are exact in fp32, so this computes what the GPU's bf16
+    MMA does."""
+    if EMU_BF16:
         c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         c = tl.dot(a, b, input_precision=PRECISION)
+    return c
+
+
+@triton.jit
+def _round(x, dtype: tl.constexpr, EMU_BF16: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype``: to nearest, ties to even, as the GPU's conversion (cvt.rn) does. EMU_BF16
+    (bfloat16 under the interpreter): the interpreter's fp32 -> bfloat16 cast truncates instead (triton 3.7: it
+    drops the low 16 bits, a bias toward zero of up to a whole ulp), so round first, by Veltkamp's splitting:
+    with t = x (2^16 + 1), t - (t - x) is x rounded to nearest even at bf16's 8 bits (exact for |x| < 2^111;
+    where t overflows x goes on as it is, and so does inf; NaN stays NaN). Three flops, where bit arithmetic costs
+    the interpreter 8x more. The stored outputs and gradients go through here, the probabilities and dS the dots take
+    through `_dot_rounded`; on the GPU both are the plain cast. Truncated, the interpreter's bf16 dq / dk were up to
+    2x further from the fp32 reference than flash-attention's accuracy rule allows, where rounded to nearest they
+    meet it (tests/kernels/test_attention_fa_rule.py)."""
+    if EMU_BF16:
+        if dtype == tl.bfloat16:
+            t = x * 65537.0
+            r = t - (t - x)
+            x = tl.where(r == r, r, tl.where(x == x, x, float("nan")))  # a NaN's payload may sit in the low bits
+    return x.to(dtype)
+
+
+@triton.jit
+def _dot_rounded(a, b, PRECISION: tl.constexpr, EMU_BF16: tl.constexpr):
+    """fp32 ``a`` (probabilities, dS) rounded to ``b``'s dtype as the tensor cores take it, times ``b``, fp32
+    accumulation. EMU_BF16: `_round`'s rounding, written out (the interpreter's call into a nested jit function
+    costs more than the arithmetic, and this runs once per tile pair; |a| stays far below 2^111: p <= 1, and
+    |dS| <= |dP| + |Delta|), then fp32 dots as in `_dot`."""
+    if EMU_BF16:
+        t = a * 65537.0
+        c = tl.dot(t - (t - a), b.to(tl.float32), input_precision="ieee")
+    else:
+        c = tl.dot(a.to(b.dtype), b, input_precision=PRECISION)
     return c
 
 
@@ -211,7 +247,7 @@ def _kv_source(X, stride_n, N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, 
 def _fwd_range(
     acc, l_i, m_i, q, K, V, sk_n, sv_n, rows, starts, dcols, dmask, n_lo, n_hi, N, qk_scale,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, TMA: tl.constexpr,
 ):
     """Online softmax over key blocks [n_lo, n_hi) for one query tile. K, V point at this kv head."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
@@ -219,7 +255,7 @@ def _fwd_range(
         cols64 = cols.to(tl.int64)
         cmask = cols < N
         k = _kv_tile(K, n0, cols64, sk_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
-        s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        s = _dot(q, tl.trans(k), PRECISION, EMU_BF16) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
             ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
             s = tl.where(ok, s, float("-inf"))
@@ -233,7 +269,7 @@ def _fwd_range(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _kv_tile(V, n0, cols64, sv_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
+        acc = acc * alpha[:, None] + _dot_rounded(p, v, PRECISION, EMU_BF16)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -288,7 +324,7 @@ def _fwd_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, so_n, so_h,
     N, D, GROUP, qk_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)  # the longest tiles first
@@ -309,27 +345,27 @@ def _fwd_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N,
-                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
+                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
         acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N,
-                                   qk_scale, False, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
+                                   qk_scale, False, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
         acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N,
-                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
+                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
 
         l_i = tl.where(l_i > 0, l_i, 1.0)  # only rows past N can have l = 0 (every real row sees its diagonal)
         attn = acc / l_i[:, None]
         offs = rows64[:, None] * so_n + h * so_h + dcols[None, :]
         omask = rmask[:, None] & dmask[None, :]
         if GATE == 0:
-            tl.store(OUT + offs, attn.to(OUT.dtype.element_ty), mask=omask)
+            tl.store(OUT + offs, _round(attn, OUT.dtype.element_ty, EMU_BF16), mask=omask)
         else:
-            tl.store(A + offs, attn.to(A.dtype.element_ty), mask=omask)
+            tl.store(A + offs, _round(attn, A.dtype.element_ty, EMU_BF16), mask=omask)
             if GATE == 1:
                 g = tl.load(G + rows64 * sg_n + h * sg_h, mask=rmask, other=0.0).to(tl.float32)
                 out = attn * tl.sigmoid(g)[:, None]
             else:
                 g = tl.load(G + rows64[:, None] * sg_n + h * sg_h + dcols[None, :], mask=omask, other=0.0)
                 out = attn * tl.sigmoid(g.to(tl.float32))
-            tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=omask)
+            tl.store(OUT + offs, _round(out, OUT.dtype.element_ty, EMU_BF16), mask=omask)
         tl.store(LSE + h.to(tl.int64) * N + rows, m_i + tl.math.log2(l_i), mask=rmask)
 
 
@@ -342,7 +378,7 @@ def _bwd_pre_kernel(
     DO, A, G, DA, DG, DELTA,
     sdo_n, sdo_h, sa_n, sa_h, sg_n, sg_h, sdg_n, sdg_h,
     N, D,
-    GATE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    GATE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, EMU_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -361,17 +397,17 @@ def _bwd_pre_kernel(
             g = tl.load(G + rows64 * sg_n + h * sg_h, mask=rmask, other=0.0).to(tl.float32)
             sg = tl.sigmoid(g)
             dg = tl.sum(do * attn, 1) * sg * (1.0 - sg)
-            tl.store(DG + rows64 * sdg_n + h * sdg_h, dg.to(DG.dtype.element_ty), mask=rmask)
+            tl.store(DG + rows64 * sdg_n + h * sdg_h, _round(dg, DG.dtype.element_ty, EMU_BF16), mask=rmask)
             da = do * sg[:, None]
         else:
             g = tl.load(G + rows64[:, None] * sg_n + h * sg_h + dcols[None, :], mask=mask, other=0.0)
             sg = tl.sigmoid(g.to(tl.float32))
             dg = do * attn * sg * (1.0 - sg)
-            tl.store(DG + rows64[:, None] * sdg_n + h * sdg_h + dcols[None, :], dg.to(DG.dtype.element_ty),
-                     mask=mask)
+            tl.store(DG + rows64[:, None] * sdg_n + h * sdg_h + dcols[None, :],
+                     _round(dg, DG.dtype.element_ty, EMU_BF16), mask=mask)
             da = do * sg
         # Round dA as the dot products will read it, so Delta is the row sum of exactly those values.
-        da = da.to(DA.dtype.element_ty)
+        da = _round(da, DA.dtype.element_ty, EMU_BF16)
         tl.store(DA + tile, da, mask=mask)
         da = da.to(tl.float32)
     tl.store(DELTA + h.to(tl.int64) * N + rows, tl.sum(da * attn, 1), mask=rmask)
@@ -381,7 +417,7 @@ def _bwd_pre_kernel(
 def _dkdv_range(
     dk, dv, k, v, Q, DA, LSE, DELTA, sq_n, sda_n, cols, ends, dcols, dmask, m_lo, m_hi, N, qk_scale,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr,
 ):
     """dK, dV of one key tile from query blocks [m_lo, m_hi) of one query head (Q, DA, LSE, DELTA point at it)."""
     for m0 in range(m_lo, m_hi, BLOCK_M):
@@ -396,15 +432,15 @@ def _dkdv_range(
         else:
             lse = tl.load(LSE + rows)
             delta = tl.load(DELTA + rows)
-        s_t = _dot(k, tl.trans(q), PRECISION, DOT_F32) * qk_scale  # (BLOCK_N, BLOCK_M)
+        s_t = _dot(k, tl.trans(q), PRECISION, EMU_BF16) * qk_scale  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
             ok = (rows[None, :] >= cols[:, None]) & (rows[None, :] < ends[:, None])
             p_t = tl.where(ok, p_t, 0.0)
-        dv += _dot(p_t.to(da.dtype), da, PRECISION, DOT_F32)
-        dp_t = _dot(v, tl.trans(da), PRECISION, DOT_F32)
+        dv += _dot_rounded(p_t, da, PRECISION, EMU_BF16)
+        dp_t = _dot(v, tl.trans(da), PRECISION, EMU_BF16)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk += _dot(ds_t.to(q.dtype), q, PRECISION, DOT_F32)
+        dk += _dot_rounded(ds_t, q, PRECISION, EMU_BF16)
     return dk, dv
 
 
@@ -415,7 +451,7 @@ def _bwd_dkdv_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdk_s, sdk_n, sdk_h,
     N, D, GROUP, SPLIT, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     n0 = _tile_start(ORDER, tl.program_id(0), BLOCK_N, ORDER_BLOCK, False)  # the longest tiles first
@@ -451,23 +487,23 @@ def _bwd_dkdv_kernel(
             LSEh = LSE + h * N
             DELTAh = DELTA + h * N
             dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                                 a, b, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+                                 a, b, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, EMU_BF16)
             dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                                 b, c, N, qk_scale, False, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+                                 b, c, N, qk_scale, False, EVEN_D, BLOCK_M, PRECISION, EMU_BF16)
             dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                                 c, q_hi, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+                                 c, q_hi, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, EMU_BF16)
         # SPLIT > 1: DK, DV are fp32 partial sums (SPLIT, N, KV, D), summed by the launcher
         offs = part.to(tl.int64) * sdk_s + cols64[:, None] * sdk_n + kvh64 * sdk_h + dcols[None, :]
         mask = cmask[:, None] & dmask[None, :]
-        tl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=mask)
-        tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=mask)
+        tl.store(DK + offs, _round(dk * sm_scale, DK.dtype.element_ty, EMU_BF16), mask=mask)
+        tl.store(DV + offs, _round(dv, DV.dtype.element_ty, EMU_BF16), mask=mask)
 
 
 @triton.jit
 def _dq_range(
     dq, q, da, lse, delta, K, V, sk_n, sv_n, rows, starts, dcols, dmask, n_lo, n_hi, N, qk_scale,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, TMA: tl.constexpr,
 ):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
@@ -475,14 +511,14 @@ def _dq_range(
         cmask = cols < N
         k = _kv_tile(K, n0, cols64, sk_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
         v = _kv_tile(V, n0, cols64, sv_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
-        s = _dot(q, tl.trans(k), PRECISION, DOT_F32) * qk_scale
+        s = _dot(q, tl.trans(k), PRECISION, EMU_BF16) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
             ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
             p = tl.where(ok, p, 0.0)
-        dp = _dot(da, tl.trans(v), PRECISION, DOT_F32)
+        dp = _dot(da, tl.trans(v), PRECISION, EMU_BF16)
         ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PRECISION, DOT_F32)
+        dq += _dot_rounded(ds, k, PRECISION, EMU_BF16)
     return dq
 
 
@@ -493,7 +529,7 @@ def _bwd_dq_kernel(
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdq_n, sdq_h,
     N, D, GROUP, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, DOT_F32: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)
@@ -516,13 +552,14 @@ def _bwd_dq_kernel(
         Vh = _kv_source(V + kvh * sv_h, sv_n, N, D, BLOCK_N, BLOCK_D, TMA)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N, qk_scale,
-                       True, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
+                       True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
         dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N, qk_scale,
-                       False, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
+                       False, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
         dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N, qk_scale,
-                       True, EVEN_D, BLOCK_N, PRECISION, DOT_F32, TMA)
+                       True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
         offs = rows64[:, None] * sdq_n + h64 * sdq_h + dcols[None, :]
-        tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        tl.store(DQ + offs, _round(dq * sm_scale, DQ.dtype.element_ty, EMU_BF16),
+                 mask=rmask[:, None] & dmask[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -548,7 +585,7 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     return dict(
         N=N, D=D, GROUP=H // k.shape[1], EVEN_D=block_d == D, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_F32=triton_utils.interpreted(q.device) and q.dtype == torch.bfloat16,  # see `_dot`
+        EMU_BF16=triton_utils.interpreted(q.device) and q.dtype == torch.bfloat16,  # see `_dot`, `_round`
         ORDER_BLOCK=_order_block(),
         MERGE=1 if interpreter_requested() else 2,  # the tests' short sequences run both the merged and split ranges
         TMA=tma,
@@ -682,7 +719,7 @@ def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float, split: in
     _bwd_pre_kernel[(triton.cdiv(N, pre_rows), H)](
         dout, attn, gate, da if gate is not None else None, dgate if gate is not None else None, delta,
         dout.stride(0), dout.stride(1), attn.stride(0), attn.stride(1), sg[0], sg[1], sdg[0], sdg[1],
-        N, D, GATE=mode, BLOCK_D=common["BLOCK_D"], BLOCK_M=pre_rows,
+        N, D, GATE=mode, BLOCK_D=common["BLOCK_D"], BLOCK_M=pre_rows, EMU_BF16=common["EMU_BF16"],
         num_warps=4 if common["BLOCK_D"] * pre_rows <= 4096 else 8,
     )
     ob = common["ORDER_BLOCK"]
