@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Triton decorates its own library functions (tl.zeros, ...) when it is first imported, and importing the model
 # imports it (through torch's custom-op machinery), so the interpreter the CPU kernel tests need must be on before
@@ -11,6 +14,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The kernel tuner's cache (kernels/tune.py) goes to a directory of this process's, removed at its exit, never the
+# user's ~/.cache (the tests measure on the CPU with injected timings).
+if "HYBRIDTRON_CACHE_DIR" not in os.environ:
+    os.environ["HYBRIDTRON_CACHE_DIR"] = tempfile.mkdtemp(prefix="hybridtron-tune-cache-")
+    atexit.register(shutil.rmtree, os.environ["HYBRIDTRON_CACHE_DIR"], ignore_errors=True)
 
 # fla-core is installed for its adapter's tests (kernels/gated_delta_rule/fla_backend.py); transformers would bind its
 # GPU kernels into the Qwen3.5 models the export tests run on the CPU, so those modules are imported with it hidden.

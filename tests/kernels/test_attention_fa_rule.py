@@ -208,12 +208,9 @@ def test_flash_attn_rule(ci):
     _check(*ci)
 
 
-@needs_interpreter
-@pytest.mark.skipif(
-    os.environ.get("HYBRIDTRON_FULL_GRID") != "1",
-    reason="the whole 216-case grid takes about 40 minutes under the interpreter on 2 cores; run it with "
-           "HYBRIDTRON_FULL_GRID=1 python -m pytest -p no:xdist tests/kernels/test_attention_fa_rule.py",
-)
-@pytest.mark.parametrize("case", [c for c in GRID if (c, None) not in CI_CASES])
-def test_flash_attn_rule_full_grid(case):
-    _check(case)
+if os.environ.get("HYBRIDTRON_FULL_GRID") == "1":  # opt-in, not collected otherwise (about 40 min on 2 cores):
+    # HYBRIDTRON_FULL_GRID=1 python -m pytest -p no:xdist tests/kernels/test_attention_fa_rule.py
+    @needs_interpreter
+    @pytest.mark.parametrize("case", [c for c in GRID if (c, None) not in CI_CASES])
+    def test_flash_attn_rule_full_grid(case):
+        _check(case)

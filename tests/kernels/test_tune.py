@@ -65,12 +65,12 @@ def tuned(tmp_path, monkeypatch):
     backend.clear_cache()
 
 
-def test_the_fastest_correct_backend_wins_and_wrong_or_crashing_ones_are_dropped(tuned):
+def test_the_fastest_correct_backend_wins_and_wrong_or_crashing_ones_are_dropped(tuned, tmp_path):
     assert set(tune.candidates("attention", torch.device("cpu"))) >= {"triton", "sdpa", "flex", "reference"}
     assert backend.pick("attention", "auto", "cpu", SHAPE) == "sdpa"  # 1.0 ms of 3.0 / 1.0 / 2.0
     tune.reset()
     tuned.clear()
-    tune.configure(devices=("cpu",), cache_dir=tune.cache_path().parent / "other", cases={"attention": FakeCase},
+    tune.configure(devices=("cpu",), cache_dir=tmp_path / "other", cases={"attention": FakeCase},
                    timer=fake_timer({"triton": 3.0, "sdpa": 1.0, "flex": 2.0}, tuned))
     FakeCase.wrong, FakeCase.crash = {"sdpa"}, {"flex"}
     with pytest.warns(tune.KernelTuningWarning) as caught:
