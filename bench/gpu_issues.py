@@ -85,6 +85,11 @@ def command(module: str, args: list[str]) -> list[str]:
     return [sys.executable, "-m", module if module == "pytest" else f"hybridtron.bench.{module}", *args]
 
 
+def quick_command(module: str, args: list[str], out: Path) -> list[str]:
+    """`command` of a QUICK entry, its JSON files under ``out``."""
+    return command(module, [a.replace("{out}", str(out)) for a in args])
+
+
 def versions() -> dict:
     """The software the figures depend on, and the GPU."""
     import torch
@@ -139,11 +144,9 @@ def quick_summary(out: Path, ran: dict[str, tuple]) -> tuple[list[dict], list[st
     ratio = hf["ratio"] if hf and hf.get("hf_has_fla") else None
     vs.append({"target": "hybrid_1b tokens/s: ours / transformers + fla", "value": ratio, "bound": f">= {HF_TARGET}",
                "met": None if ratio is None else ratio >= HF_TARGET})
-    lines = ["| target | value | bound | verdict |", "| --- | ---: | --- | --- |"]
-    for v in vs:
-        value = "-" if v["value"] is None else f"{v['value']:.2f}"
-        verdict = "not measured" if v["met"] is None else "met" if v["met"] else "NOT met"
-        lines.append(f"| {v['target']} | {value} | {v['bound']} | {verdict} |")
+    from hybridtron.bench.kernel_grid import verdict_lines
+
+    lines = verdict_lines(vs)
     for name, (rc, wall) in ran.items():
         lines.append(f"- {name}: {'exit ' + str(rc) if rc is not None else 'not run (deadline)'}"
                      + (f" after {wall:.0f} s" if wall is not None else ""))
@@ -167,8 +170,7 @@ def quick(args) -> int:
         if left < MIN_START_S:
             ran[name] = (None, None)
             continue
-        cmd = command(module, [a.replace("{out}", str(out)) for a in extra])
-        ran[name] = _run(name, cmd, out / f"{name}.log", min(cap, left))
+        ran[name] = _run(name, quick_command(module, extra, out), out / f"{name}.log", min(cap, left))
     vs, lines = quick_summary(out, ran)
     print(f"\nquick GPU check ({info.get('gpu', 'GPU')}, {time.strftime('%Y-%m-%d')}, "
           f"{time.monotonic() - t0:.0f} s):")
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         if args.dry_run:
             for name, module, extra, cap in QUICK:
-                print(f"{name} (<= {cap} s): {' '.join(command(module, [a.replace('{out}', str(args.out)) for a in extra]))}")
+                print(f"{name} (<= {cap} s): {' '.join(quick_command(module, extra, args.out))}")
             return 0
         return quick(args)
     chosen = [c for c in COMMANDS if not args.only or c[0] in args.only]

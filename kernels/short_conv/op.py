@@ -92,8 +92,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | No
     # A class is measured without a decoding window (past) only: decoding steps run our kernel whatever auto chose.
     shape = conv_shape(x, weight, doc_ids is not None) if past is None else None
     chosen = pick_for("conv", backend, x, weight, past, shape=shape)
-    if chosen == "reference" or (K > MAX_K and backend == "auto"):
-        return short_conv_reference(x, weight, doc_ids, past)
+    if chosen == "reference" or (chosen == "triton" and K > MAX_K and backend == "auto"):
+        return short_conv_reference(x, weight, doc_ids, past)  # (a peer auto measured may take the wider filter)
     if chosen in ("causal-conv1d", "fla") and past is None:
         from .peers import peer_short_conv
 
