@@ -158,12 +158,15 @@ class GatedLM(nn.Module):
         doc_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         cache: DecodeCache | None = None,
+        loss_weight: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, V), or with labels (B, T) the mean cross-entropy over
         labels != -100 (labels[t] is the target for position t: the caller shifts) plus the MoE
         auxiliary losses. doc_ids (B, T) keeps attention and recurrent state within a document.
         cache: from `new_cache`, extended in place, for incremental decoding: input_ids are then the
-        tokens after those already in the cache."""
+        tokens after those already in the cache. loss_weight: a scalar multiplying the cross-entropy
+        (not the auxiliary losses): the trainer's weight of this micro-batch's tokens in the global batch
+        (train/step.py)."""
         T = input_ids.shape[1]
         start = 0 if cache is None else cache.pos
         if self.context_parallel is not None:  # attention builds its own mask over the whole sequence
@@ -179,7 +182,9 @@ class GatedLM(nn.Module):
         if cache is not None:
             cache.pos = start + T
         out = self.output(h, labels)
-        return out if labels is None else out + self.aux_loss()
+        if labels is None:
+            return out
+        return (out if loss_weight is None else out * loss_weight) + self.aux_loss()
 
     def output(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's hidden states -> logits (B, T, V), or with labels the language-model loss (mean

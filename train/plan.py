@@ -428,8 +428,8 @@ def _batches(cfg: JobConfig, vocab: int, n: int, device: torch.device):
 
 
 def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n_micro: int, vocab: int) -> None:
-    """One optimizer step over ``n_micro`` micro-batches, as ``Trainer._torch_micro_batches`` and
-    ``_pipeline_micro_batches`` take it (without the scalars they log)."""
+    """One optimizer step over ``n_micro`` micro-batches, as train/step.py's ``run_torch`` and ``run_pipeline``
+    take it (every micro-batch fully labelled, so no loss weights; without the scalars they log)."""
     from .parallel.expert_parallel import sync_expert_grads
 
     if pipeline is not None:

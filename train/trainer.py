@@ -7,7 +7,6 @@ Everything it needs is built by the recipe in ``train/cli.py`` and handed in; si
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import signal
 import sys
@@ -20,19 +19,19 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
-from hybridtron.atomic import write_bytes_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config
 
 from . import kernel_choice
+from . import step as step_mod
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
-from .device import autocast_context, step_weight_casts
+from .device import autocast_context
+from .grad_dump import GradDump
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
 from .parallel.context_parallel import local_piece
 from .parallel.expert_parallel import sync_expert_grads
 from .parallel.mesh import Mesh
 from .parallel.parallelize import clip_grad_norm
-from .parallel.tensor_parallel import _plain, from_row_order
 from .run_dir import STOP_REQUEST
 from .schedule import Plan, resume_plan
 from .spike import SpikeGuard
@@ -149,6 +148,8 @@ class Trainer:
         self.plan = Plan.from_config(cfg.train)  # the LR schedule; a resume may continue its checkpoint's instead
         self.resume_note: str | None = None  # what a resume made of a changed schedule, for the log
         self.spike = SpikeGuard(cfg.train.spike_policy, cfg.train.spike_threshold, cfg.train.spike_window)
+        # called after each step's backward, before clipping, on every rank
+        self.grad_hooks = [GradDump(cfg.train.dump_grads, run_dir)] if cfg.train.dump_grads else []
 
     def resume_if_possible(self) -> Path | None:
         self.ckpt.clean_partial()
@@ -194,82 +195,61 @@ class Trainer:
         return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir,
                               mesh=self.mesh, engine=self.engine)
 
-    def _deepspeed_micro_batches(self, accum: int) -> tuple[float, float, int]:
-        """DeepSpeed's step: forward/backward/step per micro-batch (it steps the optimizer, clipping first, at the
-        accumulation boundary). The loss is checked before that last call, so a non-finite one is never applied."""
-        loss_sum, tokens = torch.zeros((), device=self.device), 0
-        for i in range(accum):
-            b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
-            doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
-            loss = self.engine(b["input_ids"], doc_ids, labels=b["labels"])
-            self.engine.backward(loss)  # scaled by 1/accum inside
-            loss_sum += loss.detach().float()
-            tokens += b["input_ids"].numel()
-            if i < accum - 1:
-                self.engine.step()
-        self._dump_grads()  # the accumulation boundary's backward reduced them; the last step() clips and applies
-        loss = self.mesh.mean((loss_sum / accum).item())
-        if not math.isfinite(loss):
-            return loss, float("nan"), tokens
-        self.engine.step()
-        norm = self.engine.get_global_grad_norm()
-        return loss, float(norm) if norm is not None else float("nan"), tokens
+    # ---- one step: the engine's runner (forward and backward of the micro-batches), then the shared update ----
 
-    def _torch_micro_batches(self, accum: int) -> tuple[float, float, int, bool]:
-        """Forward/backward of every micro-batch, then clipping and (if all is finite) the optimizer step."""
+    def train_step(self) -> dict:
         t = self.cfg.train
-        loss_sum, tokens = torch.zeros((), device=self.device), 0
-        # Replicated (DDP) gradients are all-reduced once per step, after the last micro-batch. Sharded ones are
-        # reduce-scattered after every micro-batch: holding them unsharded until the last would cost the memory
-        # ZeRO-2/3 exists to save.
-        # Under hybrid sharding the shards are all-reduced across the replica groups (across nodes) once, after the
-        # last micro-batch: until then each group accumulates its reduce-scattered shards.
-        sync_last_only = self.mesh.data_ranks > 1 and self.mesh.zero_stage == 0 and accum > 1  # replicated (DDP) only
-        hsdp = self._hsdp_modules() if accum > 1 else []
-        # bf16 copies of the weights made once per step (not per micro-batch) and reused by every micro-batch
-        with step_weight_casts(self.device, self.amp_dtype, enabled=not self._sharded()):
-            for i in range(accum):
-                if sync_last_only:
-                    self.model.set_requires_gradient_sync(i == accum - 1)
-                for m in hsdp:
-                    m.set_requires_all_reduce(i == accum - 1, recurse=False)
-                b = {k: v.to(self.device, non_blocking=True) for k, v in next(self.train_loader).items()}
-                b = local_piece(b, self.mesh)  # context parallel: this rank's piece of every sequence
-                doc_ids = b["doc_ids"] if self.cfg.model.doc_mask else None
-                with autocast_context(self.device, self.amp_dtype):
-                    loss = self.model(b["input_ids"], doc_ids, labels=b["labels"])
-                (loss / accum).backward()
-                loss_sum += _whole(loss.detach()).float()
-                tokens += b["input_ids"].numel()
-        loss = self.mesh.mean((loss_sum / accum).item())  # the mean over data-parallel ranks: the global batch's
-        sync_expert_grads(self.model, self.mesh)
-        self._dump_grads()
-        grad_norm = clip_grad_norm(self.model.parameters(), t.grad_clip)  # over every rank's shards (FSDP, TP, EP)
+        if self.engine is None:
+            before_step(self.model, self.optimizer, self.cfg, self.state.step)
+        lr = self.plan.lr(self.state.step)
+        for group in self.optimizer.param_groups:  # with DeepSpeed: its optimizer's groups, our schedule
+            group["lr"] = lr
+        batches = step_mod.micro_batches(self.train_loader, t.grad_accum_steps, self.mesh)
+        weights = step_mod.loss_weights(batches, self.mesh)  # each micro-batch's share of the global batch's tokens
+        run = dict(device=self.device, doc_mask=self.cfg.model.doc_mask)
+        if self.engine is not None:
+            local = step_mod.run_deepspeed(self.engine, batches, weights, **run)
+        elif self.pipeline is not None:
+            local = step_mod.run_pipeline(self.pipeline, batches, weights, amp_dtype=self.amp_dtype, **run)
+        else:
+            local = step_mod.run_torch(self.model, batches, weights, amp_dtype=self.amp_dtype, mesh=self.mesh,
+                                       sharded=self._sharded(), hsdp_modules=self._hsdp_modules(), **run)
+        loss = self.mesh.mean(local)  # the global batch's loss: see train/step.py
+        grad_norm, finite = self._update(loss)
+        model_metrics = after_step(self.model, reduce=self.mesh.sum_)
+        if self.pipeline is not None:
+            model_metrics = self.pipeline.metrics_from_all_stages(model_metrics)
+        self.state.step += 1
+        tokens = step_mod.tokens_of(batches) * self.mesh.data_ranks  # every data (and context) rank took as many
+        self.state.tokens_seen += tokens
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite,
+                "model_metrics": model_metrics}
+
+    def _update(self, loss: float) -> tuple[float, bool]:
+        """After the backward: the gradient hooks, clipping by the global norm, the loss-spike guard and (if all is
+        finite) the optimizer step. Returns (grad_norm, finite)."""
+        if self.engine is None:
+            sync_expert_grads(self.model, self.mesh)
+        for hook in self.grad_hooks:  # e.g. train.dump_grads: the reduced, unclipped gradients
+            hook(self)
+        if self.engine is not None:  # DeepSpeed clips and steps inside; a non-finite loss never reaches it
+            if not math.isfinite(loss):
+                return float("nan"), False
+            self.engine.step()
+            norm = self.engine.get_global_grad_norm()
+            grad_norm = float(norm) if norm is not None else float("nan")
+            if math.isfinite(grad_norm):
+                self.spike.allows(loss, grad_norm)  # the engine applied the step: warn or stop only
+            return grad_norm, True
+        if self.pipeline is not None:  # the norm over every stage, the tied embedding's copies counted once
+            grad_norm = self.pipeline.clip_grad_norm(self.cfg.train.grad_clip)
+        else:  # over every rank's shards (FSDP, TP, EP)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite and self.spike.allows(loss, grad_norm):  # the loss-spike guard may hold the update back
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm, tokens, finite
-
-    def _pipeline_micro_batches(self, accum: int) -> tuple[float, float, int, bool]:
-        """The step's micro-batches through the pipeline schedule (forward and backward interleaved over the stages),
-        then clipping by the norm over every stage and (if all is finite) the optimizer step."""
-        t = self.cfg.train
-        parts = [next(self.train_loader) for _ in range(accum)]
-        keys = ("input_ids", "labels", "doc_ids") if self.cfg.model.doc_mask else ("input_ids", "labels")
-        b = {k: torch.cat([p[k] for p in parts]).to(self.device, non_blocking=True) for k in keys}
-        b = local_piece(b, self.mesh)  # context parallel: this rank's piece of every sequence
-        with autocast_context(self.device, self.amp_dtype):
-            loss = self.pipeline.step(b)
-        loss = self.mesh.mean(loss)
-        sync_expert_grads(self.model, self.mesh)
-        self._dump_grads()  # after the tied embedding's two copies were summed
-        grad_norm = self.pipeline.clip_grad_norm(t.grad_clip)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite and self.spike.allows(loss, grad_norm):  # the loss-spike guard may hold the update back
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return loss, grad_norm, b["input_ids"].numel(), finite
+        return grad_norm, finite
 
     def _sharded(self) -> bool:
         """FSDP2 shards the model: it casts the parameters it gathers itself (MixedPrecisionPolicy)."""
@@ -283,73 +263,6 @@ class Trainer:
             hybrid = getattr(self.mesh, "hsdp_mesh", None) is not None
             self._hsdp = [m for m in self.model.modules() if hasattr(m, "set_requires_all_reduce")] if hybrid else []
         return self._hsdp
-
-    def _dump_grads(self) -> None:
-        """``train.dump_grads``, at the run's first step (not after a resume): the whole fp32 gradient of each named
-        parameter, reduced over the data-parallel ranks and not yet clipped, in the model's names and row order, to
-        ``<run_dir>/grads_step1.pt`` (name -> tensor). Every rank must call it: gathering a sharded gradient is a
-        collective over the ranks that hold the parameter."""
-        names = set(self.cfg.train.dump_grads)
-        if not names or self.state.step != 0:
-            return
-        mine: dict[str, torch.Tensor] = {}
-        if self.engine is not None:
-            from deepspeed.utils import safe_get_full_grad
-
-            for name, p in self.engine.module.named_parameters():
-                if name in names:
-                    g = safe_get_full_grad(p)  # ZeRO partitions gathered: a collective over the dp ranks
-                    if g is not None:
-                        mine[name] = g.detach().float().cpu().clone()
-        else:
-            # Every rank holding a parameter walks the same names in the same order, so the gathers pair up.
-            for name, p in self.model.named_parameters():
-                name = _plain(name)  # without activation checkpointing's and torch.compile's wrappers
-                if name in names and p.grad is not None:
-                    g = _whole(p.grad.detach())  # FSDP / TP / EP shards gathered (a collective over p's mesh)
-                    # clone: DDP's gradient is a view of its bucket, which torch.save would write whole
-                    mine[name] = from_row_order(self.model, name, g).float().cpu().clone()
-        if self.mesh.pp > 1:  # a stage's parameters live on its ranks only: the first rank of each stage sends them
-            import torch.distributed as dist
-
-            first_of_stage = self.mesh.rank % (self.mesh.world_size // self.mesh.pp) == 0
-            parts = [None] * self.mesh.world_size if self.mesh.is_main else None
-            dist.gather_object(mine if first_of_stage else {}, parts, dst=0)
-            if self.mesh.is_main:
-                mine = {k: v for part in reversed(parts) for k, v in part.items()}  # tied copies are equal
-        missing = self.mesh.broadcast(sorted(names - mine.keys()) if self.mesh.is_main else None)
-        if missing:
-            raise ConfigError(f"train.dump_grads: the model has no parameter {', '.join(missing)} (with a gradient); "
-                              f"give names as model.named_parameters() prints them, e.g. layers.0.mlp.down_proj.weight")
-        if self.mesh.is_main:
-            buf = io.BytesIO()
-            torch.save(mine, buf)
-            write_bytes_atomic(self.run_dir / "grads_step1.pt", buf.getvalue())
-
-    def train_step(self) -> dict:
-        accum = self.cfg.train.grad_accum_steps
-        if self.engine is None:
-            before_step(self.model, self.optimizer, self.cfg, self.state.step)
-        lr = self.plan.lr(self.state.step)
-        for group in self.optimizer.param_groups:  # with DeepSpeed: its optimizer's groups, our schedule
-            group["lr"] = lr
-        if self.engine is not None:
-            loss, grad_norm, tokens = self._deepspeed_micro_batches(accum)
-            finite = math.isfinite(loss)
-            if finite and math.isfinite(grad_norm):
-                self.spike.allows(loss, grad_norm)  # the engine applied the step: warn or stop only
-        elif self.pipeline is not None:
-            loss, grad_norm, tokens, finite = self._pipeline_micro_batches(accum)
-        else:
-            loss, grad_norm, tokens, finite = self._torch_micro_batches(accum)
-        model_metrics = after_step(self.model, reduce=self.mesh.sum_)
-        if self.pipeline is not None:
-            model_metrics = self.pipeline.metrics_from_all_stages(model_metrics)
-        self.state.step += 1
-        tokens *= self.mesh.data_ranks  # every data- (and context-) parallel rank took as many tokens
-        self.state.tokens_seen += tokens
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite,
-                "model_metrics": model_metrics}
 
     def fit(self, log=print) -> FitResult:
         t, cfg = self.cfg.train, self.cfg

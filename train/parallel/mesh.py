@@ -333,6 +333,14 @@ class Mesh:
         dist.all_reduce(t, group=self._group())
         return float(t.item()) / self.data_ranks
 
+    def total(self, count: int) -> int:
+        """The sum of a per-rank integer over the data-parallel (x context-parallel) ranks (a token count)."""
+        if not self.distributed:
+            return count
+        t = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(t, group=self._group())
+        return int(t.item())
+
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on any (a stop request, a non-finite value)."""
         if not self.distributed:

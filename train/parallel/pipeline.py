@@ -110,9 +110,10 @@ class StageModule(nn.Module):
         return self._output.__self__.context_parallel
 
     def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, loss_weight: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states out, or on the last stage the micro-batch's language-model loss (``labels`` reach every
-        stage as a keyword argument; the schedule's loss function passes it on)."""
+        stage as a keyword argument; the schedule's loss function passes it on), times the micro-batch's weight
+        (``loss_weight``: one per row, all equal; train/step.py)."""
         h = self.embed_tokens(x) if self.first else x
         T = x.shape[1] if self.first else x.shape[1] * self.seq_split
         start, cp = 0, self.context_parallel
@@ -126,6 +127,8 @@ class StageModule(nn.Module):
                 h = layer(h, cos, sin, None, doc_ids, None)  # documents as ids, as in the whole model
         if self.last:
             h = self._output(h, labels).reshape(1)  # (1,): the schedule concatenates the micro-batches' outputs
+            if loss_weight is not None:
+                h = h * loss_weight[:1]
         auxes = [m.aux_loss for m in self.layers.modules() if getattr(m, "aux_loss", None) is not None]
         if auxes and torch.is_grad_enabled():
             aux = torch.stack([a.float() for a in auxes]).sum()
@@ -213,7 +216,7 @@ class Pipeline:
                                ScheduleLoopedBFS(eval_stages, n_microbatches=1, loss_fn=stage_loss))
 
     def _run(self, schedule, batch: dict, train: bool) -> list[torch.Tensor]:
-        kwargs = {k: batch[k] for k in ("doc_ids", "labels") if k in batch}
+        kwargs = {k: batch[k] for k in ("doc_ids", "labels", "loss_weight") if k in batch}
         args = (batch["input_ids"],) if self.has_first else ()
         losses: list[torch.Tensor] = []
         target = batch["labels"] if self.has_last else None
@@ -236,8 +239,10 @@ class Pipeline:
         self._warm = True
 
     def step(self, batch: dict) -> float:
-        """Forward and backward of one step's micro-batches (``batch``: all of them, concatenated in order). Returns
-        the mean training loss as one device computes it (cross-entropy plus every stage's auxiliary losses)."""
+        """Forward and backward of one step's micro-batches (``batch``: all of them, concatenated in order, with
+        ``loss_weight`` per row where the micro-batches' tokens weigh differently). Returns this rank's loss
+        (train/step.py: the micro-batches' weighted cross-entropy plus every stage's auxiliary losses, over
+        the micro-batches)."""
         if not self._warm:
             self._warm_up(batch)
         for stage in self.stages:
