@@ -89,6 +89,21 @@ from pathlib import Path
 import torch
 
 from hybridtron.bench.report import RESULTS, append_results, device_name
+from hybridtron.bench.timing import (  # noqa: F401  (Row and the ATT_ names: this module's public table)
+    ATT_HEAD_DIMS,
+    ATT_OURS,
+    ATT_SDPA_FLASH,
+    ATT_SEQS,
+    ATT_TARGET,
+    Row,
+    _fwd_bwd,
+    _peak_mib,
+    _sync,
+    _timed,
+    _timed_pair,
+    _tuple,
+    attention_verdicts,
+)
 from hybridtron.kernels import backend
 from hybridtron.kernels.cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from hybridtron.kernels.gated_delta_rule import chunk_gated_delta_rule, delta_rule_chunked
@@ -123,19 +138,6 @@ class Case:
     ours: str = "triton (ours)"  # the candidate the others are checked against (the first callable where absent)
     baselines: frozenset[str] = frozenset()  # rate baselines: timed, but they compute something else (no max diff)
     extra: dict = field(default_factory=dict)  # copied to every row (what a verdict needs besides the shape string)
-
-
-@dataclass
-class Row:
-    op: str
-    shape: str
-    impl: str
-    seconds: float | None = None
-    peak_mib: float | None = None
-    max_err: float | None = None
-    rate: str = ""
-    note: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 # ---- candidates -----------------------------------------------------------------------------------------------
@@ -413,9 +415,6 @@ CONV_TARGET = 0.7  # the short convolution's fwd + bwd at >= 70% of copy bandwid
 DR_OURS, DR_FLA = "triton (ours)", "fla chunk_gated_delta_rule"  # the delta-rule candidates the target compares
 DR_TARGET = 0.8  # ours at <= 0.8x fla's time (issue 20), and no more peak memory than fla ...
 DR_HEAD_DIM, DR_SEQS, DR_BATCHES = 128, (4096, 16384), (1, 4)  # ... at this head dim, sequences, batches
-ATT_OURS, ATT_SDPA_FLASH = "triton", "sdpa-flash+gate"  # the attention candidates the target compares
-ATT_TARGET = 1.1  # ours at >= 1.1x SDPA-flash + gate's speed ...
-ATT_HEAD_DIMS, ATT_SEQS = (128, 256), (4096, 8192)  # ... at these head dims, sequences in this range
 GG_OURS = "ours (grouped_linear, native)"
 GG_MEGABLOCKS = "megablocks gmm (grouped_linear, megablocks)"
 GG_LOOP = "torch.matmul per expert (eager reference)"
@@ -571,59 +570,9 @@ def _dt(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _tuple(x):
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
 def _fresh(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Private copies of ``tensors`` (leaves, requires_grad kept) for one candidate."""
     return [t.detach().clone().requires_grad_(t.requires_grad) for t in tensors]
-
-
-def _fwd_bwd(fn, inputs, cotangents=None):
-    """One forward + backward; returns outputs and input gradients (detached)."""
-    leaves = [t for t in inputs if t.requires_grad]
-    for t in leaves:
-        t.grad = None
-    outs = _tuple(fn(*inputs))
-    cot = cotangents or [torch.ones_like(o) / o.numel() ** 0.5 for o in outs]
-    torch.autograd.backward(outs, cot)
-    return [o.detach() for o in outs], [t.grad for t in leaves]
-
-
-def _timed(fn, inputs, cot, device) -> float:
-    for t in inputs:
-        if t.requires_grad:
-            t.grad = None
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.autograd.backward(_tuple(fn(*inputs)), cot)
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    torch.autograd.backward(_tuple(fn(*inputs)), cot)
-    return time.perf_counter() - t0
-
-
-def _peak_mib(fn, inputs, cot, device) -> float | None:
-    if device.type != "cuda":
-        return None
-    for t in inputs:
-        if t.requires_grad:
-            t.grad = None
-    _sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.autograd.backward(_tuple(fn(*inputs)), cot)
-    _sync(device)
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
 
 
 def copy_bandwidth(device, gib: float = 1.0, repeats: int = 10) -> float | None:
@@ -781,19 +730,7 @@ def verdicts(rows: list[Row], copy_gbs: float | None) -> list[str]:
                          f"{gathered.seconds / dense.seconds:.2f}x the dense's time, {ours.seconds / gathered.seconds:.2f}x "
                          f"ours' speed")
             out.append(line)
-    att = [r for r in rows if r.op == "attention"]
-    for shape in dict.fromkeys(r.shape for r in att):  # one line per (seq, head dim, documents), in run order
-        out.append(_attention_verdict([r for r in att if r.shape == shape]))
-    return out
-
-
-def _timed_pair(rows: list[Row], ours: str, peer: str) -> tuple[Row | None, Row | None, str]:
-    """One shape's rows of ``ours`` and ``peer``, and why either has no time ("" when both were timed)."""
-    by = {r.impl: r for r in rows}
-    pair = by.get(ours), by.get(peer)
-    missing = [f"{n}: {r.note if r else 'not run'}" for n, r in zip((ours, peer), pair, strict=True)
-               if r is None or r.seconds is None]
-    return *pair, "; ".join(missing)
+    return out + attention_verdicts(rows)
 
 
 def _delta_rule_verdict(rows: list[Row]) -> str:
@@ -814,18 +751,6 @@ def _delta_rule_verdict(rows: list[Row]) -> str:
         m = ours.peak_mib / fla.peak_mib
         line += f"; {m:.2f}x its peak memory (target <= 1: {'met' if m <= 1 else 'NOT met'})"
     return line
-
-
-def _attention_verdict(rows: list[Row]) -> str:
-    x = rows[0].extra
-    where = f"- attention seq {x['seq']}, head dim {x['head_dim']}, {'no documents' if x['docs'] == 'none' else 'documents'}"
-    if not (x["head_dim"] in ATT_HEAD_DIMS and ATT_SEQS[0] <= x["seq"] <= ATT_SEQS[1]):
-        where += " (outside the target's head dims 128/256 and sequences 4k-8k)"
-    ours, sdpa, missing = _timed_pair(rows, ATT_OURS, ATT_SDPA_FLASH)
-    if missing:
-        return f"{where}: vs SDPA-flash + gate not measured ({missing})"
-    s = sdpa.seconds / ours.seconds
-    return f"{where}: {s:.2f}x SDPA-flash + gate's speed (target >= {ATT_TARGET}: {'met' if s >= ATT_TARGET else 'NOT met'})"
 
 
 def main(argv: list[str] | None = None) -> list[Row]:

@@ -35,8 +35,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hybridtron.bench.kernels import ATT_OURS, ATT_SDPA_FLASH, ATT_TARGET, Row, _fwd_bwd, _peak_mib, _timed, verdicts
 from hybridtron.bench.report import device_name
+from hybridtron.bench.timing import (
+    ATT_OURS,
+    ATT_SDPA_FLASH,
+    ATT_TARGET,
+    Row,
+    _fwd_bwd,
+    _peak_mib,
+    _timed,
+    attention_verdicts,
+)
 from hybridtron.kernels import backend
 from hybridtron.kernels.gated_attention import (
     cu_seqlens_from_bounds,
@@ -319,7 +328,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     print(f"gated attention fwd+bwd, {args.dtype}, {args.heads} query / {args.kv_heads} kv heads, one packed row, "
           f"on {device_name(device)}, {time.strftime('%Y-%m-%d')}")
     print(report(rows))
-    print("\n" + "\n".join(verdicts(rows, None)))
+    print("\n" + "\n".join(attention_verdicts(rows)))
     return rows
 
 

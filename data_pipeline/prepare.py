@@ -398,12 +398,33 @@ def _set_threads(cfg: DataConfig) -> None:
     # arise here; we leave TOKENIZERS_PARALLELISM to the user rather than flip it process-wide.
 
 
+def prepare_synthetic(cfg: DataConfig, log: Callable = print) -> PreparedData:
+    """The prepare step of a synthetic task: a word-level tokenizer of its symbols in data.out_dir/tokenizer (rows
+    are generated when read, so there are no shards). Idempotent."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from .synthetic import task_symbols
+
+    symbols = task_symbols(cfg.synthetic)
+    out = Path(cfg.out_dir).expanduser()
+    tok_dir = out / "tokenizer"
+    hf = HFTokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<pad>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = Tokenizer("hf", hf.to_str().encode("utf-8"))
+    meta = read_meta(tok_dir)
+    if meta is None or meta.get("fingerprint") != tok.fingerprint:
+        tok.save(tok_dir, {"synthetic": cfg.synthetic.task})
+        log(f"synthetic task {cfg.synthetic.task}: {len(symbols)} symbols, tokenizer in {tok_dir}")
+    tok = load_tokenizer(tok_dir)
+    return PreparedData(out_dir=out, tokenizer=tok, tokenizer_dir=tok_dir, sources=[f"synthetic:{cfg.synthetic.task}"],
+                        stats={"task": cfg.synthetic.task, "symbols": len(symbols)})
+
+
 def prepare_data(cfg: DataConfig, log: Callable = print) -> PreparedData:
     """Train/load the tokenizer and write shards for every source. A re-run only finishes what is missing."""
     cfg.validate()
     if cfg.synthetic.task:  # a generated task: only its tokenizer (data_pipeline/synthetic.py)
-        from .synthetic import prepare_synthetic
-
         return prepare_synthetic(cfg, log)
     _set_threads(cfg)
     out = Path(cfg.out_dir).expanduser()

@@ -205,32 +205,6 @@ class SyntheticDataset:
         return {"input_ids": x, "labels": y, "doc_ids": torch.zeros(len(x), dtype=torch.int32)}
 
 
-def prepare_synthetic(cfg, log=print):
-    """The prepare step of a synthetic task: a word-level tokenizer of its symbols in data.out_dir/tokenizer (rows
-    are generated when read, so there are no shards). Idempotent."""
-    from pathlib import Path
-
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    from .prepare import PreparedData
-    from .tokenizer import Tokenizer, load_tokenizer, read_meta
-
-    symbols = task_symbols(cfg.synthetic)
-    out = Path(cfg.out_dir).expanduser()
-    tok_dir = out / "tokenizer"
-    hf = HFTokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<pad>"))
-    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = Tokenizer("hf", hf.to_str().encode("utf-8"))
-    meta = read_meta(tok_dir)
-    if meta is None or meta.get("fingerprint") != tok.fingerprint:
-        tok.save(tok_dir, {"synthetic": cfg.synthetic.task})
-        log(f"synthetic task {cfg.synthetic.task}: {len(symbols)} symbols, tokenizer in {tok_dir}")
-    tok = load_tokenizer(tok_dir)
-    return PreparedData(out_dir=out, tokenizer=tok, tokenizer_dir=tok_dir, sources=[f"synthetic:{cfg.synthetic.task}"],
-                        stats={"task": cfg.synthetic.task, "symbols": len(symbols)})
-
-
 @torch.no_grad()
 def length_accuracy(model: torch.nn.Module, cfg, rows: int = 64, device="cpu", batch: int = 16) -> list[dict]:
     """Accuracy of model's argmax at the labelled positions of ``rows`` fresh rows per data.synthetic.eval_scales

@@ -220,6 +220,18 @@ def _constant_under_compile(fn):
     return fn
 
 
+# kernels/tune.py, set when it is imported (kernels/__init__ imports it): an object with ``measures_on(device_type)``
+# and ``choose(op, shape, device_type)``. The tuner builds on this module, so this module asks it through this slot
+# rather than importing it back.
+_tuner = None
+
+
+def use_tuner(tuner) -> None:
+    """Let ``auto`` of the TUNED_OPS be decided by ``tuner`` on the device types its ``measures_on`` accepts."""
+    global _tuner
+    _tuner = tuner
+
+
 @_constant_under_compile
 def pick(op: str, requested: str, device_type: str, shape: tuple | None = None) -> str:
     """`resolve` for a model's forward, cached per (op, request, device type); for ``auto`` on a device the tuner
@@ -229,11 +241,9 @@ def pick(op: str, requested: str, device_type: str, shape: tuple | None = None) 
     hit = _forced.get((op, device_type))
     if hit is not None:
         return hit
-    if requested == "auto" and shape is not None and op in TUNED_OPS:
-        from . import tune
-
-        if tune.measures_on(device_type):
-            return tune.choose(op, shape, device_type)
+    if requested == "auto" and shape is not None and op in TUNED_OPS and _tuner is not None:
+        if _tuner.measures_on(device_type):
+            return _tuner.choose(op, shape, device_type)
     key = (op, requested, device_type)
     hit = _resolved.get(key)
     if hit is None:

@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -527,3 +528,6 @@ def table(found: dict[str, Decision] | None = None) -> str:
         src = f" [{d.note}]" if d.note else ""
         lines.append(f"  {key}: {'; '.join(cands) or '-'} -> {d.chosen}{src}")
     return "\n".join(lines)
+
+
+backend.use_tuner(sys.modules[__name__])  # auto of the ops with peers asks this module (see backend.pick)

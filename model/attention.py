@@ -27,7 +27,7 @@ from torch import nn
 from ..configs import ModelConfig
 from ..kernels.backend import pick_for
 from ..kernels.gated_attention import gated_attention
-from ..kernels.tune_cases import attention_shape
+from ..kernels.shape_classes import attention_shape
 from .linear import make_linear
 from .norm import build_norm
 from .rotary import apply_rotary_qk

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .checks import check_shapes
 from .gate import sigmoid_gate
 from .reference import doc_bounds
 
@@ -44,11 +45,9 @@ def _backends():
 
 
 def check_inputs(name: str, q, k, v, gate, cu_seqlens, doc_ids) -> tuple[int, int]:
-    """`op._check` (shapes, devices, document layout: one clear error each) plus the one dtype every input of
-    torch's attention shares; returns (B, T) of the flattened tokens."""
-    from .op import _check  # here, not at import: op.py may import this module to dispatch to it
-
-    B, T = _check(q, k, v, gate, cu_seqlens, doc_ids)
+    """`checks.check_shapes` (shapes, devices, document layout: one clear error each) plus the one dtype every input
+    of torch's attention shares; returns (B, T) of the flattened tokens."""
+    B, T = check_shapes(q, k, v, gate, cu_seqlens, doc_ids)
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(
             f"{name}: q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}. Cast them, or "

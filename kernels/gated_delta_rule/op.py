@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import pick_for, starts_from_cu_seqlens
-from ..tune_cases import delta_rule_shape
+from ..shape_classes import delta_rule_shape
 from .reference import delta_rule_chunked, delta_rule_recurrent
 
 DECODE_TOKENS = 16  # up to this many tokens without gradients: the recurrent kernel (one pass, no chunk systems)

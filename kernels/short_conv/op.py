@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 
 from ..backend import pick_for, starts_from_cu_seqlens
-from ..tune_cases import conv_shape
+from ..shape_classes import conv_shape
+from .checks import check_shapes as _check
 from .reference import short_conv_reference
-
-MAX_K = 4  # widths the Triton kernel takes (kernels/short_conv/triton_kernels.py carries a K-1 row window)
 
 
 @torch.library.custom_op("hybridtron::short_conv_fwd", mutates_args=())
@@ -54,24 +53,6 @@ class ShortConvFunction(torch.autograd.Function):
         return dx, dw, None, dpast if past is not None else None
 
 
-def _check(x, weight, doc_ids, past) -> int:
-    if x.dim() != 3:
-        raise ValueError(f"short_conv: x has shape {tuple(x.shape)}; it must be (B, T, C)")
-    B, T, C = x.shape
-    if weight.dim() != 3 or weight.shape[:2] != (C, 1) or weight.shape[2] < 1:
-        raise ValueError(f"short_conv: weight has shape {tuple(weight.shape)}; it must be ({C}, 1, K) with K >= 1, "
-                         f"as a depthwise nn.Conv1d({C}, {C}, K, groups={C}) stores it")
-    K = weight.shape[2]
-    if doc_ids is not None:
-        if doc_ids.shape != (B, T) or doc_ids.is_floating_point():
-            raise ValueError(f"short_conv: doc_ids is {doc_ids.dtype} {tuple(doc_ids.shape)}; it must be integer "
-                             f"document ids of shape ({B}, {T}), one per position of x")
-    if past is not None and past.shape != (B, K - 1, C):
-        raise ValueError(f"short_conv: past has shape {tuple(past.shape)}; it must be ({B}, {K - 1}, {C}), the "
-                         f"K-1 inputs before x (decoding cache)")
-    return K
-
-
 def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | None = None,
                past: torch.Tensor | None = None, *, backend: str = "auto",
                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -92,15 +73,20 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | No
     # A class is measured without a decoding window (past) only: decoding steps run our kernel whatever auto chose.
     shape = conv_shape(x, weight, doc_ids is not None) if past is None else None
     chosen = pick_for("conv", backend, x, weight, past, shape=shape)
-    if chosen == "reference" or (chosen == "triton" and K > MAX_K and backend == "auto"):
-        return short_conv_reference(x, weight, doc_ids, past)  # (a peer auto measured may take the wider filter)
     if chosen in ("causal-conv1d", "fla") and past is None:
         from .peers import peer_short_conv
 
-        return peer_short_conv(x, weight, doc_ids, backend=chosen)
-    if K > MAX_K:
-        raise ValueError(f"short_conv: the Triton kernel takes filter widths 1-{MAX_K}, not {K} (its window is "
-                         f"registers); choose model.kernels.conv=reference or auto for wider filters")
+        return peer_short_conv(x, weight, doc_ids, backend=chosen)  # (a peer auto measured may take a wide filter)
+    if chosen != "reference":  # our kernel (decoding steps too, whichever peer auto chose)
+        from .triton_kernels import MAX_K
+
+        if K > MAX_K and chosen == "triton" and backend == "auto":
+            chosen = "reference"
+        elif K > MAX_K:
+            raise ValueError(f"short_conv: the Triton kernel takes filter widths 1-{MAX_K}, not {K} (its window is "
+                             f"registers); choose model.kernels.conv=reference or auto for wider filters")
+    if chosen == "reference":
+        return short_conv_reference(x, weight, doc_ids, past)
     w = weight.reshape(weight.shape[0], K).contiguous()
     ids = None if doc_ids is None else doc_ids.to(torch.int64).contiguous()
     return ShortConvFunction.apply(x.contiguous(), w, ids, None if past is None else past.contiguous())

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import BackendError
+from .checks import check_shapes
 
 PEERS = ("causal-conv1d", "fla")
 CAUSAL_CONV1D_WIDTHS = (2, 3, 4)  # causal_conv1d_fn's kernels are instantiated for these widths only
@@ -29,9 +30,7 @@ _INSTEAD = "choose model.kernels.conv=triton or reference"
 
 
 def _check(x, weight, doc_ids) -> None:
-    """ValueError naming the first argument that does not fit short_conv's shapes (op.py's own check)."""
-    from .op import _check as check_shapes  # here: op.py imports this module to dispatch to it
-
+    """ValueError naming the first argument that does not fit short_conv's shapes (the op's own check)."""
     check_shapes(x, weight, doc_ids, None)
 
 

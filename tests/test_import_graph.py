@@ -1,0 +1,111 @@
+"""The project's import graph (issue 29): no module imports another that imports it back, directly or round a longer
+circle, function-level imports included."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root is the package ``hybridtron``
+SKIP = {"tests", ".venv", "build", "docs"}
+
+
+def _module_name(path: Path) -> str:
+    parts = ["hybridtron", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in ROOT.rglob("*.py"):
+        rel = p.relative_to(ROOT).parts
+        if rel[0] in SKIP or rel[0].startswith(".") or any(part.startswith(".") for part in rel):
+            continue
+        out[_module_name(p)] = p
+    return out
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports (anywhere in the file). ``from pkg import x`` counts as importing
+    ``pkg.x`` when that is a module, else ``pkg``; a package's ``__init__`` is a module like any other."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg
+                    for _ in range(node.level - 1):
+                        base = base.rpartition(".")[0]
+                    base = f"{base}.{node.module}" if node.module else base
+                else:
+                    base = node.module or ""
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                if t.startswith("hybridtron") and (m := _resolve(t, modules)) is not None and m != name:
+                    deps.add(m)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index, low, on, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def test_the_circle_finder_finds_a_planted_circle():
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(g) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    found = circles(import_graph())
+    assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
