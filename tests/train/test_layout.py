@@ -124,4 +124,4 @@ def test_only_the_mesh_creates_process_groups():
     creating = re.compile(r"\b(new_group|init_process_group|init_device_mesh|DeviceMesh)\(")
     found = {str(p.relative_to(root)) for folder in ("train", "model", "kernels", "data_pipeline", "slurm")
              for p in (root / folder).rglob("*.py") if creating.search(p.read_text())}
-    assert found == {"train/parallel/mesh.py", "train/plan.py"}, found
+    assert found == {"train/parallel/mesh.py", "train/plan/memory.py"}, found

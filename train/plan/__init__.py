@@ -1,0 +1,109 @@
+"""``hybridtron plan``: per-GPU memory and per-step communication of a config on a cluster shape, before a launch.
+
+Memory is not guessed from formulas: two training steps (forward, backward, optimizer) of one rank run on fake
+tensors (``FakeTensorMode``: shapes and dtypes, no storage) over a fake process group of the whole world size
+(``FakeStore``, backend "fake": DTensor and device meshes work on it, collectives move nothing), and over the
+second (the steady state: optimizer state exists) torch's memory trackers record the peak by category: sharded and gathered weights, gradients, optimizer state,
+activations and temporaries. The rank is built by the trainer's own code, in the trainer's order: the layout
+checks and the device mesh (``Mesh.setup``), the pipeline cut (``train/parallel/pipeline.py``), tensor parallelism
+(``apply_tensor_parallel``: the model's own DTensor plan), expert parallelism (``apply_expert_parallel``: this
+rank's experts), context parallelism (``apply_context_parallel``: the rank runs T/cp positions; attention
+passes key/value blocks round a ring, delta-rule layers gather each piece's state map), FSDP2
+(``apply_data_parallel``), then the optimizer. So the plan follows the model code as it is: MoE, delta-rule and structured layers and activation
+checkpointing included. Each fused op runs as the GPU run would pick it (``gpu_kernels``: our Triton kernels'
+``autograd.Function`` with their custom ops' fake implementations), so what is kept for backward is what those
+kernels keep: the fused attention its output and log-sum-exp (not the T x T probabilities of the reference's
+autograd), the chunked delta rule its inputs, decay terms and chunk states, the fused loss its two gradients (no
+logits), norms their inputs and inverse RMS. Dtypes are fp32, or bf16 where CPU autocast casts (matmuls) when the
+run trains in bf16 (CUDA's autocast casts the same ops).
+
+Where fake tensors cannot follow the real run, this is what the plan assumes instead:
+
+- MoE routing is balanced: every expert gets N k / E of a micro-batch's N k token assignments (so under ep every
+  rank receives as many rows as it sends). A fake tensor has no values, and the routing counts set shapes
+  (``_KnownValues`` below). An unbalanced router holds more rows on the ranks of its busiest experts.
+- Pipeline schedules run their own action order for the planned rank: torch's ``pipeline_order`` of the
+  configured schedule (gpipe: all forwards, then all backwards, so every micro-batch's activations are held at
+  once; 1f1b: stage s runs pp - s forwards first, so it holds up to pp - s micro-batches; interleaved schedules
+  as torch orders them). torch's runtime itself cannot run on one process (it exchanges shapes and votes with
+  the other stages), so the replay keeps what it keeps: one receive buffer per micro-batch for the activations
+  and one for their gradients, allocated once, and the received activations' gradients until the next step.
+  Under FSDP the gradients stay unsharded until the last micro-batch, as torch's stages arrange it. zero_bubble
+  splits each backward in an input half (I) and a weight half (W): a micro-batch's activations are held from its
+  forward to its W (the I half keeps the graph for the W half); the gradients the I half keeps for W are not
+  counted.
+- The tokens are uniformly random (drawn for real: what is computed from them alone, such as which labels fall in
+  a rank's vocabulary shard, is as in a real step). Text is skewed towards frequent tokens.
+- ``parallel.offload: cpu`` (FSDP2's CPU offload): the sharded weights, sharded gradients and optimizer state are
+  counted in host memory (``host``), not in the GPU peak; what is gathered for compute stays on the GPU.
+- ZeRO-0 is planned without DDP's wrapper (its C++ reducer cannot run on fake tensors): with
+  ``gradient_as_bucket_view`` its buckets are the gradients, so the replicated model holds what the plain one does.
+
+Every pipeline stage is planned (the first rank of each): stages differ in layers, embeddings and in-flight
+micro-batches; ranks of one stage differ only by their shard. ``--measure`` runs the same two steps on real
+tensors in the job's real layout (under torchrun, every rank; a pipeline through torch's real schedule) and
+prints the prediction beside the measured peak of the rank the plan found heaviest: the check that the plan is
+right.
+
+``--measure`` also counts the bytes every collective of the measured step sent (``CollectiveBytes``: DDP, FSDP2,
+DTensor, pipelining and our own calls alike, as ring algorithms move them) beside the volumes below.
+
+Step time (``step_time``): the step's model FLOPs at a configured peak x MFU, each dimension's bytes at the intra-
+or inter-node bandwidth (whether its process groups fit in a node), the pipeline bubble, and what the engines
+overlap; ``hybridtron plan`` prints the breakdown.
+
+Communication per optimizer step and GPU, in bytes sent (ring algorithms: as many are received). m micro-batches
+per step of B sequences of T tokens, d = model.d_model, f(n) = (n - 1) / n; s = 4 (the residual stream and the
+norm outputs stay fp32 under autocast), c = 2 in bf16 runs, else 4 (projection outputs); the parameters P and
+the layer counts L are those of the planned rank (its tp shard, its pipeline stages); head counts H are those
+of the rank's tp shard:
+
+  dp  n = dp x cp ranks average the gradients; P without the experts sharded over ep; g = 2 when FSDP gathers
+      bf16 weights (parallel.mixed_precision), else 4
+      ZeRO-0 (DDP): all-reduce of the gradients once per step:                 2 f(n) 4 P
+      ZeRO-2: all-gather of the weights (forward) and reduce-scatter of the gradients, per micro-batch:
+                                                                               m (f(n) g P + f(n) 4 P)
+      ZeRO-3: the all-gather again in backward, but for the root's parameters P_root (embeddings, final norm,
+      head: FSDP2 keeps them gathered from forward to backward):             m (f(n) g (2 P - P_root) + f(n) 4 P)
+      (under pp torch's stages reduce-scatter once per step: m = 1 in the reduce-scatter term)
+      HSDP (parallel.dp_shard = s < dp): the all-gathers and reduce-scatters above run in the groups of s x cp
+      ranks (n = s cp in them), and the accumulated shards are all-reduced across the dp / s groups once per
+      step, after the last micro-batch (column dp_replicate):                  2 f(dp / s) 4 P / (s cp)
+      ep > 1: the expert gradients all-reduced over their dp cp / ep copies:   2 f(dp cp / ep) 4 P_experts
+  tp  (T: the rank's piece, seq_len / cp, under context parallel)
+      per layer: all-gather of the two norm outputs and reduce-scatter of the two projection outputs in forward,
+      the reverse in backward:                                                 m L 4 f(tp) B T d (s + c)
+      activation checkpointing repeats the forward ones in backward:           + m L 2 f(tp) B T d (s + c)
+      the embedding (reduce-scatter, then all-gather in backward) and the output layer (the reverse), on the
+      stages that hold them:                                                   m 2 f(tp) B T d s each
+  pp  the stage's output and its input's gradient, (B, T/tp, d) fp32 each (the first stage sends no gradient,
+      the last no output), per stage of the rank:                              m 2 B (T / (cp tp)) d 4
+      tied embeddings: first and last stage all-reduce the embedding's gradient once per step: V d 4 / tp
+  ep  per MoE layer, balanced routing: the routed copies of the tokens (k per token) to their experts' ranks
+      and back, and their gradients:                                           m L_moe 2 f(ep) B (T / cp) k d (s + c)
+  cp  per attention layer (ring attention): cp - 1 passes of a key and a value block in forward, cp passes of
+      them with their fp32 gradients in backward:            m L_attn B (T / cp) H_kv D (2 (cp - 1) c + cp (2 c + 8))
+      per delta-rule layer: all-gather of every piece's state map (A | B), fp32, and the reduce-scatter of its
+      gradient; the convolution halo to the next rank and its gradient back:
+                                                     m L_delta 2 B ((cp - 1) H_v D_k (D_k + D_v) 4 + (K - 1) C c)
+      document ids (int64) gathered per micro-batch when masked:               m (cp - 1) B (T / cp) 8
+"""
+
+from .collectives import CollectiveBytes
+from .comm import comm_bytes
+from .memory import GIB, _KnownValues, build_rank, fake_world, gpu_kernels, simulate, step_peak
+from .step_time import Hardware, step_time
+from .table import (
+    compare,
+    format_table,
+    gather_measurements,
+    measure,
+    n_params,
+    plan_table,
+    release_distributed_state,
+    with_zero_stage,
+)
+
+__all__ = ["GIB", "CollectiveBytes", "Hardware", "_KnownValues", "build_rank", "comm_bytes", "compare", "fake_world",
+           "format_table", "gather_measurements", "gpu_kernels", "measure", "n_params", "plan_table",
+           "release_distributed_state", "simulate", "step_peak", "step_time", "with_zero_stage"]

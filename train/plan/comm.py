@@ -1,0 +1,87 @@
+"""Bytes every parallel dimension sends per optimizer step and GPU (the formulas in the package's docstring), and
+``CollectiveBytes``, which counts what a real step's collectives sent, for ``--measure``."""
+
+from __future__ import annotations
+
+import math
+
+from hybridtron.configs import JobConfig
+
+from ..parallel.mesh import dp_shard_size, resolve_layout
+from ..parallel.parallelize import checkpointing_mode
+from .memory import DIMS, _compute_dtype
+
+
+# ---- communication ---------------------------------------------------------------------------------------------
+def _recomputed_fraction(cfg: JobConfig) -> float:
+    """The share of blocks whose forward runs again in backward, collectives included."""
+    if checkpointing_mode(cfg.train) != "full":
+        return 0.0
+    every, layers = cfg.train.activation_checkpointing_every, cfg.model.n_layers
+    return math.ceil(layers / every) / layers
+
+
+def _checkpointing_label(cfg: JobConfig) -> str:
+    mode = checkpointing_mode(cfg.train)
+    every = cfg.train.activation_checkpointing_every
+    return f"{mode} (every {every} blocks)" if mode == "full" and every > 1 else mode
+
+
+def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
+    """Bytes each GPU sends per optimizer step in every parallel dimension (formulas: module docstring)."""
+    p, m = cfg.parallel, cfg.model
+    dp = resolve_layout(cfg, world)
+    mb, B, T, d = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.data.seq_len, m.d_model
+    amp = _compute_dtype(cfg)
+    s, c = 4, (2 if amp is not None else 4)
+    g = 2 if amp is not None and p.mixed_precision == "auto" else 4
+
+    def f(n):
+        return (n - 1) / n
+
+    out = dict.fromkeys((*DIMS, "dp_replicate"), 0.0)
+    n, P = dp * p.cp, facts["params"]
+    if n > 1:
+        if p.zero_stage == 0:
+            out["dp"] = 2 * f(n) * 4 * P
+        else:
+            # ZeRO-3 gathers the blocks again in backward; the root stays gathered (reshard_after_forward=False)
+            gathered = P if p.zero_stage == 2 else 2 * P - facts.get("root_params", 0)
+            reduces = 1 if p.pp > 1 else mb
+            shard = dp_shard_size(cfg, dp)
+            shard = n if shard == dp else shard * p.cp  # FSDP2 over all dp x cp ranks, or HSDP's dp_shard x cp groups
+            out["dp"] = mb * f(shard) * g * gathered + reduces * f(shard) * 4 * P
+            if shard < n:  # HSDP: the step's accumulated shards all-reduced across the groups, once
+                out["dp_replicate"] = 2 * f(n // shard) * 4 * P / shard
+    if p.ep > 1 and n > p.ep:
+        out["dp"] += 2 * f(n // p.ep) * 4 * facts["expert_params"]
+    if p.tp > 1:
+        # full checkpointing repeats the forward's two collectives of each recomputed block; selective keeps them
+        t = T // p.cp  # under context parallel the rank's piece of each sequence
+        per_layer = (4 + 2 * _recomputed_fraction(cfg)) * f(p.tp) * B * t * d * (s + c)
+        ends = (facts["embedding"] + facts["head"]) * 2 * f(p.tp) * B * t * d * s
+        out["tp"] = mb * (facts["layers"] * per_layer + ends)
+    if p.pp > 1:
+        boundary = B * (T // (p.cp * p.tp)) * d * 4
+        for stage in facts["stages"]:
+            out["pp"] += mb * boundary * ((stage < facts["n_stages"] - 1) + (stage > 0))
+        vocab = m.resolve_vocab(cfg.data.tokenizer.vocab_size)
+        if m.tie_embeddings and (facts["embedding"] or facts["head"]):
+            out["pp"] += vocab * d * 4 / p.tp
+    if p.ep > 1:
+        out["ep"] = mb * facts["moe_layers"] * 2 * f(p.ep) * B * (T // p.cp) * m.moe.top_k * d * (s + c)
+    if p.cp > 1:
+        t = T // p.cp
+        D = m.resolved_head_dim()
+        block = B * t * (m.n_kv_heads // p.tp) * D  # one piece's keys (or values) of this rank's heads: the ring
+        out["cp"] = mb * facts["attention_layers"] * block * (2 * (p.cp - 1) * c + p.cp * (2 * c + 8))
+        if facts["delta_layers"]:
+            n_k, n_v, d_k, d_v = m.deltanet.resolved(m)
+            n_h = m.deltanet.n_householder
+            conv_dim = n_k * d_k * (1 + n_h) + n_v * d_v * n_h
+            maps = (p.cp - 1) * B * (n_v // p.tp) * d_k * (d_k + d_v) * 4  # the (A | B) of this rank's heads, fp32
+            halo = B * (m.deltanet.conv_size - 1) * (conv_dim // p.tp) * c
+            out["cp"] += mb * facts["delta_layers"] * 2 * (maps + halo)
+        if m.doc_mask:
+            out["cp"] += mb * (p.cp - 1) * B * t * 8
+    return out

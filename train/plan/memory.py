@@ -1,0 +1,530 @@
+"""One rank's training step on fake tensors over a fake process group of the whole world (see the package's
+docstring): its peak memory by category, per planned rank."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from hybridtron.configs import ConfigError, JobConfig
+
+from ..device import autocast_context, autocast_dtype
+from ..parallel.context_parallel import local_piece
+from ..parallel.mesh import Mesh
+from ..parallel.parallelize import clip_grad_norm
+from .collectives import CollectiveBytes
+
+GIB = 1 << 30
+CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
+    "PARAM": "weights", "SHARDED_PARAM": "weights", "BUFFER": "weights",
+    "UNSHARDED_PARAM": "gathered", "ALL_GATHER": "gathered",
+    "GRAD": "grads", "SHARDED_GRAD": "grads", "UNSHARDED_GRAD": "grads", "REDUCE_SCATTER": "grads",
+    "OPT": "optimizer",
+    "ACT": "activations", "TEMP": "activations", "INP": "activations", "OTH": "activations",
+}
+DIMS = ("dp", "tp", "pp", "ep", "cp")
+
+
+def _compute_dtype(cfg: JobConfig) -> torch.dtype | None:
+    """The run's autocast dtype on the GPUs it plans for."""
+    return autocast_dtype(cfg.train, torch.device("cuda"))
+
+
+# ---- values fake tensors cannot do without -------------------------------------------------------------------
+aten = torch.ops.aten
+# Tensors made from nothing whose values are known: index ranges, and random token ids (drawn for real).
+_FACTORIES = {aten.arange.default, aten.arange.start, aten.arange.start_step, aten.randint.default, aten.randint.low,
+              aten.randint.generator, aten.randint.low_generator}
+_KNOWN_LIMIT = 1 << 22  # elements: index tensors up to a vocabulary's length, not activations
+
+
+class _KnownValues(TorchDispatchMode):
+    """Values computed for real inside a fake-tensor step, where a shape depends on them.
+
+    A fake tensor has a shape but no values, and a few shapes in a training step come from values: how many token
+    assignments each expert gets (an int64 scatter-add of ones over the router's choices, or ``torch.bincount``;
+    under expert parallelism the all-to-all splits and ``repeat_interleave`` of those counts), which labels fall in a rank's
+    vocabulary shard (``torch.nonzero`` in the vocabulary-parallel loss), and DTensor's index arithmetic
+    (``torch.arange(n)...tolist()``). Such tensors are *known* here: a real tensor, or a fake one that carries its
+    real value (``_known``). Index ranges and the random token ids of the batches are drawn for real, and an op
+    whose tensor inputs are all known (and small) also runs on the real values, so its result is known too: what
+    is computed from the tokens alone is what a real step computes. The routing counts, which depend on the
+    weights too, are the assumption of the plan: balanced (module docstring).
+    A scalar read from an unknown floating tensor (a loss, a gradient norm, a logged statistic) reads as 0.0:
+    none of them sets a shape. Values of tensors changed in place are forgotten.
+
+    Also: torch 2.13's fake kernel of ``torch._grouped_mm`` accepts bf16 only while the CPU kernel also runs fp32,
+    so fp32 grouped matmuls get their output from the same shape rule without the dtype check.
+    """
+
+    def __init__(self, fake_mode):
+        super().__init__()
+        self.fake_mode = fake_mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor unwraps to its local tensors first, which come back here
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        fakes = [t for t in tensors if isinstance(t, FakeTensor)]
+        if tensors and not fakes and func not in (aten.lift_fresh.default, aten.lift_fresh_copy.default):
+            with _disable_current_modes():  # real tensors only (device-mesh bookkeeping): as without fake tensors
+                return func(*args, **kwargs)
+        if func is aten.bincount.default:
+            return self._balanced_counts(*args, **kwargs)
+        if func is aten.scatter_add.default and args[0].dtype == torch.int64 and args[0].dim() == 1:
+            return self._balanced_counts(args[2], minlength=args[0].numel())  # MoE counts (model/moe.py)
+        if func is aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+            offs = args[2] if len(args) > 2 else kwargs.get("offs")
+            return _create_grouped_mm_output_tensor(args[0], args[1], offs, kwargs.get("out_dtype"))
+        if func in (aten._local_scalar_dense.default, aten.item.default):
+            value = _known(args[0])
+            if value is not None:
+                with _disable_current_modes():
+                    return value.item()
+            try:
+                return func(*args, **kwargs)  # fake constants (an optimizer's step count) know their value
+            except DataDependentOutputException:
+                if args[0].dtype.is_floating_point:
+                    return 0.0
+                raise ConfigError("hybridtron plan cannot simulate this model: a shape depends on a value it cannot "
+                                  "know without the data") from None
+        known = all(_known(t) is not None for t in tensors) and bool(tensors or func in _FACTORIES)
+        try:
+            out = func(*args, **kwargs)
+        except DynamicOutputShapeException:
+            if not known:
+                raise
+            out = None
+        if func._schema.is_mutable:
+            for t in fakes:
+                t.__dict__.pop("_known", None)
+            if func is torch.ops.c10d.alltoall_base_.default and _known(args[1]) is not None:
+                args[0]._known = _known(args[1])  # balanced: every rank sends each rank what this one sends
+            return out
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if known and all(t.numel() <= _KNOWN_LIMIT for t in outs):
+            real_args, real_kwargs = tree_map_only(torch.Tensor, _known, (args, kwargs))
+            if "device" in real_kwargs:  # known values live on the CPU, whatever device the fake tensors claim
+                real_kwargs = {**real_kwargs, "device": torch.device("cpu")}
+            with _disable_current_modes():
+                value = func(*real_args, **real_kwargs)
+            if out is None:  # a shape only the values give (repeat_interleave of known counts)
+                out = tree_map_only(torch.Tensor, lambda v: self._fake_of(v, fakes[0].device), value)
+            for fake, real in zip(tree_flatten(out)[0], tree_flatten(value)[0], strict=True):
+                if isinstance(fake, FakeTensor):
+                    fake._known = real
+        return out
+
+    def _balanced_counts(self, x, weights=None, minlength=0):
+        if weights is not None or not minlength:
+            raise ConfigError("hybridtron plan simulates torch.bincount only as MoE routing counts (minlength set)")
+        n = x.numel()
+        with _disable_current_modes():
+            value = torch.full((minlength,), n // minlength, dtype=torch.int64)
+            value[:n % minlength] += 1
+        out = self._fake_of(value, x.device)
+        out._known = value
+        return out
+
+    def _fake_of(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A fake tensor of ``value``'s shape and dtype on ``device`` (the known values themselves stay on the CPU)."""
+        out = self.fake_mode.from_tensor(value)
+        return out if out.device == device else out.to(device)
+
+
+def _own_fake_mode_for_dtensor_shapes():
+    """DTensor computes each op's output shape on fake tensors of the global shape, in the active fake mode when
+    there is one. In the fake run that is the plan's own, and the trackers would count those whole-size tensors as
+    if the rank held them; with a fake mode of its own (as in a real run) they stay apart."""
+    from unittest import mock
+
+    import torch.distributed.tensor._sharding_prop as sharding_prop
+
+    return mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_args, **_kwargs: None)
+
+
+def gpu_backend(op: str, requested: str) -> str:
+    """The backend the plan counts ``op``'s memory with on the GPUs it is for: ours (``triton``) for ``auto`` and for
+    every peer library. ``auto`` there takes whichever is measured fastest, and the peers keep what ours keeps for
+    the backward (attention: q, k, v, the output and the log-sum-exp; the delta rule: its inputs and one chunk
+    system; the convolution: its inputs) while their custom kernels have no fake implementations of ours to run
+    on the plan's fake tensors."""
+    return "reference" if requested == "reference" else "triton"
+
+
+@contextlib.contextmanager
+def gpu_kernels(cfg: JobConfig):
+    """In the fake run, each fused op takes the backend the GPU run takes, not the CPU's reference: its
+    ``autograd.Function`` saves for backward exactly what the GPU kernels keep (the fused attention its output
+    and log-sum-exp, not the T x T probabilities the reference's autograd would; the chunked delta rule its
+    inputs, decay terms and chunk states; the fused loss its two gradients, never the logits), and its custom
+    ops' fake implementations give the shapes (no kernel runs on fake tensors). The kernels' own scratch inside
+    one launch is not counted. `backend.forced` holds the choice for the CPU device type for this run only."""
+    from hybridtron.kernels import backend
+
+    chosen = {}
+    for op in backend.OPS:  # the config's request, and the backend it resolves to on the GPU
+        chosen[op] = gpu_backend(op, getattr(cfg.model.kernels, op))
+        if op == "cross_entropy" and cfg.parallel.tp > 1 and chosen[op] == "triton":
+            # The vocabulary-parallel loss launches its two kernels inside its own loop (no custom op to fake); the
+            # reference runs the same loop and saves the same gradients, only its per-chunk scratch differs.
+            chosen[op] = "reference"
+    with backend.forced(chosen, "cpu"):
+        yield
+
+
+def _known(t: torch.Tensor) -> torch.Tensor | None:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return t.__dict__.get("_known") if isinstance(t, FakeTensor) else t
+
+
+# ---- the simulated (or real) rank ------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_world(cfg: JobConfig, world: int, rank: int):
+    """The ``Mesh`` rank ``rank`` of a ``world``-process job would get, over a fake process group in this
+    process: ``Mesh.setup`` itself builds it (checks, device mesh, expert mesh, context-parallel groups), reading
+    the launcher's variables, which are set for it meanwhile."""
+    if dist.is_initialized():
+        raise ConfigError("hybridtron plan simulates other layouts in one process: run it without torchrun "
+                          "(torchrun is for --measure)")
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    # DTensor caches each op's output layout by device mesh, and meshes of one shape compare equal: this rank would
+    # get the process groups of a rank simulated (or measured) before, destroyed by now.
+    _clear_sharding_prop_cache()
+    saved = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0")
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, backend="auto"))  # no NCCL check
+    try:
+        if world > 1:
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        with Mesh.setup(cfg, torch.device("cpu")) as mesh:
+            yield mesh
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp: torch.dtype | None):
+    """(model, pipeline or None, optimizer, the modules that run forward, ``rank_facts``) of ``mesh``'s rank,
+    built as ``cli._train_run`` builds them, in its order. ZeRO-0 stays unwrapped (module docstring); ``amp``:
+    the autocast dtype FSDP's mixed precision follows."""
+    from hybridtron.model import GatedLM
+
+    from ..optim import build_optimizer
+    from ..parallel.context_parallel import apply_context_parallel
+    from ..parallel.expert_parallel import apply_expert_parallel
+    from ..parallel.parallelize import apply_data_parallel, apply_tensor_parallel, parallelize
+
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(device):
+        model = parallelize(GatedLM(cfg.model, vocab), cfg.train)
+        model.init_weights()
+    pipeline = None
+    if mesh.pp > 1:
+        from ..parallel.pipeline import Pipeline
+
+        pipeline = Pipeline(cfg, model, mesh, device, vocab)
+    apply_tensor_parallel(model, mesh)
+    apply_expert_parallel(model, mesh)
+    apply_context_parallel(model, mesh)
+    facts = rank_facts(cfg, model, pipeline)  # before FSDP shards what data parallelism exchanges
+    roots = pipeline.stages if pipeline is not None else [model]
+    if mesh.zero_stage >= 2:
+        apply_data_parallel(model, mesh, amp, cfg.parallel.mixed_precision,
+                            roots=roots if pipeline is not None else None, offload=cfg.parallel.offload == "cpu")
+    if pipeline is not None:
+        pipeline.finish()
+    return model, pipeline, build_optimizer(model, cfg.train), roots, facts
+
+
+class ReplayedSchedule:
+    """The configured torch schedule for one pipeline rank, run on fake tensors in this process: its own action
+    order (``pipeline_order``) replayed on the rank's stage modules (see the module docstring). Forwards and
+    backwards of one stage pair up first in, first out, as every torch schedule orders them."""
+
+    def __init__(self, pipeline, device: torch.device):
+        self.pipeline, self.device = pipeline, device
+        self.order = [a for a in pipeline.schedule.pipeline_order[pipeline.mesh.pp_rank] if a is not None]
+        self.n_stages, self.n_micro = len(pipeline.ranges), pipeline.n_micro
+        self.modules = dict(zip(pipeline.stage_ids, pipeline.stages, strict=True))
+        self.recv: dict[tuple[str, int, int], torch.Tensor] = {}  # torch's per-micro-batch receive buffers
+
+    def _buffer(self, kind: str, stage: int, mb: int, like: torch.Tensor) -> torch.Tensor:
+        """The receive buffer ``kind`` ("act" or "grad") of ``stage`` for micro-batch ``mb``; ``like``: a (B, T)
+        tensor of the micro-batch (its labels, which reach every stage)."""
+        key = (kind, stage, mb)
+        if key not in self.recv:
+            # Between stages the residual stream: (B, T / (cp tp), d) fp32 (it stays fp32 under autocast)
+            shape = (like.shape[0], like.shape[1] // self.pipeline.mesh.tp, self.pipeline.model.cfg.d_model)
+            self.recv[key] = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return self.recv[key]
+
+    def step(self, *args, target=None, losses=None, return_outputs=False, **kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        from ..parallel.pipeline import stage_loss
+
+        ids = args[0].chunk(self.n_micro) if args else None
+        labels = target.chunk(self.n_micro) if target is not None else None
+        kw = [{k: v.chunk(self.n_micro)[m] for k, v in kwargs.items()} for m in range(self.n_micro)]
+        for key, buf in self.recv.items():
+            if key[0] == "act":
+                buf.grad = None  # torch clears the received activations' gradients at the start of a step
+        held = {s: [] for s in self.modules}
+        started = {s: 0 for s in self.modules}
+        backwards = {s: 0 for s in self.modules}
+        for action in self.order:
+            s, kind = action.stage_index, action.computation_type.value
+            module = self.modules[s]
+            if kind == "F":
+                m = started[s]
+                started[s] += 1
+                if s == 0:
+                    x = ids[m]
+                else:
+                    x = self._buffer("act", s, m, kw[m]["labels"]).requires_grad_(True)
+                out = module(x, **kw[m])
+                if s == self.n_stages - 1:
+                    out = stage_loss(out, labels[m] if labels is not None else None)
+                    if losses is not None:
+                        losses.append(out.detach())
+                held[s].append((m, out))
+            elif kind in ("B", "W"):  # W: the weight half of zero_bubble's backward (I holds the graph until it)
+                m, out = held[s].pop(0)
+                backwards[s] += 1
+                if isinstance(module, FSDPModule):  # as torch's stages: reduce after the last micro-batch only
+                    last = backwards[s] == self.n_micro
+                    module.set_is_last_backward(last)
+                    module.set_reshard_after_backward(last)
+                    module.set_requires_gradient_sync(last)
+                if s == self.n_stages - 1:
+                    out.backward()
+                else:
+                    out.backward(self._buffer("grad", s, m, kw[m]["labels"]))
+        return None
+
+
+def _batches(cfg: JobConfig, vocab: int, n: int, device: torch.device):
+    """``n`` micro-batches of random tokens (and one document each when the model masks documents) on ``device``,
+    as the trainer moves its batches there (the token ids must meet the embedding on its device)."""
+    B, T = cfg.train.micro_batch_size, cfg.data.seq_len
+    for _ in range(n):
+        x = torch.randint(0, vocab, (B, T), device=device)
+        batch = {"input_ids": x, "labels": x}
+        if cfg.model.doc_mask:
+            batch["doc_ids"] = torch.zeros_like(x)
+        yield batch
+
+
+def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n_micro: int, vocab: int) -> None:
+    """One optimizer step over ``n_micro`` micro-batches, as train/step.py's ``run_torch`` and ``run_pipeline``
+    take it (every micro-batch fully labelled, so no loss weights; without the scalars they log)."""
+    from ..parallel.expert_parallel import sync_expert_grads
+
+    if pipeline is not None:
+        parts = list(_batches(cfg, vocab, n_micro, device))
+        batch = local_piece({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, mesh)  # context parallel
+        with autocast_context(device, amp):
+            pipeline.step(batch)
+        sync_expert_grads(model, mesh)
+        pipeline.clip_grad_norm(cfg.train.grad_clip)
+    else:
+        for i, batch in enumerate(_batches(cfg, vocab, n_micro, device)):
+            if mesh.zero_stage == 0 and hasattr(model, "set_requires_gradient_sync"):  # DDP: once, as the trainer
+                model.set_requires_gradient_sync(i == n_micro - 1)
+            b = local_piece(batch, mesh)
+            with autocast_context(device, amp):
+                loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])
+            (loss / n_micro).backward()
+        sync_expert_grads(model, mesh)
+        clip_grad_norm(model.parameters(), cfg.train.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _tracker(roots: list[nn.Module], model, optimizer, pipeline):
+    """torch's memory tracker for the rank, told of what already exists: weights, optimizer state and (pipeline)
+    the receive buffers of the first step, which later steps reuse. FSDP2's own tracker when FSDP wraps the
+    roots (it tells sharded from gathered weights), else the plain one."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    buffers = _receive_buffers(pipeline) if pipeline is not None else []
+    if isinstance(roots[0], FSDPModule):
+        tracker = FSDPMemTracker(roots[0], optimizer)
+        if len(roots) > 1:  # several stages per rank: the tracker walks the modules of all (it takes one root)
+            tracker._root_mod = nn.ModuleList(roots)
+        tracker.track_inputs(buffers)
+        return tracker
+    tracker = _MemTracker()
+    tracker.track_external(model, optimizer, *buffers)
+    return tracker
+
+
+class _MemTracker(MemTracker):
+    """torch's plain tracker, which hooks the gradient of every parameter of a module when the module first runs.
+    Tensor-parallel layers that run on their parameters' local shards (``train/parallel/tensor_parallel.py``) lend their
+    submodules those shards, non-leaf views, as parameters for the call: their gradients reach the DTensor
+    parameters, hooked already, so such submodules get no hooks (torch refuses hooks on non-leaf tensors)."""
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+        lent = any(not p.is_leaf for p in module.parameters())
+        with warnings.catch_warnings():  # it reads the .grad of each: a warning for the lent views
+            warnings.filterwarnings("ignore", "The .grad attribute of a Tensor that is not a leaf")
+            return super()._track_module_params_and_buffers(module, install_grad_hooks and not lent)
+
+
+def _receive_buffers(pipeline) -> list[torch.Tensor]:
+    """The tensors a pipeline's stages receive into (activations and their gradients, one per micro-batch),
+    allocated by the first step: the replay's, or those of torch's stages."""
+    schedule = pipeline.schedule
+    if isinstance(schedule, ReplayedSchedule):
+        return list(schedule.recv.values())
+    stages = getattr(schedule, "_stages", None) or [schedule._stage]
+    infos = [i for st in stages for recv in (st.args_recv_info, st.grad_recv_info) for group in recv.values()
+             for i in (group or ())]
+    return [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+
+
+def rank_facts(cfg: JobConfig, model, pipeline) -> dict:
+    """What the communication of the rank depends on: its parameters (without the ep-sharded experts, and those)
+    and the layers and pipeline stages it holds."""
+    from ..parallel.expert_parallel import expert_params
+
+    def local(p):
+        return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+    experts = {id(p) for p in expert_params(model)}
+    layers = [i for i, block in enumerate(model.layers) if block is not None]
+    types = cfg.model.layer_types()
+    stages = pipeline.stage_ids if pipeline is not None else [0]
+    n_stages = len(pipeline.ranges) if pipeline is not None else 1
+    in_layers = {id(p) for block in model.layers if block is not None for p in block.parameters()}
+    return {"params": sum(local(p) for p in model.parameters() if id(p) not in experts),
+            "root_params": sum(local(p) for p in model.parameters() if id(p) not in experts | in_layers),
+            "expert_params": sum(local(p) for p in model.parameters() if id(p) in experts),
+            "layers": len(layers), "attention_layers": sum(types[i] == "A" for i in layers),
+            "delta_layers": sum(types[i] == "L" for i in layers),
+            "moe_layers": sum(cfg.model.moe.is_moe_layer(i) for i in layers) if cfg.model.moe.n_experts else 0,
+            "stages": list(stages), "n_stages": n_stages,
+            "embedding": 0 in stages, "head": n_stages - 1 in stages}
+
+
+def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | None = None, kernels: str = "gpu") -> dict:
+    """Peak bytes of ``mesh``'s rank over a training step that has optimizer state (the second), by plan category,
+    and its ``rank_facts``. ``fake``: on fake tensors (over a fake process group); else real, on ``device``
+    (default CPU), in the process group already set up. On CUDA the allocator's own peak is added as
+    ``cuda_max_allocated``. ``kernels``: on fake tensors, the fused ops' backends of a GPU run (``gpu_kernels``) or
+    of a CPU one ("cpu": the references, to compare with a real step on the CPU)."""
+    device = device or torch.device("cpu")
+    vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
+    amp = _compute_dtype(cfg)  # the GPUs' autocast, applied to the CPU run alike (module docstring)
+    with contextlib.ExitStack() as stack:
+        if fake:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            fake_mode = stack.enter_context(FakeTensorMode())
+            stack.enter_context(_KnownValues(fake_mode))
+            stack.enter_context(_own_fake_mode_for_dtensor_shapes())
+            if kernels == "gpu":
+                stack.enter_context(gpu_kernels(cfg))
+        model, pipeline, optimizer, roots, facts = build_rank(cfg, mesh, device, vocab, amp)
+        if fake and pipeline is not None:
+            pipeline.schedule = ReplayedSchedule(pipeline, device)
+        # Step 1 creates the optimizer state (and, in a pipeline, torch's stages learn their shapes from it, by an
+        # autograd.grad that torch's module tracker cannot follow); step 2, tracked, is the steady state. A
+        # non-pipeline step runs two micro-batches: the second already holds the accumulated gradients beside a
+        # micro-batch's activations, so later ones change nothing. A pipeline step runs them all: how many are in
+        # flight is what its schedule decides.
+        accum = cfg.train.grad_accum_steps
+        n_micro = accum if pipeline is not None else min(accum, 2)
+        _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, 1 if pipeline is None else n_micro, vocab)
+        tracker = _tracker(roots, model, optimizer, pipeline)
+
+        # The trackers follow one call per module: a step calls the model (or a stage) once per micro-batch, so
+        # each call starts the statistics of its modules afresh (those of a rank's other pipeline stages are still
+        # awaited by their backward); the peak over all of them is kept. A global hook, registered before the
+        # trackers' own, runs first.
+        def fresh_module_stats(module, _args):
+            if any(module is r for r in roots):
+                for m in module.modules():
+                    tracker.memory_tracking.pop(m, None)
+
+        handle = nn.modules.module.register_module_forward_pre_hook(fresh_module_stats)
+        on_gpu = device.type == "cuda" and torch.cuda.is_available()  # not fake CUDA tensors on a CPU (tests)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        # ZeRO-0 over several data ranks: the memory is the plain model's, as planned; a real run replicates it (DDP),
+        # whose all-reduce is counted over one more step, after DDP wraps the model.
+        ddp_after = not fake and mesh.zero_stage == 0 and mesh.data_ranks > 1 and pipeline is None
+        counted = CollectiveBytes() if not fake else contextlib.nullcontext()
+        try:
+            with tracker, (contextlib.nullcontext() if ddp_after else counted):
+                _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, n_micro, vocab)
+        finally:
+            handle.remove()
+        if ddp_after:
+            from ..parallel.parallelize import apply_data_parallel
+
+            apply_data_parallel(model, mesh, amp, cfg.parallel.mixed_precision)
+            with counted:
+                _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, n_micro, vocab)
+        snap = tracker.get_tracker_snapshot("peak")
+    per_dev = snap[device] if device in snap else next(iter(snap.values()))
+    out = {"weights": 0.0, "gathered": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    host = {"SHARDED_PARAM": 0.0, "SHARDED_GRAD": 0.0, "OPT": 0.0}  # parallel.offload=cpu: FSDP2 keeps these there
+    for key, val in per_dev.items():
+        name = getattr(key, "name", key)
+        if name == "Total":
+            out["total"] = float(val)
+        elif name in CATEGORIES:
+            out[CATEGORIES[name]] += float(val)
+            if name in host:
+                host[name] += float(val)
+    if cfg.parallel.offload == "cpu" and mesh.zero_stage >= 2:  # the shards and the optimizer live in host memory
+        for name, val in host.items():  # (present all step long: their peaks are their size at the total's peak)
+            out[CATEGORIES[name]] -= val
+            out["total"] -= val
+        out["host"] = sum(host.values())
+    if not fake:  # what this rank's collectives sent in the step, by op
+        out["comm_sent"] = dict(counted.sent)
+    if on_gpu:
+        out["cuda_max_allocated"] = float(torch.cuda.max_memory_allocated(device))
+    return {"memory": out, "facts": facts}
+
+
+def planned_ranks(cfg: JobConfig, world: int) -> list[int]:
+    """The ranks the plan simulates: the first of every pipeline stage (``Mesh.pp_rank``: pp outermost)."""
+    return [s * (world // cfg.parallel.pp) for s in range(cfg.parallel.pp)]
+
+
+def simulate(cfg: JobConfig, world: int, kernels: str = "gpu") -> dict[int, dict]:
+    """``step_peak`` on fake tensors of every planned rank of ``cfg`` on ``world`` processes: {rank: result}."""
+    results = {}
+    for rank in planned_ranks(cfg, world):
+        with fake_world(cfg, world, rank) as mesh:
+            results[rank] = step_peak(cfg, mesh, fake=True, kernels=kernels)
+    return results

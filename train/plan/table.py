@@ -1,0 +1,180 @@
+"""The plan's table: every ZeRO stage of a config side by side (memory, communication, step time, fit), its text
+form, and ``--measure``'s comparison of the prediction with a real step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from hybridtron.configs import ConfigError, JobConfig
+
+from ..parallel.mesh import Mesh, dp_shard_size, resolve_layout
+from .comm import _checkpointing_label, comm_bytes
+from .memory import DIMS, GIB, _compute_dtype, simulate, step_peak
+from .step_time import Hardware, step_time
+
+
+# ---- the table -------------------------------------------------------------------------------------------------
+def n_params(cfg: JobConfig) -> int:
+    from hybridtron.model import GatedLM
+
+    with torch.device("meta"):
+        model = GatedLM(cfg.model, cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size))
+    return model.num_params()
+
+
+def with_zero_stage(cfg: JobConfig, zero_stage: int) -> JobConfig:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=zero_stage))
+
+
+def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 3), hw: Hardware | None = None
+               ) -> list[dict]:
+    """One row per ZeRO stage the layout accepts (one row when nothing is data parallel): the heaviest planned
+    rank's memory by category (GiB), whether it fits, GB it sends per step in every dimension (and in all), and
+    every planned rank's peak (pipeline stages). A stage the layout refuses is a row with its reason."""
+    refusals = {}
+    for z in stages:
+        try:
+            dp = resolve_layout(with_zero_stage(cfg, z), world)  # the same for every stage the layout accepts
+        except ConfigError as e:
+            refusals[z] = e
+    if len(refusals) == len(stages):
+        raise refusals[stages[0]]
+    if dp * cfg.parallel.cp == 1:  # nothing to shard over: every ZeRO stage is the same layout
+        stages, refusals = (cfg.parallel.zero_stage,), {}
+    P = n_params(cfg)
+    rows = []
+    for z in stages:
+        if z in refusals:
+            rows.append({"zero_stage": z, "refused": str(refusals[z])})
+            continue
+        cz = with_zero_stage(cfg, z)
+        per_rank = simulate(cz, world)
+        rank = max(per_rank, key=lambda r: per_rank[r]["memory"]["total"])
+        mem, facts = per_rank[rank]["memory"], per_rank[rank]["facts"]
+        comm = comm_bytes(cz, world, facts)
+        time = step_time(cz, world, comm, hw or Hardware())
+        rows.append({"time": time, "zero_stage": z, "dp": dp, "dp_shard": dp_shard_size(cz, dp), "params": P, "rank": rank,
+                     "stages": facts["stages"],
+                     **{k: v / GIB for k, v in mem.items()}, "fits": mem["total"] / GIB <= gpu_memory_gib,
+                     "comm_gb": {k: v / 1e9 for k, v in comm.items()}, "comm_gb_per_step": sum(comm.values()) / 1e9,
+                     "rank_peaks_gib": {r: v["memory"]["total"] / GIB for r, v in per_rank.items()}})
+    return rows
+
+
+def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: float) -> str:
+    p = cfg.parallel
+    dp, dp_shard = next((r["dp"], r["dp_shard"]) for r in rows if "refused" not in r)
+    hsdp = dp_shard < dp  # the dp column is then the shard groups' traffic, dp_replicate the all-reduce across them
+    dims = ["dp", *(["dp_replicate"] if hsdp else [])] + [k for k in DIMS[1:] if getattr(p, k) > 1]
+    layout = ", ".join(f"{k}={dp if k == 'dp' else getattr(p, k)}" for k in DIMS if k == "dp" or getattr(p, k) > 1)
+    if hsdp:
+        layout = layout.replace(f"dp={dp}", f"dp={dp} (HSDP: dp_replicate={dp // dp_shard} x dp_shard={dp_shard})", 1)
+    head = (f"{n_params(cfg) / 1e6:.1f}M parameters; {world} GPUs, {layout}; micro-batch "
+            f"{cfg.train.micro_batch_size} x {cfg.data.seq_len} tokens, {cfg.train.grad_accum_steps} per step; "
+            f"{'bf16' if _compute_dtype(cfg) is not None else 'fp32'} compute; activation checkpointing "
+            f"{_checkpointing_label(cfg)}; per-GPU peak in GiB of {gpu_memory_gib:g}")
+    notes = []
+    if p.pp > 1:
+        notes.append(f"pipeline schedule {p.pp_schedule}: each row is the heaviest stage's first rank (all stages "
+                     f"are planned: see 'stage peaks')")
+    if cfg.model.moe.n_experts:
+        notes.append("MoE routing assumed balanced (every expert gets an equal share of the token assignments)")
+    lines = [head, *notes,
+             "| zero_stage | rank (stage) | weights | gathered | grads | optimizer | activations | peak | fits | "
+             + " | ".join(f"{k} GB/step" for k in dims) + " | comm GB/step |",
+             "|---" * (9 + len(dims) + 1) + "|"]
+    for r in rows:
+        if "refused" in r:
+            lines.append(f"| {r['zero_stage']} | refused: {r['refused']} |")
+            continue
+        stage = ",".join(str(s) for s in r["stages"])
+        lines.append(f"| {r['zero_stage']} | {r['rank']} ({stage}) | {r['weights']:.3f} | {r['gathered']:.3f} | "
+                     f"{r['grads']:.3f} | {r['optimizer']:.3f} | {r['activations']:.3f} | {r['total']:.3f} | "
+                     f"{'yes' if r['fits'] else 'NO'} | "
+                     + " | ".join(f"{r['comm_gb'][k]:.3f}" for k in dims) + f" | {r['comm_gb_per_step']:.3f} |")
+    lines += ["", "step time (prediction: compute at the configured peak x MFU, communication at the configured "
+                  "bandwidths, overlapped as the engine does; seconds per step)",
+              "| zero_stage | compute | bubble | " + " | ".join(f"{k} comm (exposed)" for k in dims)
+              + " | step | tokens/s | MFU |", "|---" * (6 + len(dims)) + "|"]
+    for r in rows:
+        if "refused" in r:
+            continue
+        tm = r["time"]
+        lines.append(f"| {r['zero_stage']} | {tm['compute_s']:.3f} | {tm['bubble_s']:.3f} | "
+                     + " | ".join(f"{tm['comm_s'].get(k, 0):.3f} ({tm['exposed_s'].get(k, 0):.3f}"
+                                  + (f", {tm['links'][k]})" if k in tm["links"] else ")") for k in dims)
+                     + f" | {tm['step_s']:.3f} | {tm['tokens_per_s']:,.0f} | {100 * tm['mfu']:.1f}% |")
+    for r in rows:
+        if "host" in r:
+            lines.append(f"zero_stage {r['zero_stage']}, parallel.offload=cpu: {r['host']:.3f} GiB of sharded weights, "
+                         f"gradients and optimizer state in host memory per rank, outside the GPU peak")
+    for r in rows:
+        if "refused" not in r and len(r["rank_peaks_gib"]) > 1:
+            peaks = ", ".join(f"rank {k} (stage {i}) {v:.3f}" for i, (k, v) in enumerate(r["rank_peaks_gib"].items()))
+            lines.append(f"stage peaks at zero_stage {r['zero_stage']}: {peaks}")
+    return "\n".join(lines)
+
+
+def measure(cfg: JobConfig, mesh: Mesh, device: torch.device) -> dict:
+    """The real peak of this rank over the same two steps in the job's own layout (``mesh``: the running job's)."""
+    return step_peak(cfg, mesh, fake=False, device=device)["memory"]
+
+
+def release_distributed_state() -> None:
+    """After the measured step's process group is destroyed: drop what still refers to it (DTensor's per-mesh
+    sharding cache, the step's garbage), so no gloo object outlives it into interpreter shutdown. Without this
+    a rank aborted at exit about once in six runs ("terminate called without an active exception")."""
+    import gc
+
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    gc.collect()
+
+
+def gather_measurements(mesh: Mesh, mine: dict) -> dict[int, dict]:
+    """Every rank's ``measure`` on every rank: {rank: memory}."""
+    if not mesh.distributed:
+        return {0: mine}
+    everyone = [None] * mesh.world_size
+    dist.all_gather_object(everyone, mine)
+    return dict(enumerate(everyone))
+
+
+def compare(cfg: JobConfig, world: int, measured: dict[int, dict]) -> dict:
+    """The prediction for the heaviest planned rank beside what that rank measured: on a GPU the allocator's own
+    peak (torch.cuda.max_memory_allocated: every tensor of the real step, the trackers' blind spots included), on
+    the CPU the tracked peak of the real tensors."""
+    on_gpu = any("cuda_max_allocated" in m for m in measured.values())
+    predicted = simulate(cfg, world, kernels="gpu" if on_gpu else "cpu")  # the kernels the measured step ran
+    rank = max(predicted, key=lambda r: predicted[r]["memory"]["total"])
+    pred, real = predicted[rank]["memory"], measured[rank]
+
+    def peak(m: dict) -> float:
+        return m.get("cuda_max_allocated", m["total"])
+
+    # The measured step ran min(accum, 2) micro-batches outside a pipeline (``step_peak``): the volumes for those.
+    n_micro = cfg.train.grad_accum_steps if cfg.parallel.pp > 1 else min(cfg.train.grad_accum_steps, 2)
+    cm = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, grad_accum_steps=n_micro))
+
+    def comm(r: int) -> dict:
+        sent = measured[r].get("comm_sent", {})
+        volumes = comm_bytes(cm, world, predicted[r]["facts"])
+        return {"comm_measured_gb": sum(sent.values()) / 1e9, "comm_predicted_gb": sum(volumes.values()) / 1e9,
+                "comm_predicted_gb_by_dim": {k: v / 1e9 for k, v in volumes.items() if v},
+                "comm_measured_gb_by_op": {k: v / 1e9 for k, v in sent.items()}}
+
+    real = {k: v for k, v in real.items() if k != "comm_sent"}
+
+    dp = resolve_layout(cfg, world)
+    return {"dp": dp, "dp_shard": dp_shard_size(cfg, dp), "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+            "ep": cfg.parallel.ep, "cp": cfg.parallel.cp,
+            "zero_stage": cfg.parallel.zero_stage, "rank": rank,
+            "measured_gib": {k: v / GIB for k, v in real.items()}, "predicted_gib": {k: v / GIB for k, v in pred.items()},
+            "predicted_over_measured": pred["total"] / peak(real),
+            **comm(rank),
+            "ranks": {r: {"predicted_gib": predicted[r]["memory"]["total"] / GIB,
+                          "measured_gib": peak(measured[r]) / GIB, **comm(r)} for r in predicted}}
