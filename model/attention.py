@@ -112,6 +112,9 @@ class GatedAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.rotary_backend = cfg.kernels.rotary  # QK-norm + rotary in one kernel on the triton backend
+        # Set off from outside by tensor parallel (train/parallel/parallelize.py), whose plan hooks the QK-norms (their
+        # inputs become head shards): they then run as modules and the kernel only rotates.
+        self.fused_qk_norm = True
         self.context_parallel = None  # set from outside under context parallelism (train/parallel/context_parallel.py)
         self.sink_stats: list | None = None  # a list: each forward appends its first_token_attention (eval only)
 
@@ -143,7 +146,11 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, D)
         H = q.shape[2]
 
-        q, k = apply_rotary_qk(q, k, cos, sin, self.q_norm, self.k_norm, backend=self.rotary_backend)
+        if self.q_norm is not None and not self.fused_qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary_qk(q, k, cos, sin, backend=self.rotary_backend)
+        else:
+            q, k = apply_rotary_qk(q, k, cos, sin, self.q_norm, self.k_norm, backend=self.rotary_backend)
         if self.sink_stats is not None and cache is None:  # evaluation asked for the attention-sink measure
             self.sink_stats.append(first_token_attention(q, k, doc_ids if doc_ids is not None else (
                 doc_ids_from_mask(attn_mask) if attn_mask is not None else None)))

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..configs import ModelConfig
-from ..kernels.backend import is_distributed
 from ..kernels.cross_entropy import linear_cross_entropy
 from .attention import GatedAttention
 from .ffn import build_ffn
@@ -79,6 +78,9 @@ class Block(nn.Module):
         plain = not (cfg.scale.two_sided or cfg.scale.branch_specific)
         self.input_layernorm.autocast_output = plain
         self.post_attention_layernorm.autocast_output = plain and type(self.mlp) is SwiGLU
+        # The residual add and the second norm in one pass. Set off from outside by tensor parallel
+        # (train/parallel/parallelize.py), whose plan rewrites that norm's one input (a sequence shard).
+        self.fused_residual = True
 
     def forward(
         self,
@@ -94,7 +96,7 @@ class Block(nn.Module):
             h = self.self_attn(h, cos, sin, attn_mask, cache=cache, doc_ids=doc_ids)
         else:
             h = self.linear_attn(h, doc_ids=doc_ids, cache=cache)
-        if self.post_attention_layernorm._forward_pre_hooks:  # its inputs are rewritten (tensor parallel): one input
+        if not self.fused_residual:
             x = x + h
             return x + self.mlp(self.post_attention_layernorm(x))
         h, x = self.post_attention_layernorm(h, residual=x)  # x + h and its norm in one pass
@@ -192,7 +194,7 @@ class GatedLM(nn.Module):
         h = self.norm(h)
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         z_loss = self.cfg.lm_z_loss
-        if labels is not None and is_distributed(head):  # tensor parallel: the vocabulary split over ranks
+        if labels is not None and self.vocab_parallel_loss is not None:  # tensor parallel: vocabulary split over ranks
             return self.vocab_parallel_loss(h, head, labels, z_loss, self.loss_backend)
         if labels is not None:
             # triton: chunked, the (B, T, V) logits never exist; reference: the logits, then the loss (kernels/

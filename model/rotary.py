@@ -80,9 +80,7 @@ def apply_rotary_qk(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """QK-norm (when the norms are given) then rotary on q (B, T, H, D) and k (B, T, KV, D), through the
     backend switch ``model.kernels.rotary``. Reference: the norm modules, then `apply_rotary` on each. Triton:
-    one kernel for norm and rotation of both (kernels/rotary), reading the norms' effective gains; where
-    tensor parallelism hooks the norms (their inputs become DTensors) the modules run as they are and the
-    kernel only rotates."""
+    one kernel for norm and rotation of both (kernels/rotary), reading the norms' effective gains."""
     from ..kernels.backend import pick_for
     from ..kernels.rotary import rotary_qk
 
@@ -90,9 +88,6 @@ def apply_rotary_qk(
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    if q_norm is not None and (q_norm._forward_pre_hooks or k_norm._forward_pre_hooks):
-        q, k = q_norm(q), k_norm(k)
-        q_norm = k_norm = None
     if q_norm is None:
         return rotary_qk(q, k, cos, sin, backend=backend)
     (qw, offset), (kw, _) = q_norm.kernel_gain(), k_norm.kernel_gain()

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from hybridtron.atomic import fsync_dir, write_text_atomic
 
+from .model_order import canonical_name, canonical_state_dicts, to_row_order
 from .parallel.mesh import launch_world
-from .parallel.tensor_parallel import canonical_state_dicts, to_row_order
 
 STEP_RE = re.compile(r"^step_(\d{8})$")
 LATEST = "latest"
@@ -597,7 +597,7 @@ def _load_full_into_sharded(path: Path, model: torch.nn.Module, optimizer) -> No
 
     opts = StateDictOptions(full_state_dict=True)
     try:
-        full = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in
+        full = {canonical_name(k): v for k, v in
                 load_file(str(path / "model.safetensors")).items()}
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"checkpoint {path}: model.safetensors cannot be read ({_first_line(e)}); "
@@ -617,7 +617,7 @@ def _load_full_into_sharded(path: Path, model: torch.nn.Module, optimizer) -> No
     if optimizer is None:
         return
     osd = _torch_load(path, "optimizer.pt")
-    names = {id(p): n.replace("_checkpoint_wrapped_module.", "") for n, p in model.named_parameters()}
+    names = {id(p): canonical_name(n) for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     try:  # torch's optimizer state is keyed by position; the distributed API keys it by parameter name
         if _is_pipeline_part(model):  # positions in the saving run's optimizer, which held the whole model

@@ -12,7 +12,7 @@ import torch
 from hybridtron.atomic import write_bytes_atomic
 from hybridtron.configs import ConfigError
 
-from .parallel.tensor_parallel import _plain, from_row_order
+from .model_order import canonical_name, from_row_order
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ class GradDump:
         else:
             # Every rank holding a parameter walks the same names in the same order, so the gathers pair up.
             for name, p in trainer.model.named_parameters():
-                name = _plain(name)  # without activation checkpointing's and torch.compile's wrappers
+                name = canonical_name(name)  # without activation checkpointing's and torch.compile's wrappers
                 if name in self.names and p.grad is not None:
                     g = _whole(p.grad.detach())  # FSDP / TP / EP shards gathered (a collective over p's mesh)
                     # clone: DDP's gradient is a view of its bucket, which torch.save would write whole

@@ -14,6 +14,7 @@ from torch import nn
 from hybridtron.model.attention import GatedAttention
 
 from .device import autocast_context
+from .model_order import canonical_name
 
 
 @torch.no_grad()
@@ -35,7 +36,7 @@ def attention_sink(model: nn.Module, val_loader_factory, n_batches: int, device,
         out = {}
         for name, m in layers.items():
             total, count = map(sum, zip(*m.sink_stats, strict=True)) if m.sink_stats else (0.0, 0)
-            out[name.removesuffix(".self_attn").replace("._checkpoint_wrapped_module", "")] = (
+            out[canonical_name(name).removesuffix(".self_attn")] = (
                 total / count if count else float("nan"))
         return out
     finally:

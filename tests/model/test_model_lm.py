@@ -311,3 +311,20 @@ def test_norms_read_by_more_than_projections_keep_their_dtype(preset):
             assert not b.post_attention_layernorm.autocast_output
         if preset == "tiny_scale" and (cfg.scale.two_sided or cfg.scale.branch_specific):
             assert not b.input_layernorm.autocast_output
+
+
+def test_the_model_reads_parallelism_from_declared_attributes_only():
+    """Tensor parallel tells the model what changed through attributes it declares (``vocab_parallel_loss``,
+    ``Block.fused_residual``), never by the model inspecting hooks or tensor types (issue 29)."""
+    import re
+    from pathlib import Path
+
+    import hybridtron
+
+    sniffing = re.compile(r"_forward_pre_hooks|_forward_hooks|_backward_hooks|is_distributed\(|DTensor")
+    root = Path(hybridtron.__file__).parent / "model"
+    found = [f"{p.name}:{i + 1}" for p in sorted(root.glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines()) if sniffing.search(line.split("#")[0])]
+    assert not found, found
+    model = GatedLM(tiny_cfg(n_layers=1), 64)
+    assert model.vocab_parallel_loss is None and all(b.fused_residual for b in model.layers)

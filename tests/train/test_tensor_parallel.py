@@ -104,7 +104,7 @@ def test_tensor_parallel_layouts_that_cannot_work_are_refused():
 def test_row_order_round_trip_of_a_state_tensor():
     from types import SimpleNamespace
 
-    from hybridtron.train.parallel.tensor_parallel import ROW_ORDERS, to_row_order
+    from hybridtron.train.model_order import ROW_ORDERS, to_row_order
 
     order = segment_row_order([2, 2, 4], 2)
     model = SimpleNamespace(**{ROW_ORDERS: {"layers.0.linear_attn.in_proj_qkv.weight": (0, order)}})

@@ -135,7 +135,8 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
         parallelize_module,
     )
 
-    from .tensor_parallel import ROW_ORDERS, parallelize_gated_deltanet, parallelize_moe, vocab_parallel_loss
+    from ..model_order import ROW_ORDERS
+    from .tensor_parallel import parallelize_gated_deltanet, parallelize_moe, vocab_parallel_loss
 
     tp_mesh = mesh.device_mesh["tp"]
     root = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -158,6 +159,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
             continue
         block = getattr(block, "_checkpoint_wrapped_module", block)  # activation checkpointing wraps blocks
         plan = {"input_layernorm": SequenceParallel(), "post_attention_layernorm": SequenceParallel()}
+        block.fused_residual = False  # the norm's input is a sequence shard the plan rewrites: add, then norm
         if block.mixer_type == "A":
             attn = block.self_attn
             plan.update({
@@ -172,6 +174,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
             if getattr(attn, "gate_proj", None) is not None:  # headwise gate: one output per head
                 plan["self_attn.gate_proj"] = ColwiseParallel()
             if attn.q_norm is not None:  # over head_dim of (B, T, heads, D): the heads are the split dimension
+                attn.fused_qk_norm = False  # hooked norms run as modules; the rotary kernel only rotates
                 plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
                 plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         else:  # Gated DeltaNet: a head-sharded copy on local tensors (train/parallel/tensor_parallel.py)
