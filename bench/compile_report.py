@@ -46,6 +46,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
+from hybridtron.atomic import write_text_atomic
 from hybridtron.bench.report import RESULTS, append_results
 
 PRESETS = ("dense_1b", "hybrid_1b", "hybrid_moe")
@@ -119,9 +120,7 @@ def _inspect(cubin: bytes) -> tuple[int, int, dict]:
     regs, local, ops = _disassemble(cubin)
     with contextlib.suppress(OSError):  # a read-only cache only costs the next run the time
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps([regs, local, ops]))
-        tmp.replace(memo)
+        write_text_atomic(memo, json.dumps([regs, local, ops]))
     return regs, local, ops
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 from hybridtron.configs.job import DataConfig
 
-from ..atomic import write_text_atomic
+from ..atomic import reclaim_scratch, write_text_atomic
 from .errors import DataError, EmptySourceError, SourceChangedError, one_line
 from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
 from .sources import (
@@ -424,10 +424,13 @@ def prepare_synthetic(cfg: DataConfig, log: Callable = print) -> PreparedData:
 def prepare_data(cfg: DataConfig, log: Callable = print) -> PreparedData:
     """Train/load the tokenizer and write shards for every source. A re-run only finishes what is missing."""
     cfg.validate()
+    out = Path(cfg.out_dir).expanduser()
+    # a prepare killed midway left the temporary file of the write it was in: tokenizer, shard, manifest
+    splits = [] if cfg.synthetic.task else [out / name / s for name in source_names(cfg) for s in SPLITS]
+    reclaim_scratch(out, out / "tokenizer", *splits, log=log)
     if cfg.synthetic.task:  # a generated task: only its tokenizer (data_pipeline/synthetic.py)
         return prepare_synthetic(cfg, log)
     _set_threads(cfg)
-    out = Path(cfg.out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     names = source_names(cfg)
     tok = get_tokenizer(cfg, out, log)

@@ -113,3 +113,29 @@ def tok_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tok")
     train_bpe(iter(texts * 50), 300, 10**6).save(d)
     return d
+
+
+@pytest.fixture
+def dead_pid():
+    """The pid of a process that has exited and been reaped: none has it now (the kernel hands a pid out again only
+    after wrapping around the pid space). The scratch of a writer killed midway is named for such a pid."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait(timeout=60)
+    return p.pid
+
+
+@pytest.fixture
+def live_pid():
+    """The pid of a process that lives for the test (killed after it)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        yield p.pid
+    finally:
+        p.kill()
+        p.wait(timeout=30)

@@ -31,6 +31,7 @@ import random
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,17 @@ import torch
 from safetensors.torch import load_model, save_model
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-from hybridtron.atomic import fsync_dir, write_text_atomic
+from hybridtron.atomic import (
+    fsync_dir,
+    parse_scratch,
+    pid_alive,
+    reclaim_scratch,
+    remove_entry,
+    report_removed,
+    scratch_name,
+    this_host,
+    write_text_atomic,
+)
 
 from .model_order import canonical_name, canonical_state_dicts, to_row_order
 from .parallel.mesh import launch_world
@@ -51,8 +62,9 @@ LATEST = "latest"
 MANIFEST = "manifest.json"
 SHARDED = "dcp"  # torch.distributed.checkpoint directory of a multi-process run: model + optimizer shards
 DEEPSPEED, DEEPSPEED_TAG = "deepspeed", "state"  # a DeepSpeed engine's checkpoint directory and its one tag
-# Never copied into a checkpoint's tokenizer/: dotfiles and the temporary files of an interrupted atomic
-# write (".tokenizer.json.tmp-PID"), which would otherwise travel into every checkpoint after it.
+# Never copied into a checkpoint's tokenizer/: dotfiles and the temporary files of an interrupted atomic write
+# (".tokenizer.json.tmp-HOST-PID"; older versions: ".tokenizer.json.tmp-PID"), which would otherwise travel into
+# every checkpoint after it.
 TOKENIZER_SKIP = shutil.ignore_patterns(".*", "*.tmp", "*.tmp-*", "*.tmp.*", "*~")
 # torch.save reports a failed write (ENOSPC among others) from its zip writer without the errno, e.g.
 # "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 662"; such a failure is taken for a
@@ -76,6 +88,12 @@ def _warn_once(key: tuple[str, ...], msg: str) -> None:
         _warned.add(key)
         rank, _local, world = launch_world()
         print(f"[hybridtron{f' rank {rank}/{world}' if world > 1 else ''}] warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _note(msg: str) -> None:
+    rank, _local, world = launch_world()
+    if rank == 0:
+        print(f"[hybridtron{f' rank {rank}/{world}' if world > 1 else ''}] {msg}", flush=True)
 
 
 # ---- checksums ---------------------------------------------------------------------------------
@@ -258,14 +276,31 @@ class CheckpointManager:
                                     else "no complete checkpoint is left: starting from step 0"))
         return done[-1] if done else None
 
-    def clean_partial(self) -> None:
-        """Remove what a save killed midway left: its temporary directory and a temporary ``latest``."""
+    def clean_partial(self, log: Callable[[str], object] | None = None) -> list[Path]:
+        """Remove what writes killed midway left in the run directory and its checkpoints/, and say so in one line
+        (through ``log``; without one, rank 0 prints it). Returns what was removed.
+
+        Every process of a run calls this at its start, before its first step, so no save of the run is in flight:
+        every partial save in checkpoints/ goes, whichever node wrote it (a requeued job often lands on other
+        nodes) -- the ``.tmp-<step>-sharded`` directory of a multi-process save, a one-process save's scratch
+        directory and ``latest``'s scratch file (``scratch_name``; ``.tmp-<step>-<pid>`` from older versions) --
+        except one whose writer is seen alive on this host (another run in the same directory). The run
+        directory's own files may be written by other commands meanwhile: there only the scratch of dead
+        processes goes (``reclaim_scratch``'s rule)."""
+        removed = []
         if self.dir.is_dir():
-            for p in self.dir.iterdir():
-                if p.name.startswith(".tmp-"):
-                    shutil.rmtree(p, ignore_errors=True)
-                elif p.name.startswith(f".{LATEST}.tmp-") and p.is_file():
-                    p.unlink(missing_ok=True)
+            for p in sorted(self.dir.iterdir()):
+                parsed = parse_scratch(p.name)
+                if parsed is None and not p.name.startswith(".tmp-"):
+                    continue
+                if parsed is not None and parsed[1] == this_host() and (parsed[2] == os.getpid()
+                                                                        or pid_alive(parsed[2])):
+                    continue
+                if remove_entry(p):
+                    removed.append(p)
+        removed += reclaim_scratch(self.dir.parent)
+        report_removed(removed, log or _note, "of interrupted writes")
+        return removed
 
     # ---- save ------------------------------------------------------------------------------
     def save(
@@ -288,7 +323,7 @@ class CheckpointManager:
         sharded = (mesh is not None and mesh.distributed) or engine is not None
         main = mesh is None or mesh.is_main
         final = self.dir / step_dir_name(state.step)
-        tmp = self.dir / (f".tmp-{final.name}-sharded" if sharded else f".tmp-{final.name}-{os.getpid()}")
+        tmp = self.dir / f".tmp-{final.name}-sharded" if sharded else scratch_name(final)
         writing = [tmp]  # the file being written, for the error message
 
         def start():
@@ -389,8 +424,7 @@ class CheckpointManager:
         fsync_dir(self.dir)
         try:
             write_text_atomic(self.dir / LATEST, final.name)
-        except OSError as e:
-            (self.dir / f".{LATEST}.tmp-{os.getpid()}").unlink(missing_ok=True)
+        except OSError as e:  # write_text_atomic removed its scratch file
             if not _is_disk_full(e):
                 raise
             prev = self.latest(warn=False)

@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from hybridtron.atomic import this_host
 from hybridtron.configs.job import SourceConfig, TokenizerConfig
 from hybridtron.data_pipeline import load_tokenizer, prepare_data, shards
 from hybridtron.data_pipeline.prepare import is_val
@@ -88,6 +90,24 @@ def test_interrupted_prepare_resumes_to_same_result(prepared_stdlib, tmp_path, m
     prepare_data(cfg, log=logs.append)
     assert any("resuming" in m for m in logs)
     assert tree_bytes(cfg.out_dir) == tree_bytes(ref_cfg.out_dir)
+
+
+def test_a_rerun_removes_what_killed_prepares_left_and_says_so(copy_prepared, dead_pid, live_pid):
+    out, host = Path(copy_prepared.out_dir), this_host()
+    gone = [out / "tokenizer" / f".tokenizer.json.tmp-{host}-{dead_pid}",  # killed while saving the tokenizer
+            out / "stdlib" / "train" / f".shard_00001.bin.tmp-{host}-{dead_pid}",  # ... a shard
+            out / f".prepare_config.json.tmp-{host}-{dead_pid}"]
+    # (a split directory's writer removes whatever its manifest does not list: no other entry stays there)
+    kept = [out / "tokenizer" / f".tokenizer.json.tmp-node9-{dead_pid}",  # another node's: not ours to judge
+            out / f".prepare_config.json.tmp-{host}-{live_pid}"]  # a prepare still running
+    for p in gone + kept:
+        p.write_bytes(b"half")
+    logs = []
+    prepare_data(copy_prepared, log=logs.append)
+    assert not any(p.exists() for p in gone) and all(p.exists() for p in kept)
+    said = [m for m in logs if "scratch" in m]
+    assert len(said) == 1 and said[0].startswith(f"removed 3 scratch entries of dead processes in {out}: ")
+    assert all(str(p.relative_to(out)) in said[0] for p in gone)
 
 
 def test_changed_tokenizer_config_is_refused(copy_prepared):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from hybridtron.atomic import parse_scratch, this_host
 from hybridtron.train import checkpoint as ck
 from hybridtron.train.checkpoint import CheckpointError, CheckpointManager, TrainerState
 
@@ -71,10 +72,57 @@ def test_crash_during_save_leaves_previous_checkpoint(tmp_path, monkeypatch):
     assert mgr.latest().name == "step_00000010"
     assert [p.name for p in mgr.complete()] == ["step_00000010"]
     # A failed save removes its temporary directory; one left by a killed process goes at the next start.
-    assert not [p for p in mgr.dir.iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in mgr.dir.iterdir() if ".tmp-" in p.name]
     (mgr.dir / ".tmp-step_00000020-999").mkdir()
     mgr.clean_partial()
-    assert not [p for p in mgr.dir.iterdir() if p.name.startswith(".tmp-")]
+    assert not [p for p in mgr.dir.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_save_writes_under_its_scratch_name_and_the_next_start_removes_partial_saves(tmp_path, monkeypatch, capsys,
+                                                                                      dead_pid, live_pid):
+    model, opt, tok = _setup(tmp_path)
+    mgr = CheckpointManager(tmp_path / "run", keep_last=3)
+    mgr.save(TrainerState(step=10), model, opt, "", tok)
+    seen = []
+
+    def boom(*a, **k):
+        seen.extend(parse_scratch(p.name) for p in mgr.dir.iterdir() if p.name.startswith("."))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck.torch, "save", boom)
+    with pytest.raises(OSError):
+        mgr.save(TrainerState(step=20), model, opt, "", tok)
+    monkeypatch.undo()
+    assert seen == [("step_00000020", this_host(), os.getpid())]  # the name reclaim_scratch reads
+
+    host, run = this_host(), mgr.dir.parent
+
+    def left(path, is_dir=True):
+        if is_dir:
+            path.mkdir()
+            (path / "model.safetensors").write_bytes(b"half")
+        else:
+            path.write_text("step_00000020")
+        return path
+
+    # Every process of the run is at its start: every partial save goes, from any node, in any naming ...
+    gone = [left(mgr.dir / f".step_00000020.tmp-{host}-{dead_pid}"), left(mgr.dir / f".step_00000030.tmp-node9-{dead_pid}"),
+            left(mgr.dir / f".latest.tmp-{host}-{dead_pid}", is_dir=False), left(mgr.dir / f".tmp-step_00000040-{dead_pid}"),
+            left(mgr.dir / ".tmp-step_00000050-sharded"), left(run / f".metrics.jsonl.tmp-{host}-{dead_pid}", False)]
+    # ... but a save seen alive on this host (another run in this directory), and in the run directory, which other
+    # commands write too, another node's scratch stay
+    kept = [left(mgr.dir / f".step_00000060.tmp-{host}-{live_pid}"), left(run / f".config.yaml.tmp-node9-{dead_pid}", False)]
+    lines = []
+    assert sorted(mgr.clean_partial(log=lines.append)) == sorted(gone)
+    assert not any(p.exists() for p in gone) and all(p.exists() for p in kept)
+    assert len(lines) == 1 and lines[0].startswith(f"removed 6 scratch entries of interrupted writes in {run}: ")
+    assert all(p.name in lines[0] for p in gone)
+    assert [p.name for p in mgr.complete()] == ["step_00000010"] and mgr.latest().name == "step_00000010"
+    # Without a log, rank 0 prints the line.
+    left(mgr.dir / f".step_00000070.tmp-{host}-{dead_pid}")
+    capsys.readouterr()
+    mgr.clean_partial()
+    assert capsys.readouterr().out.startswith(f"[hybridtron] removed 1 scratch entry of interrupted writes in {mgr.dir}")
 
 
 def test_stale_latest_pointer_falls_back(tmp_path):

@@ -376,7 +376,7 @@ def test_killed_rank_stops_the_job_and_the_run_resumes_from_the_last_checkpoint(
     assert main(small_argv(small_data_dir, ref, [*flat, "--train.max_steps", str(step + 2),
                                                  "--train.grad_accum_steps", "2"])) == 0
     assert_same_steps(steps(run)[-2:], steps(ref)[-2:])
-    assert not [p for p in mgr.dir.iterdir() if p.name.startswith(".tmp-")]  # a save cut short was cleaned up
+    assert not [p for p in mgr.dir.iterdir() if ".tmp-" in p.name]  # a save cut short was cleaned up
 
 
 def test_sharded_checkpoint_into_another_model_is_named(runs):

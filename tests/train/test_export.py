@@ -5,11 +5,14 @@ and tokenization match ours. Every foldable feature is exported and checked the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import time
 
 import pytest
 import torch
 
+from hybridtron.atomic import OLD_SCRATCH_AGE_S, parse_scratch, this_host
 from hybridtron.configs import DeltaNetConfig, ModelConfig, MoEConfig, ScaleVectorConfig, StructuredFFNConfig
 from hybridtron.data_pipeline.tokenizer import load_tokenizer
 from hybridtron.model import GatedLM
@@ -178,6 +181,31 @@ def test_refuses_a_non_empty_output_directory(tok_dir, tmp_path):
     with pytest.raises(ExportError, match="not empty"):
         export_model(tiny(), tok_dir, out, log=lambda _: None)
     assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_an_export_removes_what_killed_exports_left_and_says_so(tok_dir, tmp_path, monkeypatch, dead_pid, live_pid):
+    from hybridtron.train.hf import export as ex
+
+    host = this_host()
+    killed = tmp_path / f".hf.tmp-{host}-{dead_pid}"  # what `hybridtron export` killed midway leaves
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half")
+    older = tmp_path / f".hf.tmp-{dead_pid}"  # the same from an older version, hours ago
+    older.mkdir()
+    os.utime(older, (time.time() - 2 * OLD_SCRATCH_AGE_S,) * 2)
+    kept = [tmp_path / f".hf.tmp-{host}-{live_pid}", tmp_path / f".hf.tmp-node9-{dead_pid}"]  # running; elsewhere
+    for p in kept:
+        p.mkdir()
+    writing = []
+    real = ex.export_tokenizer
+    monkeypatch.setattr(ex, "export_tokenizer", lambda src, dst: (writing.append(dst), real(src, dst)))
+    logs = []
+    export_model(tiny(), tok_dir, tmp_path / "hf", log=logs.append, check=False)
+    assert parse_scratch(writing[0].name) == ("hf", host, os.getpid())  # this export's own, as the next one reads it
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", *(p.name for p in kept)])
+    assert logs[0].startswith(f"removed 2 scratch entries of dead processes in {tmp_path}: ")
+    assert killed.name in logs[0] and older.name in logs[0]
+    assert not any("scratch" in line for line in logs[1:])  # one line
 
 
 @pytest.mark.slow

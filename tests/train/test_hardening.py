@@ -241,7 +241,7 @@ def test_torch_write_failure_with_free_space_is_not_called_a_full_disk(run_copy,
     with pytest.raises(RuntimeError, match="inline_container"):
         main(cli_args(small_data_dir, run_copy, steps_arg(5)))
     mgr = ck.CheckpointManager(run_copy)
-    assert mgr.latest().name == STEP4 and not [p for p in mgr.dir.iterdir() if p.name.startswith(".tmp-")]
+    assert mgr.latest().name == STEP4 and not [p for p in mgr.dir.iterdir() if ".tmp-" in p.name]
 
 
 def test_full_disk_elsewhere_names_the_file(run_copy, small_data_dir, cli_args, capsys, monkeypatch):
@@ -280,7 +280,8 @@ def test_torn_metrics_line_does_not_block_a_resume(run_copy, small_data_dir, cli
 def test_tokenizer_temp_files_stay_out_of_checkpoints(run_copy, small_data_dir, cli_args, capsys, tmp_path):
     data = tmp_path / "data"
     shutil.copytree(small_data_dir, data)
-    junk = [".tokenizer.json.tmp-4242", ".tokenizer_meta.json.tmp-4242", "tokenizer.json.tmp", ".DS_Store"]
+    junk = [".tokenizer.json.tmp-4242", ".tokenizer_meta.json.tmp-4242", ".tokenizer.json.tmp-other-node-4242",
+            "tokenizer.json.tmp", ".DS_Store"]
     for name in junk:
         (data / "tokenizer" / name).write_text("half a tokenizer")
     code, err = run_cli(cli_args(data, run_copy, steps_arg(5)), capsys)
@@ -290,6 +291,21 @@ def test_tokenizer_temp_files_stay_out_of_checkpoints(run_copy, small_data_dir, 
     assert copied == sorted(p.name for p in (data / "tokenizer").iterdir() if p.name not in junk)
     assert "tokenizer_meta.json" in copied
     assert not [f for f in json.loads((ckpt / "manifest.json").read_text())["files"] if "tmp" in f]
+
+
+def test_a_resume_removes_the_save_a_killed_run_left_and_says_so(run_copy, small_data_dir, cli_args, capsys, dead_pid):
+    from hybridtron.atomic import this_host
+
+    ckpts = run_copy / "checkpoints"
+    killed = ckpts / f".step_00000006.tmp-{this_host()}-{dead_pid}"  # a save killed midway
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"half")
+    code = main(cli_args(small_data_dir, run_copy, steps_arg(5)))
+    out_err = capsys.readouterr()
+    assert code == 0, out_err.err
+    said = [ln for ln in out_err.out.splitlines() if "scratch" in ln]
+    assert said == [f"[hybridtron] removed 1 scratch entry of interrupted writes in {ckpts}: {killed.name}"]
+    assert not killed.exists() and ck.CheckpointManager(run_copy).latest().name == "step_00000005"
 
 
 def test_latest_naming_a_missing_checkpoint_says_which_one_is_used(run_copy, small_data_dir, cli_args, capsys):

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from hybridtron.atomic import reclaim_scratch, scratch_name
 from hybridtron.configs import ConfigError, JobConfig, ModelConfig, load_config
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.model import GatedLM, fold_scale_vectors
@@ -432,7 +433,8 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     if plain_cfg.tie_embeddings:
         hf_model.tie_weights()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    reclaim_scratch(out.parent, log=log)  # an export killed midway left its whole directory there
+    tmp = scratch_name(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         hf_model.save_pretrained(tmp, max_shard_size=max_shard_size)
