@@ -24,6 +24,8 @@ import yaml
 from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 
+from .run_lock import hold_run_dir
+
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 SHARED_ONLY = ("data.", "train.max_steps", "train.seed")
 TAIL = 10  # final train loss: mean of the last TAIL logged steps (one step's loss is noisy)
@@ -240,37 +242,42 @@ def run_ablation(args, train_run, log, probe=None) -> dict[str, dict] | None:
             raise ConfigError(f"variant {name!r}: {e}") from None
     out = Path(args.run_dir) if args.run_dir else Path("runs") / f"ablate_{Path(preset).stem}"
     out.mkdir(parents=True, exist_ok=True)
-    results = {}
-    total, done = len(configs) * max(1, len(seeds)), 0
-    for name, by_seed in configs.items():
-        per_seed = {}
-        for seed, cfg in by_seed.items():
-            done += 1
-            run = out / name if seed is None else out / name / f"seed{seed}"
-            log(f"ablate: variant {name}" + (f", seed {seed}" if seed is not None else "") + f" ({done}/{total})")
-            result, model = train_run(cfg, run, log=log)
-            if result.stopped_by != "max_steps":
-                write_text_atomic(out / "last_stop.json", json.dumps(
-                    {"stopped_by": result.stopped_by, "variant": name, "seed": seed, "step": result.state.step}))
-                log(f"ablate: stopped during variant {name}" + (f", seed {seed}" if seed is not None else "") +
-                    f" at step {result.state.step} ({result.stopped_by}); run the same command again to resume "
-                    f"the ablation")
-                return None
-            r = summarize(run, model)
-            if cfg.data.synthetic.task:  # a generated task: accuracy by length (data_pipeline/synthetic.py)
-                from hybridtron.data_pipeline.synthetic import length_accuracy
+    # The ablation directory's own lock: a second ablation into it is refused at once, not after it has resumed
+    # the variants the first one finished. Each variant's train_run locks its own directory besides. Under
+    # torchrun only rank 0 locks here; if it is refused, torchrun stops the other ranks.
+    with hold_run_dir(out, is_main=os.environ.get("RANK", "0") == "0",
+                      what=f"--run-dir {out} (an ablation)"):
+        results = {}
+        total, done = len(configs) * max(1, len(seeds)), 0
+        for name, by_seed in configs.items():
+            per_seed = {}
+            for seed, cfg in by_seed.items():
+                done += 1
+                run = out / name if seed is None else out / name / f"seed{seed}"
+                log(f"ablate: variant {name}" + (f", seed {seed}" if seed is not None else "") + f" ({done}/{total})")
+                result, model = train_run(cfg, run, log=log)
+                if result.stopped_by != "max_steps":
+                    write_text_atomic(out / "last_stop.json", json.dumps(
+                        {"stopped_by": result.stopped_by, "variant": name, "seed": seed, "step": result.state.step}))
+                    log(f"ablate: stopped during variant {name}" + (f", seed {seed}" if seed is not None else "") +
+                        f" at step {result.state.step} ({result.stopped_by}); run the same command again to resume "
+                        f"the ablation")
+                    return None
+                r = summarize(run, model)
+                if cfg.data.synthetic.task:  # a generated task: accuracy by length (data_pipeline/synthetic.py)
+                    from hybridtron.data_pipeline.synthetic import length_accuracy
 
-                r["accuracy"] = length_accuracy(model, cfg, cfg.train.eval_batches * cfg.train.micro_batch_size,
-                                                next(model.parameters()).device)
-            if probe is not None:
-                r.update(probe(cfg, model))
-            per_seed[seed] = r
-        results[name] = aggregate(per_seed) if seeds else per_seed[None]
-    overrides = dict(variants)
-    write_table(out, preset, shared, results, overrides)
-    plot(out, results)
-    write_text_atomic(out / "last_stop.json", json.dumps({"stopped_by": "max_steps", "variants": len(configs)}))
-    log(f"ablation table: {(out / 'ablation.md').resolve()}")
-    log(f"loss curves:    {(out / 'loss.png').resolve()}")
-    print((out / "ablation.md").read_text())
-    return results
+                    r["accuracy"] = length_accuracy(model, cfg, cfg.train.eval_batches * cfg.train.micro_batch_size,
+                                                    next(model.parameters()).device)
+                if probe is not None:
+                    r.update(probe(cfg, model))
+                per_seed[seed] = r
+            results[name] = aggregate(per_seed) if seeds else per_seed[None]
+        overrides = dict(variants)
+        write_table(out, preset, shared, results, overrides)
+        plot(out, results)
+        write_text_atomic(out / "last_stop.json", json.dumps({"stopped_by": "max_steps", "variants": len(configs)}))
+        log(f"ablation table: {(out / 'ablation.md').resolve()}")
+        log(f"loss curves:    {(out / 'loss.png').resolve()}")
+        print((out / "ablation.md").read_text())
+        return results

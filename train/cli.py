@@ -25,6 +25,7 @@ from hybridtron.model import GatedLM, flops_per_token
 from .build import checkpoint_step, load_for_inference, model_for_checkpoint, select_rank_device
 from .checkpoint import CheckpointError, CheckpointManager, DiskFullError
 from .device import autocast_dtype
+from .launcher_watch import launched, watch_parent
 from .model_hooks import self_guided_end_step
 from .optim import build_optimizer
 from .parallel.context_parallel import apply_context_parallel
@@ -41,6 +42,7 @@ from .run_dir import (
     default_run_dir,
     resolve_job,
 )
+from .run_lock import hold_run_dir
 from .sample import generate
 from .trainer import NonFiniteLossError, Trainer, evaluate
 
@@ -106,7 +108,9 @@ def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = 
     process runs this; the layout in ``cfg.parallel`` is checked before any of them builds a model."""
     check_run_paths(cfg, run_dir)  # a run directory or data directory that cannot be written: before anything
     device = select_rank_device(cfg)
-    with Mesh.setup(cfg, device) as mesh:  # refuses an impossible layout before anything is allocated
+    # Mesh.setup refuses an impossible layout before anything is allocated; then rank 0 locks the run directory
+    # (one writer per run) before any data is prepared, and every rank learns if another process holds it.
+    with Mesh.setup(cfg, device) as mesh, hold_run_dir(run_dir, mesh.is_main, mesh.any):
         if cfg.parallel.engine == "deepspeed":  # and a DeepSpeed JSON it cannot honour, before data or model
             from .parallel.deepspeed_engine import deepspeed_config
 
@@ -510,6 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     ``HYBRIDTRON_DEBUG=1`` re-raises them with their traceback instead. Any other exception is a bug and
     propagates with its traceback.
     """
+    if launched():  # a worker of torchrun: ends when its launcher dies, instead of training on as an orphan
+        watch_parent()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     debug = bool(getattr(args, "debug", False)) or "--debug" in rest or \

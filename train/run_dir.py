@@ -20,6 +20,7 @@ from hybridtron.configs.base import from_dict
 from hybridtron.data_pipeline import load_tokenizer
 
 from .checkpoint import CheckpointManager, verify_manifest
+from .run_lock import LOCK_FILE
 
 DEFAULT_PRESET = "tiny"
 
@@ -34,7 +35,7 @@ STOP_REQUEST = "stop_request"
 
 # What a run directory holds (besides checkpoints' own layout), with the kind each must be where it exists.
 RUN_DIR_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "config.yaml": "file", "metrics.jsonl": "file",
-                   LAST_STOP: "file", STOP_REQUEST: "file"}
+                   LAST_STOP: "file", STOP_REQUEST: "file", LOCK_FILE: "file"}
 
 
 def check_output_dir(path: Path | str, what: str, *, empty: bool = False, entries: dict[str, str] | None = None
