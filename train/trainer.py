@@ -33,7 +33,7 @@ from .parallel.expert_parallel import sync_expert_grads
 from .parallel.mesh import Mesh
 from .parallel.parallelize import clip_grad_norm
 from .parallel.tensor_parallel import _plain, from_row_order
-from .run_dir import STOP_REQUEST
+from .run_dir import STOP_REQUEST, naming
 from .schedule import Plan, resume_plan
 from .spike import SpikeGuard
 
@@ -324,7 +324,8 @@ class Trainer:
         if self.mesh.is_main:
             buf = io.BytesIO()
             torch.save(mine, buf)
-            write_bytes_atomic(self.run_dir / "grads_step1.pt", buf.getvalue())
+            with naming(self.run_dir / "grads_step1.pt"):  # a failed write names the file (a full disk: exit 4)
+                write_bytes_atomic(self.run_dir / "grads_step1.pt", buf.getvalue())
 
     def train_step(self) -> dict:
         accum = self.cfg.train.grad_accum_steps
