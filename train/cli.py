@@ -40,6 +40,7 @@ from .run_dir import (
     check_resume_tokenizer,
     check_run_paths,
     default_run_dir,
+    naming,
     resolve_job,
 )
 from .run_lock import hold_run_dir
@@ -137,7 +138,8 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
     config_yaml = cfg.to_yaml()
     if mesh.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(run_dir / "config.yaml", config_yaml)
+        with naming(run_dir / "config.yaml"):  # a failed write names the file (a full disk: exit 4)
+            write_text_atomic(run_dir / "config.yaml", config_yaml)
     mesh.barrier()
     train_ds, val_ds = build_dataset(cfg.data, "train"), build_dataset(cfg.data, "val")
     t = cfg.train
@@ -206,9 +208,10 @@ def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, devic
                       engine=engine, pipeline=pipeline)
     result = trainer.fit(log=log)  # 4. fit
     if mesh.is_main:
-        write_text_atomic(run_dir / LAST_STOP, json.dumps({
-            "stopped_by": result.stopped_by, "step": result.state.step, "max_steps": t.max_steps,
-            "checkpoint": result.last_checkpoint.name if result.last_checkpoint else None}) + "\n")
+        with naming(run_dir / LAST_STOP):
+            write_text_atomic(run_dir / LAST_STOP, json.dumps({
+                "stopped_by": result.stopped_by, "step": result.state.step, "max_steps": t.max_steps,
+                "checkpoint": result.last_checkpoint.name if result.last_checkpoint else None}) + "\n")
     log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
     if result.final_val_loss is not None:
         log(f"final val_loss {result.final_val_loss:.4f}")

@@ -13,6 +13,7 @@ from hybridtron.atomic import write_bytes_atomic
 from hybridtron.configs import ConfigError
 
 from .model_order import canonical_name, from_row_order
+from .run_dir import naming
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -61,4 +62,5 @@ class GradDump:
         if mesh.is_main:
             buf = io.BytesIO()
             torch.save(mine, buf)
-            write_bytes_atomic(self.path, buf.getvalue())
+            with naming(self.path):  # a failed write names the file (a full disk: exit 4)
+                write_bytes_atomic(self.path, buf.getvalue())

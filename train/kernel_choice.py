@@ -18,6 +18,8 @@ import torch
 
 from hybridtron.atomic import write_text_atomic
 
+from .run_dir import naming
+
 KERNELS_JSON = "kernels.json"
 
 
@@ -39,7 +41,8 @@ def share(mesh, run_dir: Path, log) -> None:
     if mesh.is_main and mine:
         record = {"machine": tune.fingerprint("cuda"), "decisions": mine,
                   "notes": {key: d.note for key, d in tune.decisions().items() if d.note}}
-        write_text_atomic(run_dir / KERNELS_JSON, json.dumps(record, indent=1) + "\n")
+        with naming(run_dir / KERNELS_JSON):  # a failed write names the file (a full disk: exit 4)
+            write_text_atomic(run_dir / KERNELS_JSON, json.dumps(record, indent=1) + "\n")
         log(tune.table())
         log(f"kernel choices: {run_dir / KERNELS_JSON}")
 

@@ -7,10 +7,12 @@ before it submits anything.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -36,6 +38,18 @@ STOP_REQUEST = "stop_request"
 # What a run directory holds (besides checkpoints' own layout), with the kind each must be where it exists.
 RUN_DIR_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "config.yaml": "file", "metrics.jsonl": "file",
                    LAST_STOP: "file", STOP_REQUEST: "file", LOCK_FILE: "file"}
+
+
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError inside names ``path``: a buffered write, an fsync or an atomic write's temporary file fails
+    naming no file or another one, and the CLI's one line (exit 4 for a full disk) must say which file it was."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno is None:  # raised without an errno: nothing to say about it but its own message
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from e
 
 
 def check_output_dir(path: Path | str, what: str, *, empty: bool = False, entries: dict[str, str] | None = None

@@ -151,8 +151,8 @@ class Trainer:
         # called after each step's backward, before clipping, on every rank
         self.grad_hooks = [GradDump(cfg.train.dump_grads, run_dir)] if cfg.train.dump_grads else []
 
-    def resume_if_possible(self) -> Path | None:
-        self.ckpt.clean_partial()
+    def resume_if_possible(self, log=None) -> Path | None:
+        self.ckpt.clean_partial(log if self.mesh.is_main else None)
         latest = self.ckpt.latest()
         if latest is None:
             return None
@@ -266,7 +266,7 @@ class Trainer:
 
     def fit(self, log=print) -> FitResult:
         t, cfg = self.cfg.train, self.cfg
-        resumed_from = self.resume_if_possible()
+        resumed_from = self.resume_if_possible(log)
         if resumed_from is not None:
             log(f"resumed from {resumed_from} (step {self.state.step})")
             if self.resume_note:

@@ -291,6 +291,25 @@ def resume_from_step_2(argv: list[str], one_process: bool, nproc: int = 2) -> No
         assert "resumed from" in res.stdout and "step 2" in res.stdout
 
 
+def test_tp2_run_stopped_midway_resumes_at_zero3_and_at_one_process(small_data_dir, small_argv, tmp_path):
+    """A tp2 run that train.exit_interval stops after step 2 of 4 continues at dp2 ZeRO-3 and at one process with
+    the uninterrupted one-process run's steps 3 and 4: its sharded checkpoint, read back in the model's row order,
+    resharded over data-parallel ranks or gathered whole."""
+    ref = tmp_path / "ref"  # not the module's runs: this test alone trains 4 runs, not 20
+    assert main(small_argv(small_data_dir, ref, [*STEPS, "--train.grad_accum_steps", "2"])) == 0
+    first = tmp_path / "tp2"
+    res = torchrun(small_argv(small_data_dir, first, [*STEPS, *LAYOUTS["tp2"], "--train.exit_interval", "2"]))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "stopped at step 2/4 (exit_interval)" in res.stdout
+    assert CheckpointManager(first).latest().name == "step_00000002"
+    for dst in ("zero3", "single"):
+        run = tmp_path / dst
+        shutil.copytree(first, run)
+        extra = ["--train.grad_accum_steps", "2"] if dst == "single" else LAYOUTS[dst]
+        resume_from_step_2(small_argv(small_data_dir, run, [*STEPS, *extra]), one_process=dst == "single")
+        assert_same_steps(steps(run), steps(ref))
+
+
 def test_sharded_checkpoint_exports_from_one_process(runs, tmp_path, capsys):
     out = tmp_path / "hf"
     assert main(["export", str(runs["zero3"]), "--out", str(out)]) == 0
@@ -377,6 +396,83 @@ def test_killed_rank_stops_the_job_and_the_run_resumes_from_the_last_checkpoint(
                                                  "--train.grad_accum_steps", "2"])) == 0
     assert_same_steps(steps(run)[-2:], steps(ref)[-2:])
     assert not [p for p in mgr.dir.iterdir() if ".tmp-" in p.name]  # a save cut short was cleaned up
+
+
+def _kill_job(launcher: subprocess.Popen, workers) -> None:
+    """SIGKILL to the launcher's process group and to each worker's (torchrun starts them in sessions of their own):
+    the whole job at once, as a node failure or the out-of-memory killer would."""
+    import signal
+
+    for pgid in (launcher.pid, *workers):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_job_killed_during_a_checkpoint_write_resumes_from_the_previous_checkpoint(small_data_dir, small_argv,
+                                                                                   tmp_path):
+    """kill -9 of a two-process job while its sharded checkpoint is being written: ``latest`` still names the
+    previous checkpoint, complete, and the same command resumes from it and trains what one process trains."""
+    import time
+
+    flat = ["--train.schedule", "constant", "--train.eval_every", "0", "--train.micro_batch_size", "4",
+            "--train.warmup_steps", "0", "--checkpoint.every", "1"]
+    zero3 = [*flat, "--parallel.zero_stage", "3"]  # every rank writes its shards
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    # The kill comes once both ranks' shards of the next checkpoint are on disk, before its metadata and manifest:
+    # in the middle of the write. The checkpoint directory is polled every millisecond, and a save at these sizes
+    # holds its shards alone for ~100 ms (measured: ~300 ms a save on 2 cores), so the kill nearly always lands
+    # there; a try that missed the window is made again.
+    for attempt in range(3):
+        run = tmp_path / f"run{attempt}"
+        ckpts = run / "checkpoints"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+               "hybridtron.train.cli", *small_argv(small_data_dir, run, [*zero3, "--train.max_steps", "100000"])]
+        log = tmp_path / f"job{attempt}.log"
+        with open(log, "w") as out:
+            job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        workers: dict[int, int] = {}
+        try:
+            deadline = time.time() + 120
+            while len(workers) < 2:
+                assert time.time() < deadline and job.poll() is None, log.read_text()[-3000:]
+                workers = _workers(job.pid)
+                time.sleep(0.05)
+            while True:
+                assert time.time() < deadline and job.poll() is None, log.read_text()[-3000:]
+                names = os.listdir(ckpts) if ckpts.is_dir() else []
+                writing = [ckpts / n / SHARDED for n in names if n.startswith(".tmp-")]
+                if any(n.startswith("step_") for n in names) and any(len(list(w.glob("*.distcp"))) == 2
+                                                                   for w in writing):
+                    break
+                time.sleep(0.001)
+            _kill_job(job, workers.values())
+            job.wait(timeout=60)
+        finally:
+            if job.poll() is None:  # an assertion above failed: leave nothing running
+                _kill_job(job, {*workers.values(), *_workers(job.pid).values()})
+                job.wait()
+        partial = [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp-") and (p / SHARDED).is_dir()]
+        if partial:  # killed in the middle of a write, its shards written
+            break
+    else:
+        pytest.fail("three jobs were killed, none while a checkpoint was being written")
+    latest = CheckpointManager(run).latest()
+    assert latest is not None and (ckpts / "latest").read_text().strip() == latest.name, sorted(os.listdir(ckpts))
+    verify_manifest(latest)  # complete, every file as its manifest says
+    step = int(latest.name.split("_")[1])
+    assert partial != [f".tmp-{latest.name}-sharded"], partial  # the write cut short was the next one
+    res = torchrun(small_argv(small_data_dir, run, [*zero3, "--train.max_steps", str(step + 2)]))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resumed from {latest} (step {step})" in res.stdout
+    assert not [p for p in ckpts.iterdir() if p.name.startswith(".tmp-")]  # the partial checkpoint was removed
+    ref = tmp_path / "ref"
+    assert main(small_argv(small_data_dir, ref, [*flat, "--train.max_steps", str(step + 2),
+                                                 "--train.grad_accum_steps", "2"])) == 0
+    assert_same_steps(steps(run), steps(ref))  # the killed job's steps up to its checkpoint, then the resumed ones
 
 
 def test_sharded_checkpoint_into_another_model_is_named(runs):

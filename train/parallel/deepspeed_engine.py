@@ -174,5 +174,8 @@ def initialize(model, optimizer, cfg: JobConfig, mesh, device, run_dir: Path | N
     engine, _opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=conf,
                                               dist_init_required=False)
     if run_dir is not None and mesh.is_main:
-        write_text_atomic(Path(run_dir) / EFFECTIVE, json.dumps(engine.config, indent=2, sort_keys=True) + "\n")
+        from ..run_dir import naming
+
+        with naming(Path(run_dir) / EFFECTIVE):  # a failed write names the file (a full disk: exit 4)
+            write_text_atomic(Path(run_dir) / EFFECTIVE, json.dumps(engine.config, indent=2, sort_keys=True) + "\n")
     return engine
