@@ -174,14 +174,14 @@ def _enospc_for(name: str, real):
 
 
 @pytest.mark.parametrize("name, where", [("config.yaml", "cli"), ("last_stop.json", "cli"),
-                                         ("grads_step1.pt", "trainer")])
+                                         ("grads_step1.pt", "grad_dump")])
 def test_full_disk_under_a_run_file_names_it(name, where, small_data_dir, small_argv, tmp_path, capsys, monkeypatch):
-    from hybridtron.train import cli, trainer
+    from hybridtron.train import cli, grad_dump
 
     if where == "cli":
         monkeypatch.setattr(cli, "write_text_atomic", _enospc_for(name, cli.write_text_atomic))
     else:
-        monkeypatch.setattr(trainer, "write_bytes_atomic", _enospc_for(name, trainer.write_bytes_atomic))
+        monkeypatch.setattr(grad_dump, "write_bytes_atomic", _enospc_for(name, grad_dump.write_bytes_atomic))
     run = tmp_path / "run"
     extra = ["--train.dump_grads", "[norm.weight]"] if name == "grads_step1.pt" else []
     code = main(small_argv(small_data_dir, run, [*FLAT, "--train.max_steps", "2", *extra]))
