@@ -11,7 +11,7 @@ request; or ``NAME:KEY=VALUE[,KEY=VALUE]`` for a variant of your own (the preset
 ``hybridtron ablate --variant``).
 
 What runs: each variant is the real command line in its own process, ``torchrun --standalone --nproc-per-node N -m
-hybridtron.train.cli train --config PRESET --run-dir DIR`` with ``--warmup`` + ``--steps`` optimizer steps, no
+hybridtron.cli train --config PRESET --run-dir DIR`` with ``--warmup`` + ``--steps`` optimizer steps, no
 periodic evaluation (the trainer always evaluates once after the last step, on ``train.eval_batches`` = 1 batch,
 after that step's time was taken), no checkpoint, the learning-rate warm-up cut to the bench's warm-up steps, and
 ``--extra KEY=VALUE`` overrides on top. A variant that fails or outlives ``--timeout`` becomes a row saying why
@@ -282,7 +282,7 @@ def run_variant(name: str, pairs: list[tuple[str, str]], args, shared: list[tupl
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a fresh run: never resume an earlier bench's state
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "hybridtron.train.cli", "train", "--config", args.preset, "--run-dir", str(run_dir),
+           "-m", "hybridtron.cli", "train", "--config", args.preset, "--run-dir", str(run_dir),
            *as_flags(shared + pairs)]
     print(f"[bench_train] {name}: {shlex.join(cmd)}", flush=True)
     rc, row.wall_s = run_logged(cmd, root / name, timeout)
@@ -310,7 +310,7 @@ def run_variant(name: str, pairs: list[tuple[str, str]], args, shared: list[tupl
 # ---- data -------------------------------------------------------------------------------------------------------
 def prepare(args, shared: list[tuple[str, str]], work_dir: Path, timeout: float) -> None:
     """``hybridtron prepare`` with the variants' own settings (idempotent: a prepared directory is only checked)."""
-    cmd = [sys.executable, "-m", "hybridtron.train.cli", "prepare", "--config", args.preset, *as_flags(shared)]
+    cmd = [sys.executable, "-m", "hybridtron.cli", "prepare", "--config", args.preset, *as_flags(shared)]
     print(f"[bench_train] prepare: {shlex.join(cmd)}", flush=True)
     rc, wall = run_logged(cmd, work_dir / "logs" / "prepare", timeout)
     if rc != 0:

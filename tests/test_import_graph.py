@@ -109,3 +109,14 @@ def test_the_circle_finder_finds_a_planted_circle():
 def test_no_module_imports_one_that_imports_it_back():
     found = circles(import_graph())
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_command_line_sits_above_train_and_slurm():
+    """hybridtron/cli.py imports train/ and slurm/; neither imports it, and train/ imports nothing of slurm/ (the
+    launcher builds on the trainer, not the other way round)."""
+    graph = import_graph()
+    up = {m: sorted(d for d in deps if d == "hybridtron.cli" or (m.startswith("hybridtron.train") and
+                                                                 d.startswith("hybridtron.slurm")))
+          for m, deps in graph.items() if m.startswith(("hybridtron.train", "hybridtron.slurm"))}
+    assert not any(up.values()), {m: d for m, d in up.items() if d}
+    assert {"hybridtron.train.recipe", "hybridtron.slurm.submit"} <= graph["hybridtron.cli"]

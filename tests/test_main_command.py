@@ -53,7 +53,7 @@ def test_run_sh_train_twice_resumes_then_eval_and_sample(tmp_path, small_data_di
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert "vocab_size: 448" in (run / "config.yaml").read_text()  # 400 ids padded to a multiple of 64
 
-    cli = [sys.executable, "-m", "hybridtron.train.cli"]
+    cli = [sys.executable, "-m", "hybridtron.cli"]
     ev = json.loads(_run([*cli, "eval", "--run-dir", str(run)], tmp_path, env).strip().splitlines()[-1])
     assert ev["val_loss"] == pytest.approx(recs[-1]["val_loss"], rel=1e-6)
     text = _run([*cli, "sample", "--run-dir", str(run), "--prompt", "import ", "--max-new-tokens", "20",

@@ -24,6 +24,7 @@ import yaml
 from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 
+from .recipe import train_run
 from .run_lock import hold_run_dir
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -220,7 +221,7 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
     return out
 
 
-def run_ablation(args, train_run, log, probe=None) -> dict[str, dict] | None:
+def run_ablation(args, log, probe=None) -> dict[str, dict] | None:
     """Every variant (for every seed of ``--seeds``) trained in turn, then the table and the plot. A run that
     stops early (SIGTERM, SLURM's preemption or time-limit warning, train.exit_interval) stops the whole
     ablation after its checkpoint; the same command resumes it: finished runs are read back, the stopped one

@@ -1,6 +1,6 @@
 """The train loop: steps, evaluation, logging, checkpoints, and stopping cleanly.
 
-Everything it needs is built by the recipe in ``train/cli.py`` and handed in; side concerns
+Everything it needs is built by the recipe in ``train/recipe.py`` and handed in; side concerns
 (metrics, checkpoints, signals, the non-finite-loss guard) stay small and separate.
 """
 

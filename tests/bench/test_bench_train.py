@@ -101,7 +101,7 @@ def test_failure_reason_skips_the_launchers_summary():
         '  File "/x/torch/distributed/run.py", line 9, in <module>',
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
         "============================================================",
-        "hybridtron.train.cli FAILED",
+        "hybridtron.cli FAILED",
         "------------------------------------------------------------",
     ])
     assert bench.failure_reason(stderr).startswith("hybridtron train: error: data.seq_len=8192 exceeds")

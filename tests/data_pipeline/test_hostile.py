@@ -537,7 +537,7 @@ def test_config_defaults_are_careful():
 
 
 def _cli(args: list[str], capsys) -> tuple[int, str]:
-    from hybridtron.train.cli import main
+    from hybridtron.cli import main
 
     rc = main(args)
     return rc, capsys.readouterr().err

@@ -108,7 +108,7 @@ def test_length_accuracy_scores_known_answers(tmp_path):
 @pytest.mark.slow
 def test_ablate_and_eval_on_parity_from_the_command_line(tmp_path, capsys):
     """Two variants trained by `hybridtron ablate` (the table gains accuracy by length), then `eval` of one."""
-    from hybridtron.train.cli import main
+    from hybridtron.cli import main
 
     over = {"data.synthetic.task": "parity", "data.seq_len": "16", "data.out_dir": str(tmp_path / "data"),
             "model.layer_pattern": "L", "model.n_layers": "1", "model.d_model": "32", "model.n_heads": "2",

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.kernels import backend, tune
-from hybridtron.train.cli import main
 
 from .helpers import fake_timer
 

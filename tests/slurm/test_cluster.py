@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridtron.cli import main
 from hybridtron.train.checkpoint import CheckpointManager, verify_manifest
-from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.run_dir import LAST_STOP
 

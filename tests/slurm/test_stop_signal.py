@@ -11,8 +11,8 @@ import subprocess
 import sys
 import time
 
+from hybridtron.cli import main
 from hybridtron.train.checkpoint import CheckpointManager
-from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.run_dir import LAST_STOP, STOP_REQUEST
 
@@ -21,7 +21,7 @@ def test_sigusr1_checkpoints_stops_and_says_so(small_data_dir, cli_args, tmp_pat
     run = tmp_path / "run"
     flat = ["--train.schedule", "constant", "--train.warmup_steps", "0", "--checkpoint.every", "0",
             "--train.eval_every", "0"]
-    proc = subprocess.Popen([sys.executable, "-m", "hybridtron.train.cli",
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtron.cli",
                              *cli_args(small_data_dir, run, [*flat, "--train.max_steps", "400"])],
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

@@ -15,9 +15,9 @@ import subprocess
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.slurm import status as slurm_status
 from hybridtron.slurm.submit import PLACEHOLDER, TEMPLATE, parse_time
-from hybridtron.train.cli import main
 from hybridtron.train.run_dir import LAST_STOP
 
 GPU_JOB = ["--nodes", "4", "--gpus-per-node", "8", "--partition", "p", "--time", "24:00:00", "--account", "a",

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.train.ablate import parse_variant
-from hybridtron.train.cli import main
 
 
 def ablate_argv(cli_args, data_dir, out, variants, extra=()):
@@ -108,7 +108,7 @@ def test_a_signal_stops_the_whole_ablation_and_the_same_command_resumes_it(small
     out = tmp_path / "pre"
     argv = ablate_argv(cli_args, small_data_dir, out, ["a:", "b:model.n_layers=1"],
                        extra=["--train.max_steps", "60", "--train.eval_every", "0", "--train.progress_bar", "false"])
-    cmd = [sys.executable, "-m", "hybridtron.train.cli", *argv]
+    cmd = [sys.executable, "-m", "hybridtron.cli", *argv]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = out / "a" / "metrics.jsonl"
     deadline = time.time() + 240

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybridtron.train.cli import main
+from hybridtron.cli import main
 from hybridtron.train.metrics import read_metrics
 
 ARCHS = {

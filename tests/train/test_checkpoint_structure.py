@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hybridtron.cli import main
 from hybridtron.configs import load_config
 from hybridtron.model import GatedLM
 from hybridtron.model.structured_ffn import StructuredLinear
 from hybridtron.train.build import load_for_inference, saved_guide
-from hybridtron.train.cli import main
 
 # max_steps 6, fraction 0.5: the guide fades over steps 0..2 and leaves the model before step 3's forward.
 GUIDED = ["--model.ffn.kind", "blockdense", "--model.ffn.rank", "16", "--model.ffn.n_blocks", "4",

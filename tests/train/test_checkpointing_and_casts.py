@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.train import trainer as trainer_mod
 from hybridtron.train.build import build_model
-from hybridtron.train.cli import main
 from hybridtron.train.device import step_weight_casts
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.plan import plan_table

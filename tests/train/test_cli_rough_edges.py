@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridtron.cli import main
 from hybridtron.configs import ModelConfig
 from hybridtron.model import GatedLM
 from hybridtron.train.checkpoint import CheckpointManager, TrainerState
-from hybridtron.train.cli import main
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.parallel.mesh import resolve_layout
 

@@ -21,10 +21,10 @@ import sys
 import pytest
 import torch
 
+from hybridtron.cli import main
 from hybridtron.configs import load_config
 from hybridtron.model import GatedLM
 from hybridtron.train.checkpoint import SHARDED, CheckpointManager, verify_manifest
-from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.model_hooks import structure_for_step
 
@@ -103,7 +103,7 @@ def torchrun(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "hybridtron.train.cli", *argv]
+           "-m", "hybridtron.cli", *argv]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -357,7 +357,7 @@ def test_killed_rank_stops_the_job_and_the_run_resumes_from_the_last_checkpoint(
     run = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "hybridtron.train.cli", *small_argv(small_data_dir, run, [*flat, "--train.max_steps", "100000"])]
+           "hybridtron.cli", *small_argv(small_data_dir, run, [*flat, "--train.max_steps", "100000"])]
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers: dict[int, int] = {}
     try:
@@ -430,7 +430,7 @@ def test_job_killed_during_a_checkpoint_write_resumes_from_the_previous_checkpoi
         run = tmp_path / f"run{attempt}"
         ckpts = run / "checkpoints"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-               "hybridtron.train.cli", *small_argv(small_data_dir, run, [*zero3, "--train.max_steps", "100000"])]
+               "hybridtron.cli", *small_argv(small_data_dir, run, [*zero3, "--train.max_steps", "100000"])]
         log = tmp_path / f"job{attempt}.log"
         with open(log, "w") as out:
             job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
+from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train.cli import main
 from hybridtron.train.parallel.deepspeed_engine import EFFECTIVE, deepspeed_config
 
 from .test_data_parallel import STEPS, assert_same_steps, assert_same_weights, steps, torchrun

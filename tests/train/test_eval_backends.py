@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.kernels import backend
-from hybridtron.train.cli import main
 
 
 @pytest.mark.slow

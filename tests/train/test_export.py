@@ -210,7 +210,7 @@ def test_an_export_removes_what_killed_exports_left_and_says_so(tok_dir, tmp_pat
 
 @pytest.mark.slow
 def test_cli_export_of_a_trained_run(small_data_dir, cli_args, tmp_path, capsys):
-    from hybridtron.train.cli import main
+    from hybridtron.cli import main
 
     run = tmp_path / "run"
     extra = ["--model.layer_pattern", "LA", "--model.doc_mask", "true", "--model.deltanet.chunk_size", "16",
@@ -266,7 +266,7 @@ def test_import_refuses_unsupported_directories(tmp_path):
 
 @pytest.mark.slow
 def test_train_init_from_hf_continues_from_its_weights(small_data_dir, cli_args, tmp_path, capsys):
-    from hybridtron.train.cli import main
+    from hybridtron.cli import main
     from hybridtron.train.metrics import read_metrics
 
     run = tmp_path / "run"

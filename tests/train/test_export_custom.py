@@ -377,7 +377,7 @@ def test_an_attention_only_model_ignores_the_delta_rule_options(tok_dir, tmp_pat
 
 @pytest.mark.slow
 def test_cli_export_of_a_deltaproduct_run(small_data_dir, cli_args, tmp_path, capsys):
-    from hybridtron.train.cli import main
+    from hybridtron.cli import main
 
     run = tmp_path / "run"
     extra = ["--model.layer_pattern", "LA", "--model.doc_mask", "true", "--model.deltanet.chunk_size", "16",

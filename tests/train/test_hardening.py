@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.train import checkpoint as ck
-from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
 
 FAST = ["--train.max_steps", "4", "--checkpoint.every", "2", "--train.eval_every", "0", "--train.warmup_steps", "1",
@@ -132,7 +132,7 @@ def test_debug_flag_and_env_show_the_traceback_and_bugs_always_do(run_copy, smal
     def bug(*_a, **_k):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr("hybridtron.train.cli.train_run", bug)
+    monkeypatch.setattr("hybridtron.cli.train_run", bug)
     with pytest.raises(ZeroDivisionError):
         main(cli_args(small_data_dir, run_copy, FAST))
 

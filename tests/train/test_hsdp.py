@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.train.checkpoint import SHARDED
-from hybridtron.train.cli import main
 from hybridtron.train.parallel.mesh import resolve_layout
 
 from .test_data_parallel import (

@@ -100,7 +100,7 @@ def test_killing_torchrun_stops_its_tp2_workers_with_a_complete_checkpoint(small
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "hybridtron.train.cli", *small_argv(small_data_dir, run, flat)]
+           "hybridtron.cli", *small_argv(small_data_dir, run, flat)]
     log = tmp_path / "job.log"  # a file, not a pipe: the orphans would block on a full pipe nobody reads
     with open(log, "w") as f:
         job = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.train.checkpoint import CheckpointManager, verify_manifest
-from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
 
 FLAT = ["--train.eval_every", "0", "--train.warmup_steps", "1", "--checkpoint.every", "2"]
@@ -61,7 +61,7 @@ def train_on_small_fs(prefix, argv, mnt: Path, keep: Path, size: str, setup: str
     keep.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MNT": str(mnt), "KEEP": str(keep), "SIZE": size, "SETUP": setup}
     env.pop("HYBRIDTRON_DEBUG", None)
-    cmd = [*prefix, "sh", "-c", IN_NAMESPACE, "sh", sys.executable, "-m", "hybridtron.train.cli", *argv]
+    cmd = [*prefix, "sh", "-c", IN_NAMESPACE, "sh", sys.executable, "-m", "hybridtron.cli", *argv]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
 
 
@@ -173,13 +173,13 @@ def _enospc_for(name: str, real):
     return write
 
 
-@pytest.mark.parametrize("name, where", [("config.yaml", "cli"), ("last_stop.json", "cli"),
+@pytest.mark.parametrize("name, where", [("config.yaml", "recipe"), ("last_stop.json", "recipe"),
                                          ("grads_step1.pt", "grad_dump")])
 def test_full_disk_under_a_run_file_names_it(name, where, small_data_dir, small_argv, tmp_path, capsys, monkeypatch):
-    from hybridtron.train import cli, grad_dump
+    from hybridtron.train import grad_dump, recipe
 
-    if where == "cli":
-        monkeypatch.setattr(cli, "write_text_atomic", _enospc_for(name, cli.write_text_atomic))
+    if where == "recipe":
+        monkeypatch.setattr(recipe, "write_text_atomic", _enospc_for(name, recipe.write_text_atomic))
     else:
         monkeypatch.setattr(grad_dump, "write_bytes_atomic", _enospc_for(name, grad_dump.write_bytes_atomic))
     run = tmp_path / "run"

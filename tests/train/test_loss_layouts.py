@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridtron.train.cli import main
+from hybridtron.cli import main
 
 from .test_data_parallel import assert_same_grads, assert_same_steps, dump_grads, steps, torchrun
 

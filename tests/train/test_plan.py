@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.configs import load_config
-from hybridtron.train.cli import main
 from hybridtron.train.plan import GIB, format_table, n_params, plan_table
 
 SMALL = [("model.n_layers", "2"), ("model.d_model", "64"), ("model.n_heads", "4"), ("model.n_kv_heads", "2"),

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hybridtron.cli import main
 from hybridtron.configs import load_config
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.model import GatedLM
 from hybridtron.train.build import load_for_inference
-from hybridtron.train.cli import main
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dependency; install the project")
 

@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
+from hybridtron.cli import main
 from hybridtron.configs import load_config
 from hybridtron.model.attention import GatedAttention, first_token_attention
 from hybridtron.model.lm import GatedLM
-from hybridtron.train.cli import main
 from hybridtron.train.probes import attention_sink
 
 

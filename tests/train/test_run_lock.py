@@ -16,8 +16,8 @@ import time
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.train import run_lock
-from hybridtron.train.cli import main
 from hybridtron.train.metrics import read_metrics
 
 FAST = ["--train.warmup_steps", "0", "--train.eval_every", "0", "--train.eval_batches", "1", "--checkpoint.every", "2"]
@@ -78,7 +78,7 @@ def test_a_second_writer_is_refused_and_a_killed_holder_leaves_no_stale_lock(sma
 def test_a_real_run_holds_the_lock_while_readers_go_on(small_data_dir, cli_args, tmp_path, capsys):
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "hybridtron.train.cli",
+    first = subprocess.Popen([sys.executable, "-m", "hybridtron.cli",
                               *cli_args(small_data_dir, run, [*FAST, "--train.schedule", "constant",
                                                               "--train.max_steps", "100000"])],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -87,7 +87,7 @@ def test_a_real_run_holds_the_lock_while_readers_go_on(small_data_dir, cli_args,
         while not (run / "checkpoints" / "latest").exists():
             assert time.time() < deadline and first.poll() is None, "the first run never saved a checkpoint"
             time.sleep(0.1)
-        second = subprocess.run([sys.executable, "-m", "hybridtron.train.cli",
+        second = subprocess.run([sys.executable, "-m", "hybridtron.cli",
                                  *cli_args(small_data_dir, run, [*FAST, "--train.max_steps", "100000"])],
                                 env=env, capture_output=True, text=True, timeout=120)
         _refusal(second.returncode, second.stderr, first.pid)
@@ -113,7 +113,7 @@ def test_every_rank_of_a_refused_job_exits_2(small_data_dir, cli_args, tmp_path)
         env.pop(k, None)
     fresh_data = tmp_path / "data"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
-           "hybridtron.train.cli", *cli_args(fresh_data, run, [*FAST, "--parallel.tp", "2", "--train.max_steps", "4"])]
+           "hybridtron.cli", *cli_args(fresh_data, run, [*FAST, "--parallel.tp", "2", "--train.max_steps", "4"])]
     job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
     try:

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from hybridtron.train.cli import main
+from hybridtron.cli import main
 
 
 def _train(tmp_path, run_dir, *extra):

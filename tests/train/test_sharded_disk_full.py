@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
+from hybridtron.cli import main
 from hybridtron.train.checkpoint import CheckpointManager, verify_manifest
-from hybridtron.train.cli import main
 
 from .test_data_parallel import STEPS, assert_same_steps, steps, torchrun
 

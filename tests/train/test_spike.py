@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from hybridtron.train.cli import main
+from hybridtron.cli import main
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.spike import MAX_CONSECUTIVE_SKIPS, SpikeGuard
 

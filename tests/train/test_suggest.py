@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
+from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.model.lm import GatedLM
-from hybridtron.train.cli import main
 from hybridtron.train.suggest import RoutedFit, fit_routed, fit_tau, optimum_of_sweep, suggest, tau
 
 

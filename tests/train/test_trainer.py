@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hybridtron.train.cli import main
+from hybridtron.cli import main
 from hybridtron.train.metrics import read_metrics
 
 
@@ -58,7 +58,7 @@ def test_sigterm_checkpoints_and_resumes_exactly(small_data_dir, cli_args, tmp_p
     extra = ["--train.max_steps", "400", "--checkpoint.every", "0", "--train.eval_every", "0"]
     run = tmp_path / "sig"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "hybridtron.train.cli", *cli_args(small_data_dir, run, extra)],
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtron.cli", *cli_args(small_data_dir, run, extra)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120

@@ -1,14 +1,14 @@
 """``hybridtron`` command line: prepare, train, ablate, plan, export, eval, sample, kernels; submit and status (SLURM).
 
-Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``).
-``train`` reads like the recipe it is: config -> data -> model -> parallelize -> init -> fit.
+Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``). This module
+only parses and reports: ``train`` runs the recipe in train/recipe.py, ``submit`` and ``status`` slurm/; neither
+folder imports this one.
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import gc
 import json
 import math
 import os
@@ -18,34 +18,24 @@ from pathlib import Path
 import torch
 
 from hybridtron.atomic import write_text_atomic
-from hybridtron.configs import ConfigError, JobConfig, parse_overrides
-from hybridtron.data_pipeline import DataError, build_dataset, build_loader, prepare_data
-from hybridtron.model import GatedLM, flops_per_token
+from hybridtron.configs import ConfigError, parse_overrides
+from hybridtron.data_pipeline import DataError, build_dataset, prepare_data
 
-from .build import checkpoint_step, load_for_inference, model_for_checkpoint, select_rank_device
-from .checkpoint import CheckpointError, CheckpointManager, DiskFullError
-from .device import autocast_dtype
-from .launcher_watch import launched, watch_parent
-from .model_hooks import self_guided_end_step
-from .optim import build_optimizer
-from .parallel.context_parallel import apply_context_parallel
-from .parallel.expert_parallel import apply_expert_parallel
-from .parallel.mesh import Mesh, launch_world
-from .parallel.parallelize import apply_data_parallel, apply_tensor_parallel, data_parallel_summary
-from .run_dir import (
+from .train.build import load_for_inference, select_rank_device
+from .train.checkpoint import CheckpointError, CheckpointManager, DiskFullError
+from .train.device import autocast_dtype
+from .train.launcher_watch import launched, watch_parent
+from .train.parallel.mesh import Mesh, launch_world
+from .train.recipe import rank_log as _log
+from .train.recipe import train_run, val_loader_factory
+from .train.run_dir import (
     DEFAULT_PRESET,
-    LAST_STOP,
     check_output_dir,
-    check_resume_compatible,
-    check_resume_tokenizer,
-    check_run_paths,
     default_run_dir,
-    naming,
     resolve_job,
 )
-from .run_lock import hold_run_dir
-from .sample import generate
-from .trainer import NonFiniteLossError, Trainer, evaluate
+from .train.sample import generate
+from .train.trainer import NonFiniteLossError, evaluate
 
 EXIT_CODES = (
     "exit codes: 0 done; 2 bad input or state (a config, data, a checkpoint or run directory that is missing, "
@@ -54,22 +44,6 @@ EXIT_CODES = (
     "process of a multi-process job stopped (its own line and the launcher's summary say why). --debug or "
     "HYBRIDTRON_DEBUG=1 re-raises instead, with the traceback; a bug always shows its traceback."
 )
-
-
-def _log(msg: str) -> None:
-    rank, _local, world = launch_world()
-    print(f"[hybridtron{f' rank {rank}/{world}' if world > 1 else ''}] {msg}", flush=True)
-
-
-def _quiet(_msg: str) -> None:
-    pass
-
-
-def _val_factory(val_ds, cfg: JobConfig):
-    def make():
-        return build_loader(val_ds, cfg.train.micro_batch_size, 1, seed=cfg.data.seed, shuffle=False)
-
-    return make
 
 
 # ---- subcommands --------------------------------------------------------------------------------
@@ -96,133 +70,11 @@ def cmd_train(args) -> int:
     cfg, run_dir = resolve_job(args)  # 1. config, validated before any heavy work
     init_from = None
     if args.init_from:
-        from .hf.load import apply_init_from
+        from .train.hf.load import apply_init_from
 
         init_from = apply_init_from(cfg, args.init_from)  # model section + tokenizer from the HF directory
     train_run(cfg, run_dir, init_from=init_from)
     return 0
-
-
-def train_run(cfg: JobConfig, run_dir: Path, log=_log, init_from: Path | None = None):
-    """Train (or resume) ``cfg`` in ``run_dir``; returns (FitResult, model). ``init_from``: a Hugging Face
-    directory whose weights start the run (ignored when resuming from a checkpoint). Under torchrun every
-    process runs this; the layout in ``cfg.parallel`` is checked before any of them builds a model."""
-    check_run_paths(cfg, run_dir)  # a run directory or data directory that cannot be written: before anything
-    device = select_rank_device(cfg)
-    # Mesh.setup refuses an impossible layout before anything is allocated; then rank 0 locks the run directory
-    # (one writer per run) before any data is prepared, and every rank learns if another process holds it.
-    with Mesh.setup(cfg, device) as mesh, hold_run_dir(run_dir, mesh.is_main, mesh.any):
-        if cfg.parallel.engine == "deepspeed":  # and a DeepSpeed JSON it cannot honour, before data or model
-            from .parallel.deepspeed_engine import deepspeed_config
-
-            deepspeed_config(cfg, mesh.dp, device)
-        result, model = _train_run(cfg, run_dir, log if mesh.is_main else _quiet, init_from, device, mesh)
-        if mesh.distributed:
-            # The replicated or sharded model holds pending gloo/NCCL work; freed after the process group is gone
-            # (at interpreter exit), that work aborted the process now and then. Free it first.
-            del model
-            gc.collect()
-            model = None
-    return result, model
-
-
-def _train_run(cfg: JobConfig, run_dir: Path, log, init_from: Path | None, device: torch.device, mesh: Mesh):
-    check_resume_compatible(cfg, run_dir, sections=("data",))  # before prepare writes anything for other data
-    if mesh.is_main:  # 2. data (idempotent): rank 0 prepares, the others then find it done
-        prepared = prepare_data(cfg.data, log=log)
-    mesh.barrier()
-    if not mesh.is_main:
-        prepared = prepare_data(cfg.data, log=_quiet)
-    cfg.model.vocab_size = cfg.model.resolve_vocab(prepared.tokenizer.vocab_size)
-    check_resume_compatible(cfg, run_dir)
-    config_yaml = cfg.to_yaml()
-    if mesh.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with naming(run_dir / "config.yaml"):  # a failed write names the file (a full disk: exit 4)
-            write_text_atomic(run_dir / "config.yaml", config_yaml)
-    mesh.barrier()
-    train_ds, val_ds = build_dataset(cfg.data, "train"), build_dataset(cfg.data, "val")
-    t = cfg.train
-    train_loader = build_loader(train_ds, t.micro_batch_size, t.grad_accum_steps, dp_rank=mesh.dp_rank,
-                                dp_size=mesh.dp, seed=cfg.data.seed)
-    latest = CheckpointManager(run_dir).latest()
-    check_resume_tokenizer(latest, prepared.tokenizer, prepared.tokenizer_dir)
-    resume_step = checkpoint_step(latest)
-    stages_only = None
-    if mesh.pp > 1 and cfg.parallel.engine == "torch":  # a pipeline rank builds the parts of its stages only
-        from .parallel.pipeline import rank_cut
-
-        stages_only = rank_cut(cfg, mesh, cfg.model.vocab_size)
-    model = model_for_checkpoint(cfg, cfg.model.vocab_size, device, latest, cut=stages_only)  # 3. model, initialised
-    if init_from is not None and resume_step == 0:
-        from .hf.load import load_hf_weights
-
-        load_hf_weights(model, init_from)
-        log(f"initialised from Hugging Face weights in {init_from}")
-    whole = model
-    if stages_only is not None:  # this rank holds some stages: count the whole model (shapes only)
-        with torch.device("meta"):
-            whole = GatedLM(cfg.model, cfg.model.vocab_size)
-    sizes = (f"{whole.num_params() / 1e6:.2f}M parameters ({whole.num_params(exclude_embeddings=True) / 1e6:.2f}M "
-             f"non-embedding, {whole.num_active_params() / 1e6:.2f}M active)")  # before ZeRO-3 partitions them
-    amp_dtype = autocast_dtype(t, device)
-    engine = pipeline = None
-    if cfg.parallel.engine == "deepspeed":
-        from .parallel.deepspeed_engine import initialize
-
-        optimizer = build_optimizer(model, t)
-        engine = initialize(model, optimizer, cfg, mesh, device, run_dir)  # ZeRO partitions, bf16, offload: its own
-        optimizer = engine.optimizer
-    else:
-        if mesh.pp > 1:  # cut into this rank's pipeline stages first: every later step sees only its part
-            from .parallel.pipeline import Pipeline
-
-            pipeline = Pipeline(cfg, model, mesh, device, cfg.model.vocab_size)
-            log(f"pipeline: {len(pipeline.ranges)} stages of layers "
-                f"{', '.join(f'{r.start}-{r.stop - 1}' for r in pipeline.ranges)}, schedule {cfg.parallel.pp_schedule}, "
-                f"{t.grad_accum_steps} micro-batches per step")
-        apply_tensor_parallel(model, mesh)  # TP/SP first, then data parallel over the other dimension
-        apply_expert_parallel(model, mesh)  # each rank keeps its experts; data parallel leaves them alone
-        apply_context_parallel(model, mesh)  # each rank runs its piece of every sequence
-        # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
-        apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
-                            params_may_leave=self_guided_end_step(cfg) is not None,
-                            roots=pipeline.stages if pipeline is not None else None,
-                            offload=cfg.parallel.offload == "cpu")
-        summary = data_parallel_summary(model)
-        if summary:
-            log(summary)
-        if pipeline is not None:
-            pipeline.finish()
-        optimizer = build_optimizer(model, t)
-    log(f"model: {sizes}, device {device}, {len(train_ds)} train / "
-        f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
-        + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}, cp={mesh.cp}, zero_stage={mesh.zero_stage}"
-           + (f" (HSDP: dp_shard={mesh.dp_shard})" if mesh.hsdp_mesh is not None else "")
-           if mesh.distributed else "")
-        + (" (DeepSpeed)" if engine is not None else ""))
-    trainer = Trainer(cfg, model, optimizer, train_loader, _val_factory(val_ds, cfg), device=device,
-                      amp_dtype=amp_dtype, run_dir=run_dir, config_yaml=config_yaml,
-                      tokenizer_dir=prepared.tokenizer_dir,
-                      flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len), mesh=mesh,
-                      engine=engine, pipeline=pipeline)
-    result = trainer.fit(log=log)  # 4. fit
-    if mesh.is_main:
-        with naming(run_dir / LAST_STOP):
-            write_text_atomic(run_dir / LAST_STOP, json.dumps({
-                "stopped_by": result.stopped_by, "step": result.state.step, "max_steps": t.max_steps,
-                "checkpoint": result.last_checkpoint.name if result.last_checkpoint else None}) + "\n")
-    log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
-    if result.final_val_loss is not None:
-        log(f"final val_loss {result.final_val_loss:.4f}")
-    log(f"run directory:  {run_dir.resolve()}")
-    log(f"metrics:        {(run_dir / 'metrics.jsonl').resolve()}")
-    log(f"tensorboard:    tensorboard --logdir {(run_dir / 'tensorboard').resolve()}")
-    log(f"checkpoint:     {result.last_checkpoint.resolve() if result.last_checkpoint else None}")
-    log(f"data+tokenizer: {prepared.out_dir.resolve()}")
-    if result.state.step < t.max_steps:
-        log("run the same command again to resume")
-    return result, model
 
 
 def _checkpoint_for_inference(args) -> Path:
@@ -236,17 +88,17 @@ def _checkpoint_for_inference(args) -> Path:
 
 
 def cmd_eval(args) -> int:
-    from .probes import attention_sink
+    from .train.probes import attention_sink
 
     ckpt = _checkpoint_for_inference(args)
     cfg, model, _tok, device = load_for_inference(ckpt, parse_overrides(args.overrides))
     prepare_data(cfg.data, log=_log)
     val_ds = build_dataset(cfg.data, "val")
     n = args.batches or cfg.train.eval_batches
-    loss = evaluate(model, _val_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
+    loss = evaluate(model, val_loader_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
     result = {"checkpoint": str(ckpt), "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
               "batches": n, "tokens": n * cfg.train.micro_batch_size * cfg.data.seq_len}
-    sink = attention_sink(model, _val_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
+    sink = attention_sink(model, val_loader_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
     if sink:  # attention layers: mean probability on each document's first token (train/probes.py)
         result["attention_sink"] = sink
     if cfg.data.synthetic.task:  # a generated task: accuracy at the training length and at longer ones
@@ -274,7 +126,7 @@ def cmd_sample(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .hf.export import export, resolve_checkpoint
+    from .train.hf.export import export, resolve_checkpoint
 
     check_output_dir(Path(args.out), f"--out {args.out}", empty=True)
     ckpt = resolve_checkpoint(Path(args.path))
@@ -285,7 +137,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from .plan import (
+    from .train.plan import (
         Hardware,
         compare,
         format_table,
@@ -329,7 +181,7 @@ def _suggest(cfg, args) -> int:
     """plan --suggest: hyperparameters for the budget from the scaling laws (train/suggest.py)."""
     from hybridtron.model.lm import GatedLM
 
-    from .suggest import describe_fit, fits_from_sweeps, format_suggestion, read_sweeps, suggest
+    from .train.suggest import describe_fit, fits_from_sweeps, format_suggestion, read_sweeps, suggest
 
     p = cfg.parallel
     dp = max(1, args.nodes * args.gpus_per_node // (p.tp * p.pp * p.cp))
@@ -350,16 +202,16 @@ def _suggest(cfg, args) -> int:
 
 
 def cmd_ablate(args) -> int:
-    from .ablate import run_ablation
-    from .probes import attention_sink
+    from .train.ablate import run_ablation
+    from .train.probes import attention_sink
 
     def probe(cfg, model):  # a finished run's attention sink, on its evaluation batches
         device = next(model.parameters()).device
-        sink = attention_sink(model, _val_factory(build_dataset(cfg.data, "val"), cfg), cfg.train.eval_batches,
+        sink = attention_sink(model, val_loader_factory(build_dataset(cfg.data, "val"), cfg), cfg.train.eval_batches,
                               device, autocast_dtype(cfg.train, device))
         return {"attention_sink": sink} if sink else {}
 
-    run_ablation(args, train_run, log=_log, probe=probe)
+    run_ablation(args, log=_log, probe=probe)
     return 0
 
 
@@ -369,8 +221,8 @@ def cmd_kernels(args) -> int:
     from hybridtron.kernels import tune
     from hybridtron.kernels.tune_report import markdown, measure_peaks, rows
 
-    from .device import select_device
-    from .kernel_choice import measure_preset
+    from .train.device import select_device
+    from .train.kernel_choice import measure_preset
 
     cfg = load_config(args.config or DEFAULT_PRESET, parse_overrides(args.overrides))
     device = select_device(cfg.train)
