@@ -9,7 +9,7 @@ model, with flash-linear-attention's kernels installed, training the same config
 
 The two models:
 
-- ours: ``GatedLM`` built as ``hybridtron train`` builds it (``train/build.build_model``: activation
+- ours: ``GatedLM`` built as ``hybridtron train`` builds it (``train/build.build_model``, then ``parallelize``: activation
   checkpointing and ``torch.compile`` of each block as asked, the preset's ``model.kernels``, i.e. ``auto``:
   our Triton kernels and flash-attn where they run, the torch references elsewhere);
 - transformers': the class ``hybridtron export`` writes for the preset (``Qwen3_5ForCausalLM`` for a dense
@@ -109,8 +109,12 @@ def load(preset: str, seq: int, batch: int, layers: int, ckpt: str, compile_: bo
 # ---- the two models --------------------------------------------------------------------------------
 def build_ours(cfg: JobConfig, vocab: int, device: torch.device) -> torch.nn.Module:
     from hybridtron.train.build import build_model
+    from hybridtron.train.parallel.mesh import Mesh
+    from hybridtron.train.parallel.parallelize import parallelize
 
-    return build_model(cfg, vocab, device).train()
+    model = build_model(cfg, vocab, device)
+    parallelize(model, cfg, Mesh())  # one process: recomputation and compile as the run applies them
+    return model.train()
 
 
 def build_hf(ours: torch.nn.Module, cfg: JobConfig, vocab: int, device: torch.device, attn: str) -> torch.nn.Module:

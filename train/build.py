@@ -15,7 +15,7 @@ from hybridtron.model import GatedLM
 from .checkpoint import DEEPSPEED, SHARDED, STEP_RE, CheckpointError, CheckpointManager, verify_manifest
 from .device import select_device
 from .model_hooks import structure_for_step
-from .parallel.mesh import launch_world
+from .parallel.mesh import Mesh, launch_world
 from .parallel.parallelize import parallelize
 
 
@@ -24,12 +24,12 @@ def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int
     """The model as it is at training step ``step`` (structure that changes with the step, such as
     self-guided FFN weights leaving the model, is applied), ready for a checkpoint of that step. ``cut``: drops
     the parts another rank holds (pipeline parallel) before any weight is allocated. ``guide``: whether the
-    checkpoint to be loaded holds the self-guided dense guide (`saved_guide`); None: what the step says."""
+    checkpoint to be loaded holds the self-guided dense guide (`saved_guide`); None: what the step says. The model
+    is plain: ``parallel.parallelize`` applies the layout, recomputation and compile afterwards."""
     with torch.device("meta"):
         model = GatedLM(cfg.model, vocab_size)
     if cut is not None:
         cut(model)
-    model = parallelize(model, cfg.train)
     model.to_empty(device=device)
     torch.manual_seed(cfg.train.seed)
     model.init_weights()
@@ -121,6 +121,7 @@ def load_for_inference(ckpt: Path, overrides: list[tuple[str, str]] = ()):
     device = select_device(cfg.train)
     cfg.train.activation_checkpointing = "none"
     model = model_for_checkpoint(cfg, cfg.model.vocab_size, device, ckpt)
+    parallelize(model, cfg, Mesh())  # one process: only train.compile applies (no recomputation in inference)
     CheckpointManager.load(ckpt, model, optimizer=None, restore_rng_state=False, verify=False)
     inference_structure(model, cfg, checkpoint_step(ckpt))
     return cfg, model, tokenizer, device

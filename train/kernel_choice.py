@@ -70,10 +70,13 @@ def measure_preset(cfg, device: torch.device, log=print) -> None:
 
     from .build import build_model
     from .device import autocast_context, autocast_dtype
+    from .parallel.mesh import Mesh
+    from .parallel.parallelize import parallelize
 
     small = model_for_kernels(cfg)
     vocab = small.model.resolve_vocab(small.data.tokenizer.vocab_size)
     model = build_model(small, vocab, device)
+    parallelize(model, small, Mesh())  # as one process of the run would run it (recomputation, compile)
     B, T = small.train.micro_batch_size, small.data.seq_len
     g = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, vocab, (B, T), generator=g, device=device)

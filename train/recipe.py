@@ -24,12 +24,9 @@ from hybridtron.model import GatedLM, flops_per_token
 from .build import checkpoint_step, model_for_checkpoint, select_rank_device
 from .checkpoint import CheckpointManager
 from .device import autocast_dtype
-from .model_hooks import self_guided_end_step
 from .optim import build_optimizer
-from .parallel.context_parallel import apply_context_parallel
-from .parallel.expert_parallel import apply_expert_parallel
 from .parallel.mesh import Mesh, launch_world
-from .parallel.parallelize import apply_data_parallel, apply_tensor_parallel, data_parallel_summary
+from .parallel.parallelize import parallelize
 from .run_dir import LAST_STOP, check_resume_compatible, check_resume_tokenizer, check_run_paths, naming
 from .run_lock import hold_run_dir
 from .trainer import FitResult, Trainer
@@ -132,36 +129,15 @@ def build_run(cfg: JobConfig, run_dir: Path, mesh: Mesh, device: torch.device, l
     sizes = (f"{whole.num_params() / 1e6:.2f}M parameters ({whole.num_params(exclude_embeddings=True) / 1e6:.2f}M "
              f"non-embedding, {whole.num_active_params() / 1e6:.2f}M active)")  # before ZeRO-3 partitions them
     amp_dtype = autocast_dtype(t, device)
-    engine = pipeline = None
-    if cfg.parallel.engine == "deepspeed":
+    # 3. parallelize: pipeline stages, tensor, expert, context parallel, recomputation, compile, data parallel
+    pipeline = parallelize(model, cfg, mesh, device, amp_dtype, log)
+    engine = None
+    optimizer = build_optimizer(model, t)
+    if cfg.parallel.engine == "deepspeed":  # its own data parallel: ZeRO partitions, bf16, offload
         from .parallel.deepspeed_engine import initialize
 
-        optimizer = build_optimizer(model, t)
-        engine = initialize(model, optimizer, cfg, mesh, device, run_dir)  # ZeRO partitions, bf16, offload: its own
+        engine = initialize(model, optimizer, cfg, mesh, device, run_dir)
         optimizer = engine.optimizer
-    else:
-        # 3. parallelize
-        if mesh.pp > 1:  # cut into this rank's pipeline stages first: every later step sees only its part
-            from .parallel.pipeline import Pipeline
-
-            pipeline = Pipeline(cfg, model, mesh, device, cfg.model.vocab_size)
-            log(f"pipeline: {len(pipeline.ranges)} stages of layers "
-                f"{', '.join(f'{r.start}-{r.stop - 1}' for r in pipeline.ranges)}, schedule {cfg.parallel.pp_schedule}, "
-                f"{t.grad_accum_steps} micro-batches per step")
-        apply_tensor_parallel(model, mesh)  # TP/SP first, then data parallel over the other dimension
-        apply_expert_parallel(model, mesh)  # each rank keeps its experts; data parallel leaves them alone
-        apply_context_parallel(model, mesh)  # each rank runs its piece of every sequence
-        # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
-        apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
-                            params_may_leave=self_guided_end_step(cfg) is not None,
-                            roots=pipeline.stages if pipeline is not None else None,
-                            offload=cfg.parallel.offload == "cpu")
-        summary = data_parallel_summary(model)
-        if summary:
-            log(summary)
-        if pipeline is not None:
-            pipeline.finish()
-        optimizer = build_optimizer(model, t)
     log(f"model: {sizes}, device {device}, {len(train_ds)} train / "
         f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
         + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}, cp={mesh.cp}, zero_stage={mesh.zero_stage}"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridtron.configs import ConfigError, TrainConfig, load_config
+from hybridtron.configs import ConfigError, load_config
+from hybridtron.train.parallel.mesh import Mesh
 from hybridtron.train.parallel.parallelize import apply_compile, parallelize
 
 from .test_model_kernels import batch, build, loss_and_grads
@@ -17,11 +18,11 @@ pytest.importorskip("triton")
 def test_parallelize_compiles_each_block_in_place():
     model = build("dense", "reference")
     names = list(model.state_dict())
-    parallelize(model, TrainConfig(compile=True))
+    parallelize(model, load_config("tiny", [("train.compile", "true")]), Mesh())
     assert all(block._compiled_call_impl is not None for block in model.layers)
     assert list(model.state_dict()) == names
     plain = build("dense", "reference")
-    parallelize(plain, TrainConfig())
+    parallelize(plain, load_config("tiny"), Mesh())
     assert all(block._compiled_call_impl is None for block in plain.layers)
 
 

@@ -10,10 +10,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train import trainer as trainer_mod
+from hybridtron.train import step as step_mod
 from hybridtron.train.build import build_model
 from hybridtron.train.device import step_weight_casts
 from hybridtron.train.metrics import read_metrics
+from hybridtron.train.parallel.mesh import Mesh
+from hybridtron.train.parallel.parallelize import parallelize
 from hybridtron.train.plan import plan_table
 
 SMALL = [("model.n_layers", "4"), ("model.d_model", "64"), ("model.n_heads", "4"), ("model.n_kv_heads", "2"),
@@ -37,6 +39,7 @@ def _grads_and_matmuls(mode: str, every: int = 1):
     cfg = load_config("tiny", [*SMALL, ("train.activation_checkpointing", mode),
                                ("train.activation_checkpointing_every", str(every))])
     model = build_model(cfg, 256, torch.device("cpu"))
+    parallelize(model, cfg, Mesh())
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     loss = model(ids, None, labels=ids)
     counter = _Count(lambda f, a, k: f._schema.name in MATMULS)
@@ -106,7 +109,7 @@ def _train_counting_casts(monkeypatch, small_data_dir, cli_args, run, once_per_s
             self.inner.__exit__(*exc)
             counter.__exit__(*exc)
 
-    monkeypatch.setattr(trainer_mod, "step_weight_casts", Counted)
+    monkeypatch.setattr(step_mod, "step_weight_casts", Counted)
     extra = ["--train.max_steps", "2", "--train.warmup_steps", "1", "--train.grad_accum_steps", "3",
              "--train.dtype", "bf16", "--train.eval_every", "0", "--checkpoint.every", "0"]
     assert main(cli_args(small_data_dir, run, extra)) == 0

@@ -1,10 +1,9 @@
 """Apply execution strategies to a single-device model from the outside.
 
-The model under ``model/`` knows nothing of devices, precision or recomputation. This module applies them
-so that at run time they nest in one fixed order: TP/SP innermost, then activation checkpointing, then
-compile, then data parallel outermost. Activation checkpointing and compile wrap each block while the model
-is still on the meta device (``parallelize``); the tensor-parallel plans reach inside those wrappers
-(``apply_tensor_parallel``), and FSDP2 / DDP wrap the result (``apply_data_parallel``). Data parallel:
+The model under ``model/`` knows nothing of devices, precision or recomputation. ``parallelize`` (at the end of
+this file) applies them in one fixed order: pipeline stages, tensor (sequence) parallel, expert parallel, context
+parallel, activation checkpointing, compile, data parallel, so that at run time they nest with TP/SP innermost and
+data parallel outermost. Data parallel:
 
 - ``parallel.zero_stage: 0`` -- the model is replicated (torch's composable ``replicate``, DDP underneath:
   gradients all-reduced in buckets during backward). Parameter names and the module class stay as they are.
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from hybridtron.configs import TrainConfig
+from hybridtron.configs import JobConfig, TrainConfig
 
 # Selective activation checkpointing keeps the outputs of the ops that are expensive to recompute and
 # recomputes the rest of a block (norms, rotary, activations, gates, residual adds: memory-bound ops whose
@@ -84,6 +83,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every: 
     if mode not in ("full", "selective"):
         raise ValueError(f"activation checkpointing mode {mode!r}: use none, full or selective")
     for i, block in enumerate(model.layers):
+        if block is None:  # a layer another pipeline rank holds
+            continue
         if mode == "selective":
             model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False,
                                                  context_fn=selective_checkpoint_context)
@@ -98,16 +99,8 @@ def apply_compile(model: nn.Module, **compile_kwargs) -> None:
     implementations, so they cause no graph breaks; fullgraph stays off so a layer that does break (MoE's
     data-dependent routing) still runs. compile_kwargs go to torch.compile (tests: a cheaper backend)."""
     for block in model.layers:
-        block.compile(**compile_kwargs)
-
-
-def parallelize(model: nn.Module, cfg: TrainConfig) -> nn.Module:
-    """What is applied before the weights exist (on the meta device): activation checkpointing
-    (train.activation_checkpointing), then torch.compile of each block (train.compile)."""
-    apply_activation_checkpointing(model, checkpointing_mode(cfg), cfg.activation_checkpointing_every)
-    if cfg.compile:
-        apply_compile(model)
-    return model
+        if block is not None:  # (None: a layer another pipeline rank holds)
+            block.compile(**compile_kwargs)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
@@ -298,3 +291,58 @@ def _by_mesh(params) -> dict[int, list[torch.Tensor]]:
     for p in params:
         out.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
     return out
+
+
+def parallelize(model: nn.Module, cfg: JobConfig, mesh, device: torch.device | None = None,
+                amp_dtype: torch.dtype | None = None, log=None, data_parallel: bool = True):
+    """Apply the run's parallel layout and execution strategies to ``model`` (built and initialised, a pipeline rank's
+    model already cut to its stages by ``pipeline.rank_cut``), in place and in this one order:
+
+    1. pipeline: the rank's stage modules over the cut model (parallel.pp > 1)
+    2. tensor (with sequence) parallel: DTensor plans over the tp dimension (parallel.tp)
+    3. expert parallel: each rank keeps its experts (parallel.ep)
+    4. context parallel: each rank runs its piece of every sequence (parallel.cp)
+    5. activation checkpointing of the blocks (train.activation_checkpointing)
+    6. torch.compile of each block (train.compile)
+    7. data parallel: DDP or FSDP2 over the data ranks, outermost (parallel.zero_stage, dp_shard, offload)
+
+    Returns the Pipeline (or None). With parallel.engine=deepspeed, step 7 is DeepSpeed's (train/parallel/
+    deepspeed_engine.py). ``data_parallel=False`` stops before step 7 and leaves the pipeline's schedules unbuilt:
+    the planner counts the rank's parameters there, then applies its own data parallel and ``pipeline.finish()``.
+    A one-process mesh (``Mesh()``) applies steps 5 and 6 only."""
+    log = log or (lambda _msg: None)
+    t = cfg.train
+    pipeline = None
+    if mesh.pp > 1:
+        from .pipeline import Pipeline
+
+        pipeline = Pipeline(cfg, model, mesh, device, model.vocab_size)
+        log(f"pipeline: {len(pipeline.ranges)} stages of layers "
+            f"{', '.join(f'{r.start}-{r.stop - 1}' for r in pipeline.ranges)}, schedule {cfg.parallel.pp_schedule}, "
+            f"{t.grad_accum_steps} micro-batches per step")
+    apply_tensor_parallel(model, mesh)
+    from .context_parallel import apply_context_parallel
+    from .expert_parallel import apply_expert_parallel
+
+    apply_expert_parallel(model, mesh)
+    apply_context_parallel(model, mesh)
+    apply_activation_checkpointing(model, checkpointing_mode(t), t.activation_checkpointing_every)
+    if t.compile:
+        apply_compile(model)
+    if pipeline is not None:  # the stages run the (now wrapped) blocks of the model they were cut from
+        pipeline.relink_layers()
+    if not data_parallel or cfg.parallel.engine != "torch":
+        return pipeline
+    from ..model_hooks import self_guided_end_step
+
+    # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
+    apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
+                        params_may_leave=self_guided_end_step(cfg) is not None,
+                        roots=pipeline.stages if pipeline is not None else None,
+                        offload=cfg.parallel.offload == "cpu")
+    summary = data_parallel_summary(model)
+    if summary:
+        log(summary)
+    if pipeline is not None:
+        pipeline.finish()
+    return pipeline

@@ -194,6 +194,14 @@ class Pipeline:
         self.schedule = self._eval_schedule = None  # built by ``finish`` once data parallel wraps the stages
         self._warm = False
 
+    def relink_layers(self) -> None:
+        """Point the stages at the model's blocks again, after activation checkpointing replaced them by wrappers
+        (``parallelize``): a stage holds the very modules of the model it was cut from."""
+        for stage in self.stages:
+            for i, layer in stage.layers._modules.items():
+                if layer is not None:
+                    stage.layers._modules[i] = self.model.layers[int(i)]
+
     def finish(self) -> None:
         """Build the schedules over the (now tensor/data parallel) stage modules."""
         from torch.distributed.pipelining import (

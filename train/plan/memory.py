@@ -229,27 +229,18 @@ def fake_world(cfg: JobConfig, world: int, rank: int):
 
 def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp: torch.dtype | None):
     """(model, pipeline or None, optimizer, the modules that run forward, ``rank_facts``) of ``mesh``'s rank,
-    built as ``cli._train_run`` builds them, in its order. ZeRO-0 stays unwrapped (module docstring); ``amp``:
+    built as train/recipe.py builds them, in its order. ZeRO-0 stays unwrapped (module docstring); ``amp``:
     the autocast dtype FSDP's mixed precision follows."""
     from hybridtron.model import GatedLM
 
     from ..optim import build_optimizer
-    from ..parallel.context_parallel import apply_context_parallel
-    from ..parallel.expert_parallel import apply_expert_parallel
-    from ..parallel.parallelize import apply_data_parallel, apply_tensor_parallel, parallelize
+    from ..parallel.parallelize import apply_data_parallel, parallelize
 
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
-        model = parallelize(GatedLM(cfg.model, vocab), cfg.train)
+        model = GatedLM(cfg.model, vocab)
         model.init_weights()
-    pipeline = None
-    if mesh.pp > 1:
-        from ..parallel.pipeline import Pipeline
-
-        pipeline = Pipeline(cfg, model, mesh, device, vocab)
-    apply_tensor_parallel(model, mesh)
-    apply_expert_parallel(model, mesh)
-    apply_context_parallel(model, mesh)
+    pipeline = parallelize(model, cfg, mesh, device, amp, data_parallel=False)  # the trainer's order, up to DP
     facts = rank_facts(cfg, model, pipeline)  # before FSDP shards what data parallelism exchanges
     roots = pipeline.stages if pipeline is not None else [model]
     if mesh.zero_stage >= 2:
