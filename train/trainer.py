@@ -30,8 +30,8 @@ from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
 from .parallel.context_parallel import local_piece
 from .parallel.expert_parallel import sync_expert_grads
+from .parallel.grad_norm import clip_grad_norm
 from .parallel.mesh import Mesh
-from .parallel.parallelize import clip_grad_norm
 from .run_dir import STOP_REQUEST
 from .schedule import Plan, resume_plan
 from .spike import SpikeGuard

@@ -20,8 +20,8 @@ from hybridtron.configs import ConfigError, JobConfig
 
 from ..device import autocast_context, autocast_dtype
 from ..parallel.context_parallel import local_piece
+from ..parallel.grad_norm import clip_grad_norm
 from ..parallel.mesh import Mesh
-from ..parallel.parallelize import clip_grad_norm
 from .collectives import CollectiveBytes
 
 GIB = 1 << 30
