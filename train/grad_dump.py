@@ -14,10 +14,7 @@ from hybridtron.configs import ConfigError
 
 from .model_order import canonical_name, from_row_order
 from .run_dir import naming
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+from .step import whole
 
 
 class GradDump:
@@ -44,7 +41,7 @@ class GradDump:
             for name, p in trainer.model.named_parameters():
                 name = canonical_name(name)  # without activation checkpointing's and torch.compile's wrappers
                 if name in self.names and p.grad is not None:
-                    g = _whole(p.grad.detach())  # FSDP / TP / EP shards gathered (a collective over p's mesh)
+                    g = whole(p.grad.detach())  # FSDP / TP / EP shards gathered (a collective over p's mesh)
                     # clone: DDP's gradient is a view of its bucket, which torch.save would write whole
                     mine[name] = from_row_order(trainer.model, name, g).float().cpu().clone()
         if mesh.pp > 1:  # a stage's parameters live on its ranks only: the first rank of each stage sends them

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from hybridtron.data_pipeline.synthetic import IGNORE as IGNORE_INDEX  # a position without a label
+
 from .device import autocast_context, step_weight_casts
 from .parallel.context_parallel import local_piece
-
-IGNORE_INDEX = -100  # the cross-entropy's ignore_index: a position without a label
 
 
 def micro_batches(loader, accum: int, mesh) -> list[dict]:
@@ -55,9 +55,12 @@ def loss_weights(batches: list[dict], mesh) -> list[float | None]:
     return weights
 
 
+def _keys(doc_mask: bool) -> tuple[str, ...]:
+    return ("input_ids", "labels", "doc_ids") if doc_mask else ("input_ids", "labels")
+
+
 def _to(batch: dict, device, doc_mask: bool) -> dict:
-    keys = ("input_ids", "labels", "doc_ids") if doc_mask else ("input_ids", "labels")
-    return {k: batch[k].to(device, non_blocking=True) for k in keys}
+    return {k: batch[k].to(device, non_blocking=True) for k in _keys(doc_mask)}
 
 
 def _weight(c: float | None, device) -> dict:
@@ -65,8 +68,8 @@ def _weight(c: float | None, device) -> dict:
     return {} if c is None else {"loss_weight": torch.tensor(c, dtype=torch.float32, device=device)}
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (a tensor-parallel loss) as a plain tensor; others as they are."""
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (a tensor-parallel loss, a sharded gradient or norm) as a plain tensor; others as they are."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -93,7 +96,7 @@ def run_torch(model, batches: list[dict], weights: list[float | None], *, device
             with autocast_context(device, amp_dtype):
                 loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"], **_weight(c, device))
             (loss / accum).backward()
-            loss_sum += _whole(loss.detach()).float()
+            loss_sum += whole(loss.detach()).float()
     return (loss_sum / accum).item()
 
 
@@ -102,7 +105,7 @@ def run_pipeline(pipeline, batches: list[dict], weights: list[float | None], *, 
     """The micro-batches through the pipeline schedule (forwards and backwards interleaved over the stages); the
     last stage weighs each micro-batch's loss. Returns this rank's loss (module docstring), summed over the
     stages, not yet averaged over the data ranks."""
-    b = {k: torch.cat([p[k] for p in batches]) for k in _to(batches[0], "cpu", doc_mask)}
+    b = {k: torch.cat([p[k] for p in batches]) for k in _keys(doc_mask)}
     if any(c is not None for c in weights):  # one weight per row: the schedule cuts kwargs into micro-batches
         rows = [torch.full((len(p["input_ids"]),), 1.0 if c is None else c, dtype=torch.float32)
                 for p, c in zip(batches, weights, strict=True)]

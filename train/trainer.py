@@ -35,6 +35,7 @@ from .parallel.mesh import Mesh
 from .run_dir import STOP_REQUEST
 from .schedule import Plan, resume_plan
 from .spike import SpikeGuard
+from .step import whole
 
 
 class NonFiniteLossError(RuntimeError):
@@ -82,11 +83,6 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor (a tensor-parallel loss, an FSDP or TP gradient norm) as a plain tensor; others as they are."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def _quiet(*_a, **_k) -> None:
     pass
 
@@ -123,7 +119,7 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
             if pipeline is not None:
                 total += pipeline.eval_loss(b)
             else:
-                total += _whole(model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])).float().item()
+                total += whole(model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])).float().item()
     model.train(was_training)
     if mesh is not None and mesh.cp > 1:  # each context-parallel rank saw its piece of the sequences
         return mesh.mean(total / n_batches)
