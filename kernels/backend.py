@@ -22,6 +22,10 @@ where no measurement may run (inside a torch.compile trace), the first runnable 
 explicit backend that cannot run where it is asked is refused with a `BackendError` naming the op, the
 device, why, and what to choose instead -- never silently replaced by another.
 
+Before a run builds anything, `admissible` answers the same questions for the model's sizes (kernels/limits.py:
+the chunk sizes, head dims and filter widths each backend takes): the job's layout check asks it
+(train/parallel/layout.py), so a config no backend on the device can run stops at load, not at the first forward.
+
 Op folders follow one layout (``kernels/<op>/``): ``reference.py`` (pure torch), ``triton_kernels.py``
 (the ``@triton.jit`` kernels and their launchers; imported lazily, so the package works without triton),
 ``op.py`` (torch custom ops with fake implementations, an ``autograd.Function``, and the public function
@@ -34,8 +38,11 @@ import contextlib
 import functools
 import importlib.util
 import os
+from collections.abc import Mapping
 
 import torch
+
+from . import limits
 
 BACKENDS = ("reference", "triton", "sdpa", "flex", "flash-attn", "fla", "causal-conv1d")
 CHOICES = ("auto", *BACKENDS)
@@ -101,6 +108,11 @@ def _device_type(device: str | torch.device | None) -> str:
     if device is None or str(device) == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(device).type
+
+
+def device_type_of(device: str | None) -> str:
+    """The device type of a ``train.device`` value (auto, cpu, cuda, cuda:N): auto is CUDA when one is visible."""
+    return _device_type(device)
 
 
 def triton_unavailable_reason(device: str | torch.device | None = None) -> str | None:
@@ -194,6 +206,52 @@ def resolve(op: str, requested: str = "auto", device: str | torch.device | None 
     return requested
 
 
+def _runs_elsewhere(backend: str, device_type: str) -> str | None:
+    """`unavailable_reason` for a device of ``device_type`` on another machine (a cluster's node): a CUDA device is
+    taken as present there, and what is installed here as installed there."""
+    if device_type != "cuda" or backend in ("reference", "sdpa"):
+        return unavailable_reason(backend, device_type)
+    if backend == "triton":
+        return None if triton_installed() else triton_unavailable_reason(device_type)
+    if backend == "flex":
+        return flex_unavailable_reason(device_type)
+    module, how = PEERS[backend]
+    return None if installed(module) else f"the {module} package is not installed ({how})"
+
+
+def admissible(op: str, requested: str, device_type: str, sizes: Mapping, *, here: bool = True) -> tuple[str, ...]:
+    """The backends that may run ``op`` for a model of ``sizes`` (kernels/limits.py) on ``device_type``, refused
+    before anything is built: BackendError naming the field and what to choose instead.
+
+    An explicit backend must run on the device (``here``: this machine's; else one of that type elsewhere, see
+    `_runs_elsewhere`) and take the sizes. ``auto`` takes, on CUDA, the backends of AUTO_ORDER that run there and
+    take the sizes (kernels/tune.py measures among them), the reference last; when every kernel that runs there
+    refuses the sizes it is refused too, rather than running the pure-torch formula on a GPU unasked (the
+    reference stays a choice: ``model.kernels.<op>=reference``). Elsewhere ``auto`` is the reference."""
+    check_choice(op, requested)
+    if requested != "auto":
+        if here:
+            resolve(op, requested, device_type)  # BackendError when it cannot run on this machine's device
+        elif (why := _runs_elsewhere(requested, device_type)) is not None:
+            raise BackendError(f"model.kernels.{op}={requested} cannot run on {device_type}: {why}. Choose "
+                               f"model.kernels.{op}=auto or reference")
+        why = limits.refusal(op, requested, sizes)
+        if why is not None:
+            raise BackendError(f"model.kernels.{op}={requested}: {why}; change that, or choose model.kernels.{op}="
+                               f"auto or reference")
+        return (requested,)
+    if _device_type(device_type) != "cuda":
+        return ("reference",)
+    runs = [b for b in AUTO_ORDER[op] if b != "reference"
+            and (unavailable_reason(b, device_type) if here else _runs_elsewhere(b, device_type)) is None]
+    refused = {b: why for b in runs if (why := limits.refusal(op, b, sizes)) is not None}
+    if runs and len(refused) == len(runs):
+        raise BackendError(
+            f"model.kernels.{op}=auto on {device_type}: no kernel takes this model ({'; '.join(refused.values())}); "
+            f"change that, or choose model.kernels.{op}=reference to run the pure-torch formula on purpose")
+    return (*(b for b in runs if b not in refused), "reference")
+
+
 _resolved: dict[tuple[str, str, str], str] = {}
 _forced: dict[tuple[str, str], str] = {}  # (op, device type) -> backend, while `forced` holds
 
@@ -201,7 +259,7 @@ _forced: dict[tuple[str, str], str] = {}  # (op, device type) -> backend, while 
 @contextlib.contextmanager
 def forced(choices: dict[str, str], device_type: str):
     """Within: every request of the ops in ``choices`` on ``device_type`` (auto or explicit) runs the given backend,
-    unchecked. For the memory planner's fake run (train/plan.py), whose CPU tensors must take the GPU's kernels
+    unchecked. For the memory planner's fake run (train/plan/memory.py), whose CPU tensors must take the GPU's kernels
     (their custom ops' fake implementations give the shapes, no kernel runs)."""
     saved = dict(_forced)
     _forced.update({(op, device_type): b for op, b in choices.items()})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import BackendError, pick_for
+from ..limits import FLASH_ATTN_MAX_D
 from ..shape_classes import attention_shape, gate_kind
 from .checks import check_shapes as _check
 from .reference import doc_bounds, gated_attention_reference
@@ -127,9 +128,9 @@ def _flash_attn(q, k, v, gate, cu_seqlens, doc_ids, scale, B, T):
             f"gated_attention (flash-attn): flash-attn computes in float16/bfloat16 only; got q {q.dtype}, k {k.dtype}, "
             f"v {v.dtype}. Run under autocast, or use model.kernels.attention=triton or reference"
         )
-    if D > 256 or D % 8:
+    if D > FLASH_ATTN_MAX_D or D % 8:
         raise BackendError(f"gated_attention (flash-attn): head_dim={D} is not supported by flash-attn (a multiple of "
-                           f"8 up to 256); use model.kernels.attention=triton or reference")
+                           f"8 up to {FLASH_ATTN_MAX_D}); use model.kernels.attention=triton or reference")
     if q.dim() == 4 and cu_seqlens is None and doc_ids is None:
         attn = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
     else:

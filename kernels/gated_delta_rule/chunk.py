@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ..limits import CHUNK_SIZES, MAX_DK
 from .inputs import check_inputs
 
-CHUNK_SIZES = (16, 32, 64)
-MAX_DK = 256  # the kernels keep a whole key row (the L2 norm needs it) in one register tile
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 

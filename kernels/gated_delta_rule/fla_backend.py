@@ -29,10 +29,9 @@ from __future__ import annotations
 import torch
 
 from ..backend import BackendError
+from ..limits import FLA_CHUNK_SIZES, FLA_MAX_DK
 from .inputs import check_inputs
 
-FLA_CHUNK_SIZES = (16, 32, 64)  # what chunk_gated_delta_rule accepts; its DeltaProduct always runs 64
-FLA_MAX_DK = 256  # fla's state kernels hold the (Dk, BV) state in at most four 64-row register blocks
 _INSTEAD = "choose model.kernels.delta_rule=triton or reference"
 
 

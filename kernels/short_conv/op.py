@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..backend import pick_for, starts_from_cu_seqlens
+from ..limits import MAX_K
 from ..shape_classes import conv_shape
 from .checks import check_shapes as _check
 from .reference import short_conv_reference
@@ -78,8 +79,6 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | No
 
         return peer_short_conv(x, weight, doc_ids, backend=chosen)  # (a peer auto measured may take a wide filter)
     if chosen != "reference":  # our kernel (decoding steps too, whichever peer auto chose)
-        from .triton_kernels import MAX_K
-
         if K > MAX_K and chosen == "triton" and backend == "auto":
             chosen = "reference"
         elif K > MAX_K:

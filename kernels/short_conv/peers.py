@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from ..backend import BackendError
+from ..limits import CAUSAL_CONV1D_WIDTHS
 from .checks import check_shapes
 
 PEERS = ("causal-conv1d", "fla")
-CAUSAL_CONV1D_WIDTHS = (2, 3, 4)  # causal_conv1d_fn's kernels are instantiated for these widths only
 CAUSAL_CONV1D_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INSTEAD = "choose model.kernels.conv=triton or reference"
 

@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from ..backend import check_interpreted
+from ..limits import MAX_K
 from ..triton_utils import compute_dtype, fast_math, interpreted, sigmoid
 
-MAX_K = 4  # filter widths the kernels take: their K-1 row window lives in registers (causal-conv1d's are 2-4 too)
 R = 4  # chunks a program walks side by side
 BC = 128  # channels per program: 256 contiguous bytes of bf16 per row
 UNROLL = tl.constexpr(3)  # K-1 window steps per unrolled body: the window shifts become register renames
