@@ -288,6 +288,8 @@ class ParallelConfig:
     pp_stages_per_rank: int = 1
 
     def validate(self) -> None:
+        """Each field on its own; how they combine with each other, the world size and the rest of the job is the
+        layout's (train/parallel/layout.py), checked before a run allocates anything."""
         if self.dp == 0 or self.dp < -1:
             raise ConfigError(f"parallel.dp={self.dp} must be a positive integer, or -1 (what tp x pp x cp leave)")
         for name in ("tp", "pp", "ep", "cp"):
@@ -300,38 +302,14 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero_stage={self.zero_stage} must be 0, 1, 2 or 3")
         if self.engine not in ("torch", "deepspeed"):
             raise ConfigError(f"parallel.engine={self.engine!r} must be 'torch' or 'deepspeed'")
-        if self.zero_stage == 1 and self.engine == "torch":
-            raise ConfigError("parallel.zero_stage=1 (optimizer state sharded alone) needs parallel.engine=deepspeed; "
-                              "with the torch engine use parallel.zero_stage=2 (FSDP2: same memory or less) or 0")
-        if self.engine != "deepspeed" and (self.deepspeed_config or self.offload_optimizer):
-            raise ConfigError("parallel.deepspeed_config and parallel.offload_optimizer need parallel.engine=deepspeed")
         if self.deepspeed_config and not Path(self.deepspeed_config).is_file():
             raise ConfigError(f"parallel.deepspeed_config={self.deepspeed_config!r} is not a file; give the path of a "
                               f"DeepSpeed JSON")
-        if self.cp > 1 and self.engine == "deepspeed":
-            raise ConfigError("parallel.cp > 1 works with parallel.engine=torch only; set parallel.engine=torch, or "
-                              "parallel.cp=1 for DeepSpeed")
-        if self.ep > 1 and self.engine == "deepspeed":
-            raise ConfigError("parallel.ep > 1 works with parallel.engine=torch only; set parallel.engine=torch, or "
-                              "parallel.ep=1 for DeepSpeed")
         schedules = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
         if self.pp_schedule not in schedules:
             raise ConfigError(f"parallel.pp_schedule={self.pp_schedule!r} must be one of {', '.join(schedules)}")
-        multi = self.pp_schedule in ("interleaved_1f1b", "zero_bubble")
-        if self.pp_stages_per_rank < 1 or (multi and self.pp_stages_per_rank < 2) or \
-                (not multi and self.pp_stages_per_rank != 1):
-            raise ConfigError(
-                f"parallel.pp_stages_per_rank={self.pp_stages_per_rank} does not fit parallel.pp_schedule="
-                f"{self.pp_schedule}: gpipe and 1f1b run one stage per rank (set 1), interleaved_1f1b and zero_bubble "
-                f"two or more (set 2)")
-        if self.pp > 1 and self.engine == "deepspeed":
-            raise ConfigError("parallel.pp > 1 works with parallel.engine=torch only (torch.distributed.pipelining); "
-                              "set parallel.engine=torch, or parallel.pp=1 for DeepSpeed")
-        if self.tp > 1 and self.engine == "deepspeed":
-            raise ConfigError("parallel.tp > 1 works with parallel.engine=torch only; set parallel.tp=1 for DeepSpeed")
-        if self.dp_shard != -1 and self.engine == "deepspeed":
-            raise ConfigError(f"parallel.dp_shard={self.dp_shard} is FSDP2's hybrid sharding (parallel.engine=torch); "
-                              f"DeepSpeed's own (hpZ / MiCS) is not wired here: set parallel.dp_shard=-1 for DeepSpeed")
+        if self.pp_stages_per_rank < 1:
+            raise ConfigError(f"parallel.pp_stages_per_rank={self.pp_stages_per_rank} must be a positive integer")
 
 
 @dataclass
@@ -343,38 +321,13 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> JobConfig:
+        """Every section's fields, and the sequence length against the rotary table. The rules that tie the layout,
+        the kernels and the device to the job are train/parallel/layout.py's (configs/ imports nothing above it)."""
         self.model.validate()
         self.data.validate()
         self.train.validate()
         self.checkpoint.validate()
         self.parallel.validate()
-        if self.parallel.engine == "deepspeed" and self.train.spike_policy == "skip":
-            raise ConfigError("train.spike_policy=skip is not available with parallel.engine=deepspeed (its engine "
-                              "applies the step before the gradient norm is known); use warn or stop, or the torch "
-                              "engine")
-        if self.parallel.engine == "deepspeed" and self.train.nan_policy == "skip":
-            raise ConfigError("train.nan_policy=skip is not available with parallel.engine=deepspeed (its engine "
-                              "steps on its own count of micro-batches); use train.nan_policy=stop, or the torch engine")
-        if self.parallel.cp > 1 and self.model.kernels.attention in ("triton", "flash-attn"):
-            raise ConfigError(
-                f"model.kernels.attention={self.model.kernels.attention} with parallel.cp={self.parallel.cp}: context "
-                f"parallel attention is ring attention in pure torch, not the fused kernel; set "
-                f"model.kernels.attention=auto (ring attention under context parallelism) or parallel.cp=1")
-        self.model.kernels.check_device(self.train.device)
-        if self.model.deltanet.sparse_attention != "none" and (self.parallel.cp > 1 or self.parallel.tp > 1):
-            raise ConfigError(
-                f"model.deltanet.sparse_attention={self.model.deltanet.sparse_attention} with parallel.cp="
-                f"{self.parallel.cp}, parallel.tp={self.parallel.tp}: the branch's single head reads every value "
-                f"channel at every earlier position, which neither a sequence piece nor a head shard holds; set "
-                f"parallel.cp=1 and parallel.tp=1, or model.deltanet.sparse_attention=none")
-        if self.train.compile and self.parallel.engine == "deepspeed":
-            raise ConfigError("train.compile=true works with parallel.engine=torch only (DeepSpeed wraps the model "
-                              "itself); set train.compile=false or parallel.engine=torch")
-        if self.parallel.tp > 1 and self.model.kernels.norm == "triton":
-            raise ConfigError(
-                f"model.kernels.norm=triton with parallel.tp={self.parallel.tp}: tensor parallelism hands the norms "
-                f"DTensors, which the Triton norm kernel does not take; set model.kernels.norm=auto (the reference "
-                f"under tensor parallelism) or parallel.tp=1")
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds the rotary table model.max_seq_len="

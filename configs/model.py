@@ -196,7 +196,9 @@ class KernelConfig:
     """Which implementation runs each fused op (kernels/backend.py). auto: the fastest correct one on the
     device -- on CUDA, for attention, the delta rule and the short convolution, measured at each shape class
     among ours and the installed peers (kernels/tune.py), for the other ops our Triton kernels; on the CPU the
-    pure-torch reference. An explicit backend that cannot run on the run's device is refused, never replaced.
+    pure-torch reference. An explicit backend that cannot run on the run's device, or that cannot take the model
+    (a chunk size, a head dim), is refused before anything is built -- never replaced: train/parallel/layout.py
+    asks kernels/backend.py, also for the backend auto would take.
     Changing these changes neither the parameters nor the checkpoint layout, only how they are computed."""
 
     norm: KernelBackend = "auto"  # RMSNorm (+ residual add), gated RMSNorm of the delta-rule mixer
@@ -208,25 +210,6 @@ class KernelConfig:
     moe: KernelBackend = "auto"  # MoE token permute (expert-sorted gather) / unpermute (weighted combine)
     delta_rule: KernelBackend = "auto"  # GDN's gated delta rule (chunked, decoding): triton, fla, reference
     hax: KernelBackend = "auto"  # gathered sparse attention of the HAX branch (model.deltanet.sparse_attention)
-
-    def validate(self) -> None:
-        from ..kernels.backend import OPS, BackendError, check_choice
-
-        for op in OPS:
-            try:
-                check_choice(op, getattr(self, op))
-            except BackendError as e:
-                raise ConfigError(str(e)) from None
-
-    def check_device(self, device: str) -> None:
-        """Refuse a backend that cannot run on ``device`` (train.device: auto, cpu, cuda, cuda:N)."""
-        from ..kernels.backend import OPS, BackendError, resolve
-
-        for op in OPS:
-            try:
-                resolve(op, getattr(self, op), device)
-            except BackendError as e:
-                raise ConfigError(f"{e} (train.device={device})") from None
 
 
 @dataclass
@@ -348,10 +331,6 @@ class ModelConfig:
         self.deltanet.validate(self)
         self.moe.validate(self)
         self.ffn.validate(self)
-        self.kernels.validate()
-        if "L" in self.layer_types() and self.kernels.delta_rule == "triton" and self.deltanet.chunk_size not in (16, 32, 64):
-            raise ConfigError(f"model.kernels.delta_rule=triton runs chunks of 16, 32 or 64 steps, not "
-                              f"model.deltanet.chunk_size={self.deltanet.chunk_size}; choose one of those")
         if self.moe.n_experts and self.ffn.kind != "dense":
             # Both replace the same sub-layer; a dense layer under a MoE placement would be structured.
             moe_layers = [i for i in range(self.n_layers) if self.moe.is_moe_layer(i)]

@@ -120,7 +120,7 @@ def check_numbers(args) -> int:
 
 def check_layout(cfg, nodes: int, nproc: int, gpus_per_node: int) -> int:
     """The config's parallel layout on nodes x nproc processes (ConfigError naming both), returns dp."""
-    from hybridtron.train.parallel.mesh import resolve_layout
+    from hybridtron.train.parallel.layout import target_layout
 
     p = cfg.parallel
     world, others = nodes * nproc, p.tp * p.pp * p.cp
@@ -135,7 +135,7 @@ def check_layout(cfg, nodes: int, nproc: int, gpus_per_node: int) -> int:
     if gpus_per_node == 0 and p.backend == "nccl":
         raise ConfigError("parallel.backend=nccl needs GPUs, but --gpus-per-node is 0 (a CPU job); use "
                           "parallel.backend=gloo or auto, or ask for GPUs")
-    return resolve_layout(cfg, world)  # the model-specific checks (tp, pp, self-guided, DeepSpeed)
+    return target_layout(cfg, world).dp  # every layout and kernel rule, for the cluster's devices
 
 
 def check_sources(cfg) -> None:

@@ -120,3 +120,33 @@ def test_the_command_line_sits_above_train_and_slurm():
           for m, deps in graph.items() if m.startswith(("hybridtron.train", "hybridtron.slurm"))}
     assert not any(up.values()), {m: d for m, d in up.items() if d}
     assert {"hybridtron.train.recipe", "hybridtron.slurm.submit"} <= graph["hybridtron.cli"]
+
+
+def test_configs_import_nothing_above_them():
+    """configs/ is the ground floor (issue 29.5): its modules import only each other; the rules that need the
+    kernels or the world size are train/parallel/layout.py's."""
+    graph = import_graph()
+    above = {m: sorted(d for d in deps if not d.startswith("hybridtron.configs"))
+             for m, deps in graph.items() if m.startswith("hybridtron.configs")}
+    assert "hybridtron.configs.job" in above and not any(above.values()), {m: d for m, d in above.items() if d}
+
+
+def _imports_torch(module: str) -> bool:
+    path = _modules()[module]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(n == "torch" or n.startswith("torch.") for n in names):
+            return True
+    return False
+
+
+def test_the_layout_rules_and_kernel_limits_need_no_torch():
+    """The layout is arithmetic on the config (issue 29.5): neither it nor the kernels' size limits import torch
+    (the device questions go through kernels/backend.py's functions)."""
+    assert not _imports_torch("hybridtron.train.parallel.layout")
+    assert not _imports_torch("hybridtron.kernels.limits")
+    assert _imports_torch("hybridtron.kernels.backend")  # the checker sees an import where there is one
+    graph = import_graph()
+    assert graph["hybridtron.kernels.limits"] == set()
+    assert graph["hybridtron.train.parallel.layout"] == {"hybridtron.configs", "hybridtron.kernels.backend"}

@@ -24,6 +24,8 @@ import yaml
 from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 
+from .parallel.layout import Layout
+from .parallel.mesh import launch_world
 from .recipe import train_run
 from .run_lock import hold_run_dir
 
@@ -235,10 +237,13 @@ def run_ablation(args, log, probe=None) -> dict[str, dict] | None:
     if seeds and any(k == "train.seed" for k, _ in shared):
         raise ConfigError("--seeds and --train.seed both set the seed; give one of them")
     configs: dict[str, dict[int | None, JobConfig]] = {}
-    for name, pairs in variants:  # every config validated before the first step of the first variant
+    world = launch_world()[2]
+    for name, pairs in variants:  # every config and its layout checked before the first step of the first variant
         try:
             configs[name] = {s: load_config(preset, shared + pairs + ([("train.seed", str(s))] if s is not None else []))
                              for s in (seeds or [None])}
+            for cfg in configs[name].values():
+                Layout.from_config(cfg, world)
         except ConfigError as e:
             raise ConfigError(f"variant {name!r}: {e}") from None
     out = Path(args.run_dir) if args.run_dir else Path("runs") / f"ablate_{Path(preset).stem}"

@@ -15,6 +15,7 @@ from hybridtron.model import GatedLM
 from .checkpoint import DEEPSPEED, SHARDED, STEP_RE, CheckpointError, CheckpointManager, verify_manifest
 from .device import select_device
 from .model_hooks import structure_for_step
+from .parallel.layout import check_kernels
 from .parallel.mesh import Mesh, launch_world
 from .parallel.parallelize import parallelize
 
@@ -119,6 +120,7 @@ def load_for_inference(ckpt: Path, overrides: list[tuple[str, str]] = ()):
     cfg = load_config(str(ckpt / "config.yaml"), list(overrides))
     tokenizer = load_tokenizer(ckpt / "tokenizer")
     device = select_device(cfg.train)
+    check_kernels(cfg, device.type)  # a backend that cannot run here, or cannot take the model, before any weight
     cfg.train.activation_checkpointing = "none"
     model = model_for_checkpoint(cfg, cfg.model.vocab_size, device, ckpt)
     parallelize(model, cfg, Mesh())  # one process: only train.compile applies (no recomputation in inference)

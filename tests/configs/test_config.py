@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides, resolve_preset
+from hybridtron.train.parallel.layout import Layout
 
 
 def test_presets_load_and_validate():
@@ -57,7 +58,7 @@ def test_list_override_of_sources():
 )
 def test_bad_input_names_field_value_and_allowed(overrides, needles):
     with pytest.raises(ConfigError) as e:
-        load_config("tiny", overrides)
+        Layout.from_config(load_config("tiny", overrides), 2)  # the sections' own checks, then the layout's
     msg = str(e.value)
     for n in needles:
         assert n in msg, f"{n!r} missing from {msg!r}"

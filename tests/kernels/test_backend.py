@@ -7,6 +7,7 @@ import pytest
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.kernels import backend
 from hybridtron.kernels.backend import BackendError, resolve
+from hybridtron.train.parallel.layout import Layout
 
 
 @pytest.fixture
@@ -69,12 +70,15 @@ def test_auto_on_cuda_without_a_measurement_takes_the_first_runnable(no_interpre
 
 
 def test_config_refuses_what_cannot_run(no_interpreter):
+    def layout(*over):
+        return Layout.from_config(load_config("tiny", list(over)), 1)
+
     with pytest.raises(ConfigError, match=r"model.kernels.norm=triton cannot run on cpu.*TRITON_INTERPRET=1"):
-        load_config("tiny", [("model.kernels.norm", "triton"), ("train.device", "cpu")])
+        layout(("model.kernels.norm", "triton"), ("train.device", "cpu"))
     with pytest.raises(ConfigError, match="flash-attn does not implement cross_entropy"):
-        load_config("tiny", [("model.kernels.cross_entropy", "flash-attn")])
+        layout(("model.kernels.cross_entropy", "flash-attn"))
     with pytest.raises(ConfigError, match="flash-attn runs on CUDA GPUs only"):
-        load_config("tiny", [("model.kernels.attention", "flash-attn"), ("train.device", "cpu")])
+        layout(("model.kernels.attention", "flash-attn"), ("train.device", "cpu"))
     cfg = load_config("tiny", [("model.kernels.norm", "reference")])
     assert cfg.model.kernels.norm == "reference"
 

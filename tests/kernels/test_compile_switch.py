@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridtron.configs import ConfigError, load_config
+from hybridtron.train.parallel.layout import Layout
 from hybridtron.train.parallel.mesh import Mesh
 from hybridtron.train.parallel.parallelize import apply_compile, parallelize
 
@@ -40,7 +41,8 @@ def test_compiled_blocks_match_eager_with_triton_kernels(name):
 
 def test_config_refusals():
     with pytest.raises(ConfigError, match="train.compile=true works with parallel.engine=torch only"):
-        load_config("tiny", [("train.compile", "true"), ("parallel.engine", "deepspeed")])
+        Layout.from_config(load_config("tiny", [("train.compile", "true"), ("parallel.engine", "deepspeed")]), 1)
     with pytest.raises(ConfigError, match="model.kernels.norm=triton with parallel.tp=2"):
-        load_config("tiny", [("model.kernels.norm", "triton"), ("parallel.tp", "2"), ("train.device", "cpu")])
+        Layout.from_config(load_config("tiny", [("model.kernels.norm", "triton"), ("parallel.tp", "2"),
+                                                ("train.device", "cpu")]), 2)
     assert load_config("tiny", [("train.compile", "true")]).train.compile

@@ -198,6 +198,7 @@ def test_export_sends_the_branch_to_the_custom_code():
 @pytest.mark.parametrize("parallel", [("parallel.cp", "2"), ("parallel.tp", "2")])
 def test_context_and_tensor_parallelism_are_refused_by_name(parallel):
     from hybridtron.configs import load_config
+    from hybridtron.train.parallel.layout import Layout
 
     with pytest.raises(ConfigError, match="sparse_attention=hax with parallel.cp"):
-        load_config("tiny_hax", [parallel])
+        Layout.from_config(load_config("tiny_hax", [parallel]), 2)

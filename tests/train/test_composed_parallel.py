@@ -12,7 +12,7 @@ import pytest
 from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.train.metrics import read_metrics
-from hybridtron.train.parallel.mesh import resolve_layout
+from hybridtron.train.parallel.layout import Layout
 
 from .test_data_parallel import (
     MOE,
@@ -139,7 +139,7 @@ ZERO3 = ("parallel.zero_stage", "3")
     ([ZERO3, ("train.compile", "true"), ("parallel.tp", "2")], 4, 2),
 ])
 def test_composed_layouts_resolve(over, world, dp):
-    assert resolve_layout(load_config("tiny", over), world) == dp
+    assert Layout.from_config(load_config("tiny", over), world).dp == dp
 
 
 @pytest.mark.parametrize("over, world, needle", [
@@ -156,7 +156,7 @@ def test_composed_layouts_resolve(over, world, dp):
 ])
 def test_what_cannot_compose_is_refused(over, world, needle):
     with pytest.raises(ConfigError, match=needle):
-        resolve_layout(load_config("tiny", over), world)
+        Layout.from_config(load_config("tiny", over), world)
 
 
 def test_offload_settings_are_checked_in_the_config():
@@ -165,7 +165,7 @@ def test_offload_settings_are_checked_in_the_config():
     cfg = load_config("tiny", [("parallel.offload", "cpu"), ("parallel.engine", "deepspeed"),
                                ("parallel.zero_stage", "2")])
     with pytest.raises(ConfigError, match=r"with DeepSpeed set parallel.offload_optimizer=true instead"):
-        resolve_layout(cfg, 2)
+        Layout.from_config(cfg, 2)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.train.metrics import read_metrics
-from hybridtron.train.parallel.mesh import resolve_layout
+from hybridtron.train.parallel.layout import Layout
 
 from .test_data_parallel import (
     MOE,
@@ -33,7 +33,7 @@ from .test_data_parallel import (
 
 def test_context_layouts_that_cannot_work_are_refused():
     def layout(*over, world=2):
-        return resolve_layout(load_config("tiny", [("parallel.cp", "2"), *over]), world)
+        return Layout.from_config(load_config("tiny", [("parallel.cp", "2"), *over]), world).dp
 
     assert layout() == 1
     assert layout(world=4) == 2  # dp = 2: gradients averaged over dp x cp = 4 ranks
@@ -47,7 +47,7 @@ def test_context_layouts_that_cannot_work_are_refused():
     with pytest.raises(ConfigError, match=r"pieces of 33 positions, .* multiple of cp x tp = 4"):
         layout(("parallel.tp", "2"), ("parallel.zero_stage", "3"), ("data.seq_len", "66"), world=4)
     with pytest.raises(ConfigError, match=r"parallel.cp > 1 works with parallel.engine=torch only"):
-        load_config("tiny", [("parallel.cp", "2"), ("parallel.engine", "deepspeed")])
+        layout(("parallel.engine", "deepspeed"))
 
 
 BASE = [*STEPS, "--model.n_layers", "4", "--model.doc_mask", "true", "--train.grad_accum_steps", "2",

@@ -14,7 +14,7 @@ import pytest
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.train.checkpoint import CheckpointManager
 from hybridtron.train.metrics import read_metrics
-from hybridtron.train.parallel.mesh import resolve_layout
+from hybridtron.train.parallel.layout import Layout
 
 from .test_data_parallel import (
     MOE,
@@ -32,7 +32,7 @@ from .test_data_parallel import (
 
 def test_expert_layouts_that_cannot_work_are_refused():
     def layout(*over, world=2):
-        return resolve_layout(load_config("tiny", [("parallel.ep", "2"), *over]), world)
+        return Layout.from_config(load_config("tiny", [("parallel.ep", "2"), *over]), world).dp
 
     moe = [("model.moe.n_experts", "4")]
     assert layout(*moe) == 2
@@ -43,7 +43,7 @@ def test_expert_layouts_that_cannot_work_are_refused():
     with pytest.raises(ConfigError, match=r"dp=3 is not a multiple of it"):
         layout(*moe, world=3)
     with pytest.raises(ConfigError, match=r"parallel.ep > 1 works with parallel.engine=torch only"):
-        load_config("tiny", [*moe, ("parallel.ep", "2"), ("parallel.engine", "deepspeed")])
+        layout(*moe, ("parallel.engine", "deepspeed"))
 
 
 SMALL_MB = ["--train.micro_batch_size", "2"]

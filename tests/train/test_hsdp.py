@@ -12,7 +12,7 @@ import pytest
 from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.train.checkpoint import SHARDED
-from hybridtron.train.parallel.mesh import resolve_layout
+from hybridtron.train.parallel.layout import Layout
 
 from .test_data_parallel import (
     STEPS,
@@ -96,21 +96,22 @@ def test_checkpoint_resumes_across_hybrid_sharding(src, dst, runs, small_data_di
 def test_layouts_hybrid_sharding_cannot_take_are_refused(over, world, needle):
     cfg = load_config("tiny", [("parallel.zero_stage", "3"), ("parallel.dp_shard", "2"), *over])
     with pytest.raises(ConfigError, match=needle):
-        resolve_layout(cfg, world)
+        Layout.from_config(cfg, world)
 
 
 def test_dp_shard_settings_are_refused_in_the_config():
     with pytest.raises(ConfigError, match=r"parallel.dp_shard=0 must be a positive integer, or -1"):
         load_config("tiny", [("parallel.dp_shard", "0")])
     with pytest.raises(ConfigError, match=r"DeepSpeed's own \(hpZ / MiCS\) is not wired here: set parallel.dp_shard=-1"):
-        load_config("tiny", [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "3"), ("parallel.dp_shard", "2")])
+        Layout.from_config(load_config("tiny", [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "3"),
+                                                ("parallel.dp_shard", "2")]), 2)
 
 
 def test_dp_shard_of_all_dp_is_plain_fsdp_and_composes():
     """dp_shard = dp shards over all of dp, as -1 does: nothing to refuse with the other dimensions."""
     cfg = load_config("tiny", [("parallel.zero_stage", "3"), ("parallel.tp", "2"), ("parallel.dp_shard", "2")])
-    assert resolve_layout(cfg, 4) == 2
-    assert resolve_layout(load_config("tiny", [("parallel.zero_stage", "2"), ("parallel.dp_shard", "2")]), 4) == 4
+    assert Layout.from_config(cfg, 4).dp == 2
+    assert Layout.from_config(load_config("tiny", [("parallel.zero_stage", "2"), ("parallel.dp_shard", "2")]), 4).dp == 4
 
 
 def test_refused_before_data_or_model(tmp_path, small_argv, capsys, monkeypatch):

@@ -5,28 +5,29 @@ from __future__ import annotations
 import pytest
 
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train.parallel.mesh import Mesh, launch_world, resolve_layout
+from hybridtron.train.parallel.layout import Layout
+from hybridtron.train.parallel.mesh import Mesh, launch_world
 
 
 def test_dp_minus_one_takes_every_process():
     cfg = load_config("tiny")
-    assert resolve_layout(cfg, 1) == 1 and resolve_layout(cfg, 8) == 8
+    assert Layout.from_config(cfg, 1).dp == 1 and Layout.from_config(cfg, 8).dp == 8
 
 
 def test_fixed_dp_must_match_the_world():
     cfg = load_config("tiny", [("parallel.dp", "4")])
-    assert resolve_layout(cfg, 4) == 4
+    assert Layout.from_config(cfg, 4).dp == 4
     with pytest.raises(ConfigError, match=r"needs 4 processes, but the launcher started 2 \(WORLD_SIZE\)"):
-        resolve_layout(cfg, 2)
+        Layout.from_config(cfg, 2)
 
 
 def test_self_guided_ffn_is_refused_under_fsdp_and_deepspeed_but_not_ddp():
     over = [("model.ffn.kind", "lowrank"), ("model.ffn.rank", "16"), ("model.ffn.self_guided", "true")]
-    assert resolve_layout(load_config("tiny", over), 2) == 2
+    assert Layout.from_config(load_config("tiny", over), 2).dp == 2
     with pytest.raises(ConfigError, match="model.ffn.self_guided .* parallel.zero_stage=0"):
-        resolve_layout(load_config("tiny", [*over, ("parallel.zero_stage", "3")]), 2)
+        Layout.from_config(load_config("tiny", [*over, ("parallel.zero_stage", "3")]), 2)
     with pytest.raises(ConfigError, match="model.ffn.self_guided .* DeepSpeed engine"):
-        resolve_layout(load_config("tiny", [*over, ("parallel.engine", "deepspeed")]), 1)
+        Layout.from_config(load_config("tiny", [*over, ("parallel.engine", "deepspeed")]), 1)
 
 
 def test_launcher_environment(monkeypatch):
@@ -87,7 +88,7 @@ def test_deepspeed_json_is_built_from_the_job_and_a_users_file_is_honoured(tmp_p
 ])
 def test_deepspeed_settings_are_refused_where_they_cannot_work(over, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_config("tiny", over)
+        Layout.from_config(load_config("tiny", over), 1)
 
 
 @pytest.mark.parametrize("over, world, needle", [
@@ -102,14 +103,14 @@ def test_deepspeed_settings_are_refused_where_they_cannot_work(over, needle):
 ])
 def test_tensor_parallel_refuses_what_it_cannot_shard(over, world, needle):
     with pytest.raises(ConfigError, match=needle):
-        resolve_layout(load_config("tiny", [("parallel.tp", "2"), *over]), world)
+        Layout.from_config(load_config("tiny", [("parallel.tp", "2"), *over]), world)
 
 
 def test_tensor_parallel_layout_resolves():
     cfg = load_config("tiny", [("parallel.tp", "2"), ("parallel.zero_stage", "3")])
-    assert resolve_layout(cfg, 2) == 1 and resolve_layout(cfg, 8) == 4
+    assert Layout.from_config(cfg, 2).dp == 1 and Layout.from_config(cfg, 8).dp == 4
     with pytest.raises(ConfigError, match="a multiple of 2"):
-        resolve_layout(cfg, 3)
+        Layout.from_config(cfg, 3)
 
 
 def test_only_the_mesh_creates_process_groups():

@@ -22,7 +22,7 @@ from hybridtron.model.flops import layer_flops
 from hybridtron.train.build import build_model
 from hybridtron.train.checkpoint import SHARDED
 from hybridtron.train.metrics import read_metrics
-from hybridtron.train.parallel.mesh import resolve_layout
+from hybridtron.train.parallel.layout import Layout
 from hybridtron.train.parallel.pipeline import balance, rank_cut, stage_ranges
 
 from .test_data_parallel import (
@@ -101,7 +101,7 @@ def test_a_pipeline_rank_builds_and_initialises_only_its_stages():
 
 def test_pipeline_layouts_that_cannot_work_are_refused():
     def layout(*over, world=2):
-        return resolve_layout(load_config("tiny", [("parallel.pp", "2"), *over]), world)
+        return Layout.from_config(load_config("tiny", [("parallel.pp", "2"), *over]), world).dp
 
     assert layout(("train.grad_accum_steps", "2")) == 1
     with pytest.raises(ConfigError, match=r"parallel.pp_schedule=1f1b needs at least parallel.pp=2 micro-batches"):
@@ -123,13 +123,13 @@ def test_pipeline_layouts_that_cannot_work_are_refused():
     with pytest.raises(ConfigError, match="self_guided .* parallel.pp=1"):
         layout(("train.grad_accum_steps", "2"), ("model.ffn.kind", "lowrank"), ("model.ffn.rank", "16"),
                ("model.ffn.self_guided", "true"))
-    # schedule and stages per rank are checked with the config itself
+    # schedule and stages per rank, and the engine, are checked before the world size
     with pytest.raises(ConfigError, match=r"interleaved_1f1b and zero_bubble two or more"):
-        load_config("tiny", [("parallel.pp_schedule", "interleaved_1f1b")])
+        layout(("parallel.pp_schedule", "interleaved_1f1b"))
     with pytest.raises(ConfigError, match=r"gpipe and 1f1b run one stage per rank"):
-        load_config("tiny", [("parallel.pp_stages_per_rank", "2")])
+        layout(("parallel.pp_stages_per_rank", "2"))
     with pytest.raises(ConfigError, match=r"parallel.pp > 1 works with parallel.engine=torch"):
-        load_config("tiny", [("parallel.pp", "2"), ("parallel.engine", "deepspeed")])
+        layout(("parallel.engine", "deepspeed"))
 
 
 # ---- real runs ---------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.train.parallel.mesh import resolve_layout
+from hybridtron.train.parallel.layout import Layout
 from hybridtron.train.parallel.tensor_parallel import segment_row_order
 
 from .test_data_parallel import (
@@ -88,7 +88,7 @@ def test_segment_row_order_gives_each_rank_its_share_of_every_segment():
 
 def test_tensor_parallel_layouts_that_cannot_work_are_refused():
     def layout(*over, world=2):
-        return resolve_layout(load_config("tiny", [("parallel.tp", "2"), ("model.layer_pattern", "LA"), *over]), world)
+        return Layout.from_config(load_config("tiny", [("parallel.tp", "2"), ("model.layer_pattern", "LA"), *over]), world).dp
 
     assert layout() == 1
     with pytest.raises(ConfigError, match=r"model.deltanet.n_k_heads \(Gated DeltaNet key heads\)=3 is not divisible"):

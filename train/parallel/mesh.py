@@ -1,9 +1,9 @@
 """The process layout of a run: one object owns the process group and the device mesh.
 
 ``torchrun`` (or SLURM through it) starts one process per device and sets RANK, WORLD_SIZE, LOCAL_RANK and
-the rendezvous address; without them the run is one process and no process group exists. The layout
-(``parallel`` section of the config) is checked against the world size before the process group is even
-created, so an impossible layout costs no model allocation anywhere. Every collective the train loop needs
+the rendezvous address; without them the run is one process and no process group exists. The layout's rules
+(layout.py: the ``parallel`` section against the world size, the model and the kernels) are checked before the
+process group is even created, so an impossible layout costs no model allocation anywhere. Every collective the train loop needs
 (loss and token counts, stop requests, MoE loads, checkpoint agreement) is a method here; nothing else in
 the project touches global process-group state.
 """
@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from hybridtron.configs import ConfigError, JobConfig
 
+from .layout import Layout
+
 
 def launch_world() -> tuple[int, int, int]:
     """(rank, local_rank, world_size) from the launcher's environment; (0, 0, 1) for a plain process."""
@@ -32,182 +34,6 @@ def launch_world() -> tuple[int, int, int]:
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} in the environment do not fit; launch with torchrun")
     return rank, local, world
-
-
-def resolve_layout(cfg: JobConfig, world: int) -> int:
-    """The data-parallel size of ``cfg.parallel`` on ``world`` processes; ConfigError naming what to change."""
-    p = cfg.parallel
-    others = p.tp * p.pp * p.cp
-    dp = p.dp if p.dp != -1 else world // others
-    if dp < 1 or dp * others != world:
-        raise ConfigError(
-            f"the layout parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} x cp={p.cp} needs "
-            f"{'a multiple of ' + str(others) if p.dp == -1 else dp * others} processes, but the launcher started "
-            f"{world} (WORLD_SIZE); change torchrun --nproc-per-node / --nnodes, or parallel.dp"
-        )
-    if p.dp_shard != -1:
-        check_hybrid_shard(cfg, dp)
-    if p.pp > 1:
-        check_pipeline_parallel(cfg, dp)
-    if p.ep > 1:
-        check_expert_parallel(cfg, dp)
-    if p.cp > 1:
-        check_context_parallel(cfg)
-    if p.offload != "none":
-        check_offload(cfg, dp)
-    split = [f"parallel.{n}={getattr(p, n)}" for n in ("pp", "ep", "cp") if getattr(p, n) > 1]
-    if cfg.train.compile and split:
-        raise ConfigError(f"train.compile=true is not yet tested with {', '.join(split)} (their exchanges run inside "
-                          f"the compiled blocks); set train.compile=false for this layout (compile composes with "
-                          f"data and tensor parallel)")
-    if p.tp > 1:
-        check_tensor_parallel(cfg)
-        if dp * p.cp > 1 and p.zero_stage == 0:
-            data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp}"
-            raise ConfigError(f"parallel.tp={p.tp} with {data} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
-                              f"composes with tensor parallelism); replicated DDP does not")
-    self_guided = cfg.model.ffn.kind != "dense" and cfg.model.ffn.self_guided
-    if self_guided and p.engine == "deepspeed":
-        raise ConfigError("model.ffn.self_guided changes the model during the run (its alpha schedule, then the "
-                          "dense guides leave), which the DeepSpeed engine's fixed parameter partitions cannot follow; "
-                          "use parallel.engine=torch with parallel.zero_stage=0 for self-guided runs")
-    if dp > 1 and self_guided and p.zero_stage >= 2:
-        raise ConfigError(
-            "model.ffn.self_guided drops the dense guide weights during the run, which FSDP's flat shards "
-            "(parallel.zero_stage 2/3) cannot follow; use parallel.zero_stage=0 for self-guided runs"
-        )
-    return dp
-
-
-def dp_shard_size(cfg: JobConfig, dp: int) -> int:
-    """The ranks FSDP2 shards over: ``parallel.dp_shard``, or all of ``dp`` (-1)."""
-    return dp if cfg.parallel.dp_shard == -1 else cfg.parallel.dp_shard
-
-
-def check_hybrid_shard(cfg: JobConfig, dp: int) -> None:
-    """What hybrid sharding (``parallel.dp_shard`` below dp: FSDP2 shards within groups of dp_shard neighbouring dp
-    ranks, x cp when context parallel, replicated over dp / dp_shard groups) needs; ConfigError naming what to
-    change."""
-    p, s = cfg.parallel, cfg.parallel.dp_shard
-    if p.zero_stage == 0:
-        raise ConfigError(f"parallel.dp_shard={s} says how many ranks FSDP2 shards over, and parallel.zero_stage=0 "
-                          f"(DDP) shards nothing; set parallel.zero_stage 2 or 3 (hybrid sharding), or "
-                          f"parallel.dp_shard=-1")
-    if dp % s:
-        raise ConfigError(f"parallel.dp_shard={s} does not divide dp={dp}: the dp ranks form dp / dp_shard groups of "
-                          f"dp_shard each; choose a divisor of {dp} (e.g. the GPUs of a node), or -1 (all of dp)")
-    if s == 1 < dp and p.cp == 1:  # with cp > 1 the shard group is the cp ranks of one dp coordinate
-        raise ConfigError("parallel.dp_shard=1 shards nothing (every rank would hold the whole model); set "
-                          "parallel.zero_stage=0 to replicate (DDP), or parallel.dp_shard 2 or more")
-
-
-def check_offload(cfg: JobConfig, dp: int) -> None:
-    """What ``parallel.offload: cpu`` (FSDP2's CPUOffloadPolicy) needs: FSDP2, i.e. the torch engine at ZeRO 2/3
-    over at least two data-parallel ranks; ConfigError naming what to use instead."""
-    p = cfg.parallel
-    if p.engine != "torch":
-        raise ConfigError("parallel.offload=cpu is FSDP2's offload (parallel.engine=torch); with DeepSpeed set "
-                          "parallel.offload_optimizer=true instead")
-    if p.zero_stage < 2:
-        raise ConfigError(f"parallel.offload=cpu keeps FSDP2's parameter, gradient and optimizer shards on the host, "
-                          f"and parallel.zero_stage={p.zero_stage} shards nothing; set parallel.zero_stage 2 or 3")
-    if p.pp > 1:  # the tied embedding's two copies sum their gradients outside FSDP2, where they would be on the host
-        raise ConfigError(f"parallel.offload=cpu is not yet tested with parallel.pp={p.pp} (pipeline stages exchange "
-                          f"gradients outside FSDP2); set parallel.offload=none, or use more data-parallel ranks "
-                          f"with parallel.zero_stage=3 to spread the state")
-    if dp * p.cp == 1:
-        raise ConfigError("parallel.offload=cpu needs FSDP2 over two or more data-parallel ranks, and this layout has "
-                          "one; on one process use parallel.engine=deepspeed with parallel.offload_optimizer=true")
-
-
-def check_pipeline_parallel(cfg: JobConfig, dp: int) -> None:
-    """What pipeline parallelism of degree ``parallel.pp`` needs of the model and the batch; ConfigError."""
-    p, m, accum = cfg.parallel, cfg.model, cfg.train.grad_accum_steps
-    stages = p.pp * p.pp_stages_per_rank
-    if m.n_layers < stages:
-        raise ConfigError(f"model.n_layers={m.n_layers} cannot fill parallel.pp={p.pp} x pp_stages_per_rank="
-                          f"{p.pp_stages_per_rank} = {stages} pipeline stages (each needs a layer); lower parallel.pp "
-                          f"or pp_stages_per_rank")
-    if p.pp_schedule != "gpipe" and accum < p.pp:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} needs at least parallel.pp={p.pp} micro-batches per "
-                          f"step, and train.grad_accum_steps={accum} gives {accum}; raise train.grad_accum_steps (the "
-                          f"pipeline's micro-batches; more of them shrink its idle bubble) or lower the pp degree")
-    if p.pp_stages_per_rank > 1 and accum % p.pp:
-        raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs the micro-batches in rounds of parallel.pp="
-                          f"{p.pp}; set train.grad_accum_steps to a multiple of {p.pp} (now {accum})")
-    if dp * p.cp > 1 and p.zero_stage == 0:
-        data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp}"
-        raise ConfigError(f"parallel.pp={p.pp} with {data} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
-                          f"the pipeline schedules drive); replicated DDP does not compose with them here")
-    if m.ffn.kind != "dense" and m.ffn.self_guided:
-        raise ConfigError("model.ffn.self_guided changes the model during the run, which fixed pipeline stages "
-                          "cannot follow; set parallel.pp=1 for self-guided runs")
-
-
-def check_expert_parallel(cfg: JobConfig, dp: int) -> None:
-    """What expert parallelism of degree ``parallel.ep`` needs: MoE layers whose experts split evenly over ep ranks
-    taken from the data-parallel ones."""
-    p, m = cfg.parallel, cfg.model
-    if not m.moe.n_experts:
-        raise ConfigError(f"parallel.ep={p.ep} splits the experts of MoE layers, and this model has none "
-                          f"(model.moe.n_experts=0); set parallel.ep=1")
-    if m.moe.n_experts % p.ep:
-        raise ConfigError(f"model.moe.n_experts={m.moe.n_experts} is not divisible by parallel.ep={p.ep}: every "
-                          f"expert-parallel rank holds an equal share; choose an ep that divides it")
-    if (dp * p.cp) % p.ep:
-        data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp} = {dp * p.cp}"
-        raise ConfigError(f"parallel.ep={p.ep} groups data- (and context-) parallel ranks, and {data} is not a "
-                          f"multiple of it; choose an ep that divides it (ep ranks share their tokens' experts, each "
-                          f"still runs its own tokens)")
-
-
-def check_context_parallel(cfg: JobConfig) -> None:
-    """What context parallelism of degree ``parallel.cp`` needs: sequences that split evenly (into pieces that
-    sequence parallelism splits again)."""
-    p = cfg.parallel
-    if cfg.data.seq_len % p.cp:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.cp={p.cp}: every context-"
-                          f"parallel rank takes an equal piece of each sequence; choose a cp that divides it")
-    piece = cfg.data.seq_len // p.cp
-    if p.tp > 1 and piece % p.tp:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} splits into context-parallel pieces of {piece} positions, "
-                          f"which sequence parallelism cannot divide by parallel.tp={p.tp}; choose data.seq_len a "
-                          f"multiple of cp x tp = {p.cp * p.tp}")
-
-
-def check_tensor_parallel(cfg: JobConfig) -> None:
-    """What tensor parallelism of degree ``parallel.tp`` needs of the model; ConfigError naming the field."""
-    m, tp = cfg.model, cfg.parallel.tp
-    unsupported = []
-    if m.ffn.kind != "dense":
-        unsupported.append(f"structured feed-forwards (model.ffn.kind={m.ffn.kind})")
-    if m.scale.any:
-        unsupported.append("scale vectors (model.scale)")
-    if unsupported:
-        raise ConfigError(f"parallel.tp={tp} shards gated attention, Gated DeltaNet, SwiGLU and MoE layers in this "
-                          f"version, not {', '.join(unsupported)}; set parallel.tp=1 (data parallel covers every model)")
-    sizes = [("data.seq_len", cfg.data.seq_len)]
-    if "A" in m.layer_types():
-        sizes += [("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads)]
-    if any(not m.moe.is_moe_layer(i) for i in range(m.n_layers)):
-        sizes.append(("model.ffn_hidden", m.resolved_ffn_hidden()))
-    if "L" in m.layer_types():
-        hk, hv, _, _ = m.deltanet.resolved(m)
-        sizes += [("model.deltanet.n_k_heads (Gated DeltaNet key heads)", hk),
-                  ("model.deltanet.n_v_heads (Gated DeltaNet value heads)", hv)]
-    if m.moe.n_experts:
-        hidden = m.moe.expert_hidden or m.resolved_ffn_hidden()
-        sizes.append(("model.moe.expert_hidden (each expert's hidden units)", hidden))
-        if m.moe.shared_expert_hidden:
-            sizes.append(("model.moe.shared_expert_hidden", m.moe.shared_expert_hidden))
-    for name, value in sizes:
-        if value % tp:
-            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}: every tensor-parallel rank "
-                              f"takes an equal share; choose a tp that divides it")
-    vocab = m.resolve_vocab(cfg.data.tokenizer.vocab_size)
-    if vocab % tp:
-        raise ConfigError(f"the vocabulary ({vocab} embeddings) is not divisible by parallel.tp={tp}; set "
-                          f"model.vocab_size to a multiple of {tp} (at least the tokenizer's size)")
 
 
 @dataclass
@@ -267,9 +93,10 @@ class Mesh:
 
     @classmethod
     def setup(cls, cfg: JobConfig, device: torch.device) -> Mesh:
-        """Check the layout, then (more than one process) create the process group and the device mesh."""
+        """Check the layout (layout.py), then (more than one process) create the process group and the device mesh."""
         rank, local, world = launch_world()
-        dp = resolve_layout(cfg, world)
+        layout = Layout.from_config(cfg, world, device.type)  # every layout and kernel rule, before any group exists
+        dp = layout.dp
         if world == 1:
             mesh = cls(dp=1, zero_stage=cfg.parallel.zero_stage)
             if cfg.parallel.engine == "deepspeed" and not dist.is_initialized():
@@ -305,7 +132,7 @@ class Mesh:
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     cp_group = group
-        dp_shard, hsdp_mesh = dp_shard_size(cfg, dp), None
+        dp_shard, hsdp_mesh = layout.dp_shard, None
         if dp_shard < dp:  # dp_shard innermost: a shard group is neighbouring ranks (a node), the replicas span nodes.
             # The mesh's "dp" runs over dp x cp (cp inner): FSDP2 shards over dp_shard x cp, as torchtitan's dp_shard_cp
             hsdp_mesh = mesh["dp"]._unflatten(0, (dp // dp_shard, dp_shard * cp), ("dp_replicate", "dp_shard"))

@@ -7,7 +7,7 @@ import math
 
 from hybridtron.configs import JobConfig
 
-from ..parallel.mesh import dp_shard_size, resolve_layout
+from ..parallel.layout import target_layout
 from ..parallel.parallelize import checkpointing_mode
 from .memory import DIMS, _compute_dtype
 
@@ -30,7 +30,8 @@ def _checkpointing_label(cfg: JobConfig) -> str:
 def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     """Bytes each GPU sends per optimizer step in every parallel dimension (formulas: module docstring)."""
     p, m = cfg.parallel, cfg.model
-    dp = resolve_layout(cfg, world)
+    layout = target_layout(cfg, world)
+    dp = layout.dp
     mb, B, T, d = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.data.seq_len, m.d_model
     amp = _compute_dtype(cfg)
     s, c = 4, (2 if amp is not None else 4)
@@ -48,7 +49,7 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
             # ZeRO-3 gathers the blocks again in backward; the root stays gathered (reshard_after_forward=False)
             gathered = P if p.zero_stage == 2 else 2 * P - facts.get("root_params", 0)
             reduces = 1 if p.pp > 1 else mb
-            shard = dp_shard_size(cfg, dp)
+            shard = layout.dp_shard
             shard = n if shard == dp else shard * p.cp  # FSDP2 over all dp x cp ranks, or HSDP's dp_shard x cp groups
             out["dp"] = mb * f(shard) * g * gathered + reduces * f(shard) * 4 * P
             if shard < n:  # HSDP: the step's accumulated shards all-reduced across the groups, once

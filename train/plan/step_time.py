@@ -7,7 +7,7 @@ import dataclasses
 
 from hybridtron.configs import JobConfig
 
-from ..parallel.mesh import dp_shard_size, resolve_layout
+from ..parallel.layout import Layout, target_layout
 from ..parallel.parallelize import checkpointing_mode
 
 
@@ -26,12 +26,11 @@ class Hardware:
     gpus_per_node: int = 8
 
 
-def _strides(cfg: JobConfig, dp: int) -> dict[str, tuple[int, int]]:
+def _strides(cfg: JobConfig, layout: Layout) -> dict[str, tuple[int, int]]:
     """(stride, size) of every dimension's groups in the rank order of ``Mesh`` (pp, dp, cp, tp; tp innermost; HSDP's
     shard groups innermost in dp; ep's groups neighbouring dp ranks): a group whose stride x size exceeds a node's
     GPUs crosses nodes."""
-    p = cfg.parallel
-    shard = dp_shard_size(cfg, dp)
+    p, dp, shard = cfg.parallel, layout.dp, layout.dp_shard
     fsdp = (p.tp, dp * p.cp) if shard == dp else (p.tp, shard * p.cp)
     return {"dp": fsdp, "dp_replicate": (p.tp * p.cp * shard, dp // shard), "tp": (1, p.tp), "cp": (p.tp, p.cp),
             "ep": (p.tp * p.cp, p.ep), "pp": (dp * p.cp * p.tp, p.pp)}
@@ -52,7 +51,8 @@ def step_time(cfg: JobConfig, world: int, comm: dict[str, float], hw: Hardware) 
     from hybridtron.model.flops import flops_per_token
 
     p, t = cfg.parallel, cfg.train
-    dp = resolve_layout(cfg, world)
+    layout = target_layout(cfg, world)
+    dp = layout.dp
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
     tokens = t.micro_batch_size * cfg.data.seq_len * t.grad_accum_steps * dp  # per step, all GPUs
     model_flops = flops_per_token(cfg.model, vocab, cfg.data.seq_len) * tokens / world
@@ -63,7 +63,7 @@ def step_time(cfg: JobConfig, world: int, comm: dict[str, float], hw: Hardware) 
     bubble = 0.0
     if p.pp > 1:
         bubble = compute * (p.pp - 1) / (t.grad_accum_steps * p.pp_stages_per_rank)
-    strides = _strides(cfg, dp)
+    strides = _strides(cfg, layout)
     seconds, exposed, links = {}, {}, {}
     last_backward = compute / t.grad_accum_steps * 2 / 3
     for dim, volume in comm.items():

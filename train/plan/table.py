@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from hybridtron.configs import ConfigError, JobConfig
 
-from ..parallel.mesh import Mesh, dp_shard_size, resolve_layout
+from ..parallel.layout import target_layout
+from ..parallel.mesh import Mesh
 from .comm import _checkpointing_label, comm_bytes
 from .memory import DIMS, GIB, _compute_dtype, simulate, step_peak
 from .step_time import Hardware, step_time
@@ -37,7 +38,7 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
     refusals = {}
     for z in stages:
         try:
-            dp = resolve_layout(with_zero_stage(cfg, z), world)  # the same for every stage the layout accepts
+            dp = target_layout(with_zero_stage(cfg, z), world).dp  # the same for every stage the layout accepts
         except ConfigError as e:
             refusals[z] = e
     if len(refusals) == len(stages):
@@ -56,7 +57,7 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
         mem, facts = per_rank[rank]["memory"], per_rank[rank]["facts"]
         comm = comm_bytes(cz, world, facts)
         time = step_time(cz, world, comm, hw or Hardware())
-        rows.append({"time": time, "zero_stage": z, "dp": dp, "dp_shard": dp_shard_size(cz, dp), "params": P, "rank": rank,
+        rows.append({"time": time, "zero_stage": z, "dp": dp, "dp_shard": target_layout(cz, world).dp_shard, "params": P, "rank": rank,
                      "stages": facts["stages"],
                      **{k: v / GIB for k, v in mem.items()}, "fits": mem["total"] / GIB <= gpu_memory_gib,
                      "comm_gb": {k: v / 1e9 for k, v in comm.items()}, "comm_gb_per_step": sum(comm.values()) / 1e9,
@@ -169,8 +170,8 @@ def compare(cfg: JobConfig, world: int, measured: dict[int, dict]) -> dict:
 
     real = {k: v for k, v in real.items() if k != "comm_sent"}
 
-    dp = resolve_layout(cfg, world)
-    return {"dp": dp, "dp_shard": dp_shard_size(cfg, dp), "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
+    layout = target_layout(cfg, world)
+    return {"dp": layout.dp, "dp_shard": layout.dp_shard, "tp": cfg.parallel.tp, "pp": cfg.parallel.pp,
             "ep": cfg.parallel.ep, "cp": cfg.parallel.cp,
             "zero_stage": cfg.parallel.zero_stage, "rank": rank,
             "measured_gib": {k: v / GIB for k, v in real.items()}, "predicted_gib": {k: v / GIB for k, v in pred.items()},
