@@ -149,3 +149,17 @@ def test_plan_refuses_auto_on_the_gpus_it_plans_for(tmp_path, capsys):
                  "--gpus-per-node", "2"])
     err = capsys.readouterr().err
     assert code == 2 and "model.kernels.delta_rule=auto on cuda: no kernel takes this model" in err, err
+
+
+def test_device_rules_of_the_layout(monkeypatch):
+    """nccl needs CUDA devices; megablocks needs its grouped_gemm kernels: both refused at the layout, not when the
+    process group or the MoE layer is built."""
+    with pytest.raises(ConfigError, match="parallel.backend=nccl needs CUDA devices"):
+        Layout.from_config(load_config("tiny", [("parallel.backend", "nccl")]), 2, "cpu")
+    assert Layout.from_config(load_config("tiny", [("parallel.backend", "nccl")]), 2, "cuda", here=False).dp == 2
+    moe = [("model.moe.n_experts", "4"), ("model.moe.backend", "megablocks")]
+    monkeypatch.setattr(backend, "installed", lambda module: module != "grouped_gemm")
+    with pytest.raises(ConfigError, match="model.moe.backend=megablocks needs megablocks and its grouped_gemm"):
+        target_layout(load_config("tiny", moe), 1)
+    monkeypatch.setattr(backend, "installed", lambda module: True)
+    target_layout(load_config("tiny", moe), 1)

@@ -53,6 +53,8 @@ class Layout:
         check_sparse_attention(cfg)
         dp = data_parallel_size(cfg, world)
         p = cfg.parallel
+        if world > 1 and p.backend == "nccl" and device_type != "cuda":
+            raise ConfigError("parallel.backend=nccl needs CUDA devices; use parallel.backend=gloo on the CPU")
         if p.dp_shard != -1:
             check_hybrid_shard(cfg, dp)
         if p.pp > 1:
@@ -331,6 +333,10 @@ def check_kernels(cfg: JobConfig, device_type: str | None = None, *, here: bool 
     sizes: an explicit backend must run there and take the model; ``auto`` must have a kernel that takes it on
     CUDA (or be asked for the reference by name). ConfigError naming the op, the field and what to choose."""
     device_type = backend.device_type_of(cfg.train.device if device_type is None else device_type)
+    moe = cfg.model.moe
+    if moe.n_experts and moe.backend == "megablocks" and not backend.installed("grouped_gemm"):
+        raise ConfigError("model.moe.backend=megablocks needs megablocks and its grouped_gemm kernels, which build on "
+                          "CUDA machines only (pip install 'hybridtron[gpu]'); use model.moe.backend=native elsewhere")
     for op, sizes in kernel_sizes(cfg, device_type).items():
         try:
             backend.admissible(op, getattr(cfg.model.kernels, op), device_type, sizes, here=here)
