@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 
-from ..atomic import fsync_dir, write_bytes_atomic, write_chunks_atomic, write_text_atomic
+from ..atomic import fsync_dir, parse_scratch, write_bytes_atomic, write_chunks_atomic, write_text_atomic
 from .errors import DataError
 
 MANIFEST = "manifest.json"
+# What a split directory holds, and the temporary names earlier versions wrote beside it (NAME.tmp...)
+_OWN_NAME = re.compile(r"^(shard_\d{5}\.(bin|idx)|manifest\.json)(\.tmp[\w.-]*)?$")
 VERIFIED = ".verified.json"  # digest checks already done: {file: [size, mtime_ns, inode, blake2b]}
 VERSION = 2
 MAX_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 ids
@@ -139,10 +142,19 @@ class SplitWriter:
         }
 
     def _remove_unlisted(self) -> None:
+        """Remove what an interrupted write of this split left: shards the manifest never listed and the scratch
+        files of shard and manifest writes. Any other entry is not ours: refused by name, never deleted (a
+        data.out_dir pointed at a directory that holds the user's files must not eat them)."""
         listed = {e[k] for e in self.manifest["shards"] for k in ("bin", "idx")} | {MANIFEST}
-        for f in self.dir.iterdir():
-            if f.name not in listed:
-                f.unlink()  # a temp file or a shard the manifest never listed: an interrupted write
+        stray = [f for f in self.dir.iterdir() if f.name not in listed]
+        foreign = sorted(f.name for f in stray if f.is_symlink() or not f.is_file() or not _OWN_NAME.match(
+            (parse_scratch(f.name) or (f.name,))[0]))
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise ShardError(f"{self.dir} holds {shown}, which `hybridtron prepare` did not write, and prepare removes "
+                             f"nothing it did not make; move them elsewhere or choose another data.out_dir")
+        for f in stray:
+            f.unlink()
 
     def reset(self, inputs_digest: str) -> None:
         """Start the split over (its sources changed): an empty manifest first, then the old shards go."""

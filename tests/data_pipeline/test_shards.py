@@ -112,3 +112,22 @@ def test_checksum_verification_is_cached_by_size_mtime_and_inode(copy_prepared, 
     hashed.clear()
     SplitReader(d)
     assert len(hashed) == n_files
+
+
+def test_a_split_directory_keeps_files_prepare_did_not_write(tmp_path):
+    """A data.out_dir pointed at a directory holding the user's files: prepare refuses by name and deletes nothing
+    (it used to delete every unlisted file); what an interrupted write of its own left is still removed."""
+    from hybridtron.atomic import scratch_name
+    from hybridtron.data_pipeline.errors import DataError
+
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / "notes.txt").write_text("precious")
+    with pytest.raises(DataError, match=r"holds notes.txt, which `hybridtron prepare` did not write"):
+        SplitWriter(d, np.uint16, "fp", "key", shard_docs=2)
+    assert (d / "notes.txt").read_text() == "precious"
+    (d / "notes.txt").unlink()
+    (d / "shard_00007.bin").write_bytes(b"torn")  # a shard the manifest never listed
+    scratch_name(d / "shard_00000.idx").write_bytes(b"half")  # an interrupted atomic write
+    SplitWriter(d, np.uint16, "fp", "key", shard_docs=2)
+    assert sorted(p.name for p in d.iterdir()) == []
