@@ -73,6 +73,17 @@ SMALL_OVERRIDES = [
 ]
 
 
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    """TRITON_INTERPRET unset and the backend switch's caches cleared (before and after): Triton refused on the CPU."""
+    from hybridtron.kernels import backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    backend.clear_cache()
+    yield
+    backend.clear_cache()
+
+
 @pytest.fixture(scope="session")
 def small_data_dir(tmp_path_factory):
     """Prepared once per session; tests point data.out_dir here."""

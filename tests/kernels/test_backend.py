@@ -10,14 +10,6 @@ from hybridtron.kernels.backend import BackendError, resolve
 from hybridtron.train.parallel.layout import Layout
 
 
-@pytest.fixture
-def no_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    backend.clear_cache()
-    yield
-    backend.clear_cache()
-
-
 def test_auto_is_reference_on_cpu(no_interpreter, monkeypatch):
     for op in backend.OPS:
         assert resolve(op, "auto", "cpu") == "reference"

@@ -279,14 +279,6 @@ def test_kernel_refuses_dtype_and_head_dim():
         gated_attention(q, k, v, backend="triton")
 
 
-@pytest.fixture
-def no_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    backend.clear_cache()
-    yield
-    backend.clear_cache()
-
-
 def test_backends_that_cannot_run_are_refused(no_interpreter):
     q, k, v = _qkv()
     with pytest.raises(BackendError, match="flash-attn runs on CUDA GPUs only"):

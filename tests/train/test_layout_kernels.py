@@ -112,19 +112,11 @@ def test_the_limits_are_the_ones_the_kernels_enforce():
         assert raised == refused, K
 
 
-def test_a_checkpoint_is_checked_for_the_device_it_is_loaded_on(no_interpreter_env):
+def test_a_checkpoint_is_checked_for_the_device_it_is_loaded_on(no_interpreter):
     cfg = load_config("tiny", [("model.kernels.norm", "triton")])
     with pytest.raises(ConfigError, match=r"model.kernels.norm=triton cannot run on cpu"):
         check_kernels(cfg, "cpu")
     check_kernels(load_config("tiny"), "cpu")
-
-
-@pytest.fixture
-def no_interpreter_env(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    backend.clear_cache()
-    yield
-    backend.clear_cache()
 
 
 def test_train_refuses_a_kernel_limit_before_data_or_model(tmp_path, cli_args, capsys, monkeypatch):

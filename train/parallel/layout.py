@@ -133,6 +133,15 @@ def check_engine(cfg: JobConfig) -> None:
                               "itself); set train.compile=false or parallel.engine=torch")
 
 
+def check_sharded_data_parallel(cfg: JobConfig, dp: int, what: str, why: str) -> None:
+    """Pipeline and tensor parallelism over more than one data rank need FSDP2 (ZeRO 2/3), not DDP."""
+    p = cfg.parallel
+    if dp * p.cp > 1 and p.zero_stage == 0:
+        data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp}"
+        raise ConfigError(f"{what} with {data} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, {why}); replicated "
+                          f"DDP does not compose with it here")
+
+
 def check_hybrid_shard(cfg: JobConfig, dp: int) -> None:
     """What hybrid sharding (``parallel.dp_shard`` below dp: FSDP2 shards within groups of dp_shard neighbouring dp
     ranks, x cp when context parallel, replicated over dp / dp_shard groups) needs; ConfigError naming what to
@@ -184,10 +193,7 @@ def check_pipeline_parallel(cfg: JobConfig, dp: int) -> None:
     if p.pp_stages_per_rank > 1 and accum % p.pp:
         raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} runs the micro-batches in rounds of parallel.pp="
                           f"{p.pp}; set train.grad_accum_steps to a multiple of {p.pp} (now {accum})")
-    if dp * p.cp > 1 and p.zero_stage == 0:
-        data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp}"
-        raise ConfigError(f"parallel.pp={p.pp} with {data} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
-                          f"the pipeline schedules drive); replicated DDP does not compose with them here")
+    check_sharded_data_parallel(cfg, dp, f"parallel.pp={p.pp}", "which the pipeline schedules drive")
     if m.ffn.kind != "dense" and m.ffn.self_guided:
         raise ConfigError("model.ffn.self_guided changes the model during the run, which fixed pipeline stages "
                           "cannot follow; set parallel.pp=1 for self-guided runs")
@@ -233,7 +239,7 @@ def check_context_parallel(cfg: JobConfig) -> None:
 def check_tensor_parallel(cfg: JobConfig, dp: int) -> None:
     """What tensor parallelism of degree ``parallel.tp`` needs of the model, the data-parallel engine and the norm
     kernel; ConfigError naming the field."""
-    m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tp
+    m, tp = cfg.model, cfg.parallel.tp
     unsupported = []
     if m.ffn.kind != "dense":
         unsupported.append(f"structured feed-forwards (model.ffn.kind={m.ffn.kind})")
@@ -264,10 +270,7 @@ def check_tensor_parallel(cfg: JobConfig, dp: int) -> None:
     if vocab % tp:
         raise ConfigError(f"the vocabulary ({vocab} embeddings) is not divisible by parallel.tp={tp}; set "
                           f"model.vocab_size to a multiple of {tp} (at least the tokenizer's size)")
-    if dp * p.cp > 1 and p.zero_stage == 0:
-        data = f"dp={dp}" if p.cp == 1 else f"dp x cp = {dp} x {p.cp}"
-        raise ConfigError(f"parallel.tp={tp} with {data} needs parallel.zero_stage 2 or 3 (FSDP2 over dp, which "
-                          f"composes with tensor parallelism); replicated DDP does not")
+    check_sharded_data_parallel(cfg, dp, f"parallel.tp={tp}", "which composes with tensor parallelism")
     if m.kernels.norm == "triton":
         raise ConfigError(
             f"model.kernels.norm=triton with parallel.tp={tp}: tensor parallelism hands the norms DTensors, which the "
