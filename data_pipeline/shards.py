@@ -34,9 +34,9 @@ from ..atomic import fsync_dir, parse_scratch, write_bytes_atomic, write_chunks_
 from .errors import DataError
 
 MANIFEST = "manifest.json"
-# What a split directory holds, and the temporary names earlier versions wrote beside it (NAME.tmp...)
-_OWN_NAME = re.compile(r"^(shard_\d{5}\.(bin|idx)|manifest\.json)(\.tmp[\w.-]*)?$")
 VERIFIED = ".verified.json"  # digest checks already done: {file: [size, mtime_ns, inode, blake2b]}
+# What a split directory holds (the names above), and the temporary names earlier versions wrote beside them
+_OWN_NAME = re.compile(rf"^(shard_\d{{5}}\.(bin|idx)|{re.escape(MANIFEST)}|{re.escape(VERIFIED)})(\.tmp[\w.-]*)?$")
 VERSION = 2
 MAX_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 ids
 _CHUNK = 1 << 22

@@ -129,5 +129,6 @@ def test_a_split_directory_keeps_files_prepare_did_not_write(tmp_path):
     (d / "notes.txt").unlink()
     (d / "shard_00007.bin").write_bytes(b"torn")  # a shard the manifest never listed
     scratch_name(d / "shard_00000.idx").write_bytes(b"half")  # an interrupted atomic write
+    (d / ".verified.json").write_text("{}")  # a reader's record of the digests it checked (SplitReader writes it)
     SplitWriter(d, np.uint16, "fp", "key", shard_docs=2)
     assert sorted(p.name for p in d.iterdir()) == []
