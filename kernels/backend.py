@@ -115,13 +115,14 @@ def device_type_of(device: str | None) -> str:
     return _device_type(device)
 
 
-def triton_unavailable_reason(device: str | torch.device | None = None) -> str | None:
-    """None when our Triton kernels can run on ``device`` (None/"auto": where a run would go), else why not."""
+def triton_unavailable_reason(device: str | torch.device | None = None, *, here: bool = True) -> str | None:
+    """None when our Triton kernels can run on ``device`` (None/"auto": where a run would go), else why not.
+    ``here=False``: a device of that type on another machine (a cluster's node), whose GPU is taken as present."""
     if not triton_installed():
         return "triton is not installed (pip install triton, or the project's .[dev] / .[gpu] extras)"
     dev = _device_type(device)
     if dev == "cuda":
-        if not torch.cuda.is_available():
+        if here and not torch.cuda.is_available():
             return "no CUDA device is visible"
         return None
     if dev == "cpu":
@@ -132,13 +133,15 @@ def triton_unavailable_reason(device: str | torch.device | None = None) -> str |
     return f"Triton kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {dev!r}"
 
 
-def peer_unavailable_reason(backend: str, device: str | torch.device | None = None) -> str | None:
+def peer_unavailable_reason(backend: str, device: str | torch.device | None = None, *, here: bool = True
+                            ) -> str | None:
     """None when the peer library behind ``backend`` (PEERS) can run on ``device``, else why not: each runs on
-    CUDA GPUs only (fla's Triton kernels do not run under Triton's interpreter either)."""
+    CUDA GPUs only (fla's Triton kernels do not run under Triton's interpreter either). ``here``: as for Triton;
+    what is installed here is taken as installed there."""
     module, how = PEERS[backend]
     if _device_type(device) != "cuda":
         return f"{backend} runs on CUDA GPUs only"
-    if not torch.cuda.is_available():
+    if here and not torch.cuda.is_available():
         return "no CUDA device is visible"
     if not installed(module):
         return f"the {module} package is not installed ({how})"
@@ -159,16 +162,18 @@ def flex_unavailable_reason(device: str | torch.device | None = None) -> str | N
     return None
 
 
-def unavailable_reason(backend: str, device: str | torch.device | None = None) -> str | None:
-    """None when ``backend`` can run on ``device``, else a sentence saying why not."""
+def unavailable_reason(backend: str, device: str | torch.device | None = None, *, here: bool = True) -> str | None:
+    """None when ``backend`` can run on ``device``, else a sentence saying why not. ``here=False``: a device of that
+    type on another machine (a cluster's node): a GPU taken as present there, what is installed here as installed
+    there."""
     if backend in ("reference", "sdpa"):
         return None  # pure torch: wherever torch runs
     if backend == "triton":
-        return triton_unavailable_reason(device)
+        return triton_unavailable_reason(device, here=here)
     if backend == "flex":
         return flex_unavailable_reason(device)
     if backend in PEERS:
-        return peer_unavailable_reason(backend, device)
+        return peer_unavailable_reason(backend, device, here=here)
     raise BackendError(f"unknown kernel backend {backend!r}; choose one of {list(CHOICES)}")
 
 
@@ -206,33 +211,18 @@ def resolve(op: str, requested: str = "auto", device: str | torch.device | None 
     return requested
 
 
-def _runs_elsewhere(backend: str, device_type: str) -> str | None:
-    """`unavailable_reason` for a device of ``device_type`` on another machine (a cluster's node): a CUDA device is
-    taken as present there, and what is installed here as installed there."""
-    if device_type != "cuda" or backend in ("reference", "sdpa"):
-        return unavailable_reason(backend, device_type)
-    if backend == "triton":
-        return None if triton_installed() else triton_unavailable_reason(device_type)
-    if backend == "flex":
-        return flex_unavailable_reason(device_type)
-    module, how = PEERS[backend]
-    return None if installed(module) else f"the {module} package is not installed ({how})"
-
-
 def admissible(op: str, requested: str, device_type: str, sizes: Mapping, *, here: bool = True) -> tuple[str, ...]:
     """The backends that may run ``op`` for a model of ``sizes`` (kernels/limits.py) on ``device_type``, refused
     before anything is built: BackendError naming the field and what to choose instead.
 
     An explicit backend must run on the device (``here``: this machine's; else one of that type elsewhere, see
-    `_runs_elsewhere`) and take the sizes. ``auto`` takes, on CUDA, the backends of AUTO_ORDER that run there and
+    `unavailable_reason`) and take the sizes. ``auto`` takes, on CUDA, the backends of AUTO_ORDER that run there and
     take the sizes (kernels/tune.py measures among them), the reference last; when every kernel that runs there
     refuses the sizes it is refused too, rather than running the pure-torch formula on a GPU unasked (the
     reference stays a choice: ``model.kernels.<op>=reference``). Elsewhere ``auto`` is the reference."""
     check_choice(op, requested)
     if requested != "auto":
-        if here:
-            resolve(op, requested, device_type)  # BackendError when it cannot run on this machine's device
-        elif (why := _runs_elsewhere(requested, device_type)) is not None:
+        if (why := unavailable_reason(requested, device_type, here=here)) is not None:
             raise BackendError(f"model.kernels.{op}={requested} cannot run on {device_type}: {why}. Choose "
                                f"model.kernels.{op}=auto or reference")
         why = limits.refusal(op, requested, sizes)
@@ -242,8 +232,7 @@ def admissible(op: str, requested: str, device_type: str, sizes: Mapping, *, her
         return (requested,)
     if _device_type(device_type) != "cuda":
         return ("reference",)
-    runs = [b for b in AUTO_ORDER[op] if b != "reference"
-            and (unavailable_reason(b, device_type) if here else _runs_elsewhere(b, device_type)) is None]
+    runs = [b for b in AUTO_ORDER[op] if b != "reference" and unavailable_reason(b, device_type, here=here) is None]
     refused = {b: why for b in runs if (why := limits.refusal(op, b, sizes)) is not None}
     if runs and len(refused) == len(runs):
         raise BackendError(

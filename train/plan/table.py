@@ -35,10 +35,11 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
     """One row per ZeRO stage the layout accepts (one row when nothing is data parallel): the heaviest planned
     rank's memory by category (GiB), whether it fits, GB it sends per step in every dimension (and in all), and
     every planned rank's peak (pipeline stages). A stage the layout refuses is a row with its reason."""
-    refusals = {}
+    refusals, layouts = {}, {}
     for z in stages:
         try:
-            dp = target_layout(with_zero_stage(cfg, z), world).dp  # the same for every stage the layout accepts
+            layouts[z] = target_layout(with_zero_stage(cfg, z), world)
+            dp = layouts[z].dp  # the same for every stage the layout accepts
         except ConfigError as e:
             refusals[z] = e
     if len(refusals) == len(stages):
@@ -57,7 +58,7 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
         mem, facts = per_rank[rank]["memory"], per_rank[rank]["facts"]
         comm = comm_bytes(cz, world, facts)
         time = step_time(cz, world, comm, hw or Hardware())
-        rows.append({"time": time, "zero_stage": z, "dp": dp, "dp_shard": target_layout(cz, world).dp_shard, "params": P, "rank": rank,
+        rows.append({"time": time, "zero_stage": z, "dp": dp, "dp_shard": (layouts.get(z) or target_layout(cz, world)).dp_shard, "params": P, "rank": rank,
                      "stages": facts["stages"],
                      **{k: v / GIB for k, v in mem.items()}, "fits": mem["total"] / GIB <= gpu_memory_gib,
                      "comm_gb": {k: v / 1e9 for k, v in comm.items()}, "comm_gb_per_step": sum(comm.values()) / 1e9,
