@@ -37,11 +37,6 @@ class Layout:
     dp_shard: int = 1
     device_type: str = "cpu"  # what the kernel rules were checked for: "cuda" or "cpu"
 
-    @property
-    def data_ranks(self) -> int:
-        """The ranks gradients are averaged over: data x context parallel."""
-        return self.dp * self.cp
-
     @classmethod
     def from_config(cls, cfg: JobConfig, world: int, device_type: str | None = None, *, here: bool = True) -> Layout:
         """Check every layout and kernel rule of ``cfg`` on ``world`` processes whose devices are of ``device_type``
