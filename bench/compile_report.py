@@ -217,7 +217,7 @@ def compile_only(arch: str, sink: dict, label: list):
         for m, n in patched:
             setattr(m, n, lambda *a, **k: None)
         backend.check_interpreted = lambda *a, **k: None
-        backend.triton_unavailable_reason = lambda device=None: None  # the switch picks triton for CPU tensors
+        backend.triton_unavailable_reason = lambda device=None, **_: None  # the switch picks triton for CPU tensors
         triton_utils.interpreted = lambda device: False  # and the launchers choose as on the GPU
         yield
     finally:

@@ -75,7 +75,7 @@ def test_gate_kernel_runs_and_keeps_each_inputs_dtype(monkeypatch):
 
 def test_gate_falls_back_to_the_reference_without_triton(monkeypatch):
     """Where Triton cannot run, reference.apply_gate computes the same (and the kernels are not imported)."""
-    monkeypatch.setattr(backend, "triton_unavailable_reason", lambda device=None: "no triton here")
+    monkeypatch.setattr(backend, "triton_unavailable_reason", lambda device=None, **_: "no triton here")
     monkeypatch.setattr(gate.SigmoidGateFunction, "apply", lambda *a: pytest.fail("the Triton path was taken"))
     attn, gt = torch.randn(4, 2, 8), torch.randn(4, 2, 8)
     torch.testing.assert_close(sigmoid_gate(attn, gt), apply_gate(attn, gt))
