@@ -168,5 +168,22 @@ def write_chunks_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> str
     return h.hexdigest()
 
 
+def write_file_atomic(path: Path, write: Callable[[str], object]) -> None:
+    """Atomically publish the file that ``write(scratch)`` writes at the path it is handed: for a library that
+    writes a file itself (a profiler trace, a memory snapshot). A write that fails removes its scratch and raises."""
+    path = Path(path)
+    tmp = scratch_name(path)
+    try:
+        write(str(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode())

@@ -19,6 +19,7 @@ from hybridtron.atomic import (
     scratch_name,
     this_host,
     write_chunks_atomic,
+    write_file_atomic,
 )
 
 ROOT = Path(__file__).resolve().parents[2]  # the directory holding the hybridtron package
@@ -143,3 +144,26 @@ def test_a_writer_killed_midway_leaves_scratch_the_next_one_reclaims(tmp_path):
     assert reclaim_scratch(tmp_path, log=lines.append) == [scratch]
     assert not list(tmp_path.iterdir())
     assert lines == [f"removed 1 scratch entry of dead processes in {tmp_path}: {scratch.name}"]
+
+
+def test_write_file_atomic_publishes_what_the_writer_wrote_or_nothing(tmp_path):
+    final = tmp_path / "trace.json"
+    seen = []
+
+    def writer(path: str) -> None:
+        seen.append(path)
+        assert not final.exists()  # written under its scratch name, published only when complete
+        Path(path).write_text("{}")
+
+    write_file_atomic(final, writer)
+    assert final.read_text() == "{}" and seen == [str(scratch_name(final))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+
+    def fails(path: str) -> None:
+        Path(path).write_text("torn")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_file_atomic(final, fails)
+    assert final.read_text() == "{}"  # the previous file stays; no scratch is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
