@@ -140,6 +140,25 @@ class DataConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """What ``train/profile.py`` records; nothing unless asked."""
+
+    # [first, last] (1-based, inclusive): a torch.profiler trace of these steps, per rank, under the run
+    # directory's profile/; []: none.
+    steps: list[int] = field(default_factory=list)
+    # CUDA only: record the allocator's history over those steps and dump a snapshot after the last; without
+    # steps, over the whole run. Either way an out-of-memory error while recording dumps one and names it.
+    memory: bool = False
+
+    def validate(self, max_steps: int) -> None:
+        if not self.steps:
+            return
+        if len(self.steps) != 2 or not 1 <= self.steps[0] <= self.steps[1] <= max_steps:
+            raise ConfigError(f"train.profile.steps={self.steps} must be [first, last] with 1 <= first <= last <= "
+                              f"train.max_steps={max_steps}, e.g. [5, 7]; [] profiles nothing")
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 200
     micro_batch_size: int = 8
@@ -189,6 +208,7 @@ class TrainConfig:
     # fp32 gradients of the run's first step (before clipping) go to <run_dir>/grads_step1.pt, in the model's
     # layout whatever the parallel one: a parallel run's gradients can then be compared with one process's.
     dump_grads: list[str] = field(default_factory=list)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)  # traces and memory snapshots of chosen steps
 
     def validate(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every"):
@@ -231,6 +251,7 @@ class TrainConfig:
         if not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
             raise ConfigError(f"train.dump_grads={self.dump_grads!r} must be distinct parameter names "
                               f"(e.g. [embed_tokens.weight, layers.0.mlp.down_proj.weight])")
+        self.profile.validate(self.max_steps)
 
 
 @dataclass

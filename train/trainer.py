@@ -32,6 +32,7 @@ from .parallel.context_parallel import local_piece
 from .parallel.expert_parallel import sync_expert_grads
 from .parallel.grad_norm import clip_grad_norm
 from .parallel.mesh import Mesh
+from .profile import StepProfiler
 from .run_dir import STOP_REQUEST
 from .schedule import Plan, resume_plan
 from .spike import SpikeGuard
@@ -278,12 +279,15 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not interactive, desc="train",
                    dynamic_ncols=True)
         last_ckpt, val_loss, stopped_by = resumed_from, None, "max_steps"
+        # train.profile: traces and memory snapshots of chosen steps; None (and no cost) when off
+        prof = StepProfiler.for_run(t.profile, self.run_dir, self.mesh.rank, self.device, self.state.step, log)
         try:
             with StopSignal(self.run_dir / STOP_REQUEST) as stop:
                 first = True  # this process's first step: it meets (and measures) every kernel shape class first
                 while self.state.step < t.max_steps:
                     t0 = time.perf_counter()
-                    with kernel_choice.first_step(self.device, t.compile) if first else contextlib.nullcontext():
+                    with (kernel_choice.first_step(self.device, t.compile) if first else contextlib.nullcontext(),
+                          prof.guard(self.state.step + 1) if prof else contextlib.nullcontext()):
                         out = self.train_step()
                     if first:
                         kernel_choice.share(self.mesh, self.run_dir, log)
@@ -328,6 +332,8 @@ class Trainer:
                             f"grad_norm {out['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
                     if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
                         last_ckpt = self.save()
+                    if prof:
+                        prof.after(step)
                     if self.mesh.any(stop.received is not None):  # every rank stops at the same step
                         stopped_by = "signal"
                         log(f"received signal {signal.Signals(stop.received).name if stop.received else 'on another rank'}; saving a checkpoint at step {step} and stopping")
@@ -339,6 +345,8 @@ class Trainer:
                 if (cfg.checkpoint.at_exit or stopped_by != "max_steps") and (last_ckpt is None or last_ckpt.name != f"step_{self.state.step:08d}"):
                     last_ckpt = self.save()
         finally:
+            if prof:
+                prof.close()
             bar.close()
             metrics.close()
         return FitResult(self.state, last_ckpt, val_loss, stopped_by)
