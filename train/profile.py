@@ -6,8 +6,8 @@
   RUN_DIR/profile``: one run per range of steps, one worker per rank, so its distributed view compares the
   ranks); the same file opens in Perfetto (https://ui.perfetto.dev) or chrome://tracing. The profiler starts one
   step early when it can (a warmup step, discarded, so its start-up cost stays out of the trace); a step's window
-  runs from its forward to the end of its loop iteration (evaluation and checkpointing of that step included).
-  ``ProfilerStep#0`` in the trace is the first step the profiler saw.
+  runs from the start of its work to the start of the next step's (its evaluation and checkpoint included).
+  The trace's ``ProfilerStep#k`` counts from the profiler's start: the warmup step, when there is one, is #0.
 - ``train.profile.memory: true`` on CUDA: the allocator's history is recorded over those steps and a snapshot
   dumped after the last, ``rank{R}.memory.pickle`` beside the trace; without steps, over the whole run. An
   out-of-memory error while recording dumps ``RUN_DIR/profile/oom_step{N}/rank{R}.memory.pickle`` and is raised
