@@ -514,6 +514,30 @@ class CheckpointManager:
             self._staging = None
         return err
 
+    def _abort_save(self, err: Exception | None, tmp: Path, final: Path, writing: Path, main: bool):
+        """Remove the partial checkpoint and raise: a full disk as DiskFullError, another rank's failure as
+        CheckpointError, anything else as it is. ``latest`` still names the previous checkpoint."""
+        full = err is not None and _is_disk_full(err, self.dir)  # judged before the partial files go
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = self.latest(warn=False)
+        kept = f"{LATEST} still names {prev.name if prev else 'no checkpoint'}"
+        if full:
+            raise DiskFullError(
+                f"no space left on device writing {writing.name} of checkpoint {final.name} in {self.dir}; the "
+                f"partial checkpoint was removed and {kept}: free space there (or lower checkpoint.keep_last), "
+                f"then run the same command to resume"
+            ) from None
+        if err is None:
+            raise CheckpointError(f"checkpoint {final.name} was not saved: another rank failed while writing it (its "
+                                  f"error names the cause); the partial checkpoint was removed and {kept}")
+        if isinstance(err, CheckpointException):  # DCP's report of every rank's failure, tracebacks included
+            lines = [ln.strip() for ln in str(err).splitlines() if ln.strip() and not ln.startswith((" ", "Traceback"))]
+            why = lines[-1][:200] if lines else "no message"
+            raise CheckpointError(f"checkpoint {final.name}: writing {SHARDED}/ failed ({why}); the partial checkpoint "
+                                  f"was removed and {kept}") from None
+        raise err
+
     def _publish(self, tmp: Path, final: Path) -> None:
         if final.exists():  # re-saving the same step (e.g. exit right after a periodic save)
             shutil.rmtree(final)
