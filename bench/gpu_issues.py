@@ -6,7 +6,8 @@ own log -- and the quick check that fits one 10-minute call of a lent GPU:
     python -m hybridtron.bench.gpu_issues --only delta_rule_conv moe_kernels
     python -m hybridtron.bench.gpu_issues --dry-run [--quick]  # the commands, not run
 
-``--quick`` (issue 33): the versions; every backend of attention, the delta rule and the short convolution at the
+``--quick`` (issue 33): the versions; the training stall of a checkpoint, synchronous against ``checkpoint.async``
+(bench_checkpoint); every backend of attention, the delta rule and the short convolution at the
 presets' and the targets' shapes, with documents and without, measured by the tuner itself (bench/kernel_grid.py:
 checked against the reference, timed; SDPA's own kernels beside); the three GPU presets end to end for a few steps
 with ``auto`` (bench_train: tokens/s, MFU, peak memory, the kernels ``auto`` chose); hybrid_1b against transformers
@@ -67,6 +68,9 @@ _QUICK_DATA = ["--extra", "data.sources=[{path: stdlib, max_files: 400}]"]
 _QUICK_STEPS = ["--variants", "ddp", "--steps", "2", "--warmup", "1", *_QUICK_DATA]
 QUICK: list[tuple[str, str, list[str], int]] = [
     ("kernel_grid", "kernel_grid", ["--budget-s", "150", "--json", "{out}/kernel_grid.json"], 200),
+    # the training stall of a 3 GB checkpoint (1 GB of weights + AdamW), synchronous against checkpoint.async
+    ("checkpoint_stall", "bench_checkpoint", ["--mb", "1000", "--saves", "2", "--json", "{out}/checkpoint_stall.json"],
+     60),
     ("train_hybrid", "bench_train", ["--preset", "hybrid_1b", *_QUICK_STEPS, "--json", "{out}/train_hybrid.json"], 110),
     ("hf_hybrid", "bench_hf", ["--preset", "hybrid_1b", "--steps", "2", "--warmup", "1", "--repeats", "1",
                                "--json", "{out}/hf_hybrid.json"], 100),
@@ -141,6 +145,11 @@ def quick_summary(out: Path, ran: dict[str, tuple]) -> tuple[list[dict], list[st
         mfu = row.get("mfu")
         vs.append({"target": f"{name.removeprefix('train_')} preset MFU ({row.get('tokens_per_s') or 0:,.0f} tokens/s)",
                    "value": mfu, "bound": f">= {target:.0%}", "met": None if mfu is None else mfu >= target})
+    stall = _load(out / "checkpoint_stall.json")
+    sv = stall["async_over_sync"] if stall else None
+    vs.append({"target": "checkpoint stall: async / sync" + (f" ({stall['sync_stall_s']:.2f} s sync, "
+                                                              f"{stall['state_mb']:,} MB)" if stall else ""),
+               "value": sv, "bound": "< 1", "met": None if sv is None else sv < 1})
     ratio = hf["ratio"] if hf and hf.get("hf_has_fla") else None
     vs.append({"target": "hybrid_1b tokens/s: ours / transformers + fla", "value": ratio, "bound": f">= {HF_TARGET}",
                "met": None if ratio is None else ratio >= HF_TARGET})

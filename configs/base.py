@@ -7,6 +7,7 @@ annotation, and names the offending field, the value and what is allowed when so
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -95,24 +96,37 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported annotation {tp!r}")
 
 
+def config_keys(cls: type) -> dict[str, str]:
+    """YAML/CLI key -> field name of dataclass ``cls``. A key is its field's name unless the field's metadata gives
+    another ``key``: a name Python cannot use for an attribute, such as ``checkpoint.async`` (field ``async_save``)."""
+    return {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
+
+
 def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ConfigError."""
     hints = get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
+    keys = config_keys(cls)
+    unknown = [k for k in data if k not in keys]
     if unknown:
         loc = f"{where}." if where else ""
         raise ConfigError(
-            f"unknown config key {loc}{unknown[0]!r}; allowed keys in {where or 'the top level'}: {names}"
+            f"unknown config key {loc}{unknown[0]!r}; allowed keys in {where or 'the top level'}: {list(keys)}"
         )
     kwargs = {}
     for k, v in data.items():
-        kwargs[k] = _coerce(v, hints[k], f"{where}.{k}" if where else k)
+        kwargs[keys[k]] = _coerce(v, hints[keys[k]], f"{where}.{k}" if where else k)
     return cls(**kwargs)
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any) -> Any:
+    """A config (or any value in it) as plain data under its YAML keys: what ``from_dict`` reads back."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.metadata.get("key", f.name): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return type(cfg)(to_dict(v) for v in cfg)
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return copy.deepcopy(cfg)
 
 
 def _parse_scalar(text: str) -> Any:
@@ -127,20 +141,22 @@ def apply_override(cfg: Any, dotted: str, raw: str | Any) -> None:
     """Set ``cfg.<dotted>`` from a CLI string (or a Python value), type-checked."""
     parts = dotted.split(".")
     obj = cfg
+    name = ""
     for i, p in enumerate(parts):
-        names = [f.name for f in dataclasses.fields(obj)]
-        if p not in names:
+        keys = config_keys(type(obj))
+        if p not in keys:
             where = ".".join(parts[:i]) or "the top level"
-            raise ConfigError(f"unknown config key {dotted!r}: {p!r} is not in {where}; allowed: {names}")
+            raise ConfigError(f"unknown config key {dotted!r}: {p!r} is not in {where}; allowed: {list(keys)}")
+        name = keys[p]
         if i < len(parts) - 1:
-            obj = getattr(obj, p)
+            obj = getattr(obj, name)
             if not dataclasses.is_dataclass(obj):
                 raise ConfigError(f"config key {dotted!r}: {'.'.join(parts[: i + 1])} is not a section")
     value = _parse_scalar(raw) if isinstance(raw, str) else raw
-    tp = get_type_hints(type(obj))[parts[-1]]
+    tp = get_type_hints(type(obj))[name]
     if tp is str and not isinstance(value, str) and isinstance(raw, str):
         value = raw  # `--run.name 123` stays a string
-    setattr(obj, parts[-1], _coerce(value, tp, dotted))
+    setattr(obj, name, _coerce(value, tp, dotted))
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str]]:

@@ -259,6 +259,10 @@ class CheckpointConfig:
     every: int = 100  # steps between checkpoints; 0 = only at the end
     keep_last: int = 3  # complete checkpoints kept; older ones are deleted
     at_exit: bool = True  # also save when the run ends or receives SIGTERM/SIGINT
+    # YAML/CLI key `async` (a Python keyword): copy the state to host memory at the save, then write it in the
+    # background while training goes on; the next save, a stop or the end waits for the write. `latest` moves only
+    # once the write is complete and checksummed, as with a synchronous save, and the files are the same.
+    async_save: bool = field(default=False, metadata={"key": "async"})
 
     def validate(self) -> None:
         if self.every < 0 or self.keep_last < 1:

@@ -23,6 +23,7 @@ directory and raises ``DiskFullError`` naming the file; ``latest`` keeps naming 
 
 from __future__ import annotations
 
+import copy
 import errno
 import hashlib
 import json
@@ -31,15 +32,16 @@ import random
 import re
 import shutil
 import sys
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import _remove_duplicate_names, load_model, save_file, save_model  # (save_model's helper)
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
 from hybridtron.atomic import (
@@ -71,6 +73,9 @@ TOKENIZER_SKIP = shutil.ignore_patterns(".*", "*.tmp", "*.tmp-*", "*.tmp.*", "*~
 # full disk when the file system has less than LOW_SPACE_BYTES left.
 TORCH_WRITE_FAILURE = ("inline_container", "pytorchstreamwriter", "file write failed", "unexpected pos")
 LOW_SPACE_BYTES = 64 << 20
+# Tests only: seconds a background checkpoint write pauses after its weights are on disk, before the checkpoint is
+# finished (manifest, rename, latest), so that a test can kill or stop the run while a write is in progress.
+TEST_WRITE_DELAY = "HYBRIDTRON_TEST_CHECKPOINT_WRITE_DELAY"
 
 _warned: set[tuple[str, ...]] = set()  # warnings already printed in this process (latest() runs twice per resume)
 
@@ -200,6 +205,19 @@ def honour_umask(path: Path) -> None:
     os.chmod(path, 0o666 & ~mask)
 
 
+def _save_model_state(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """``model.safetensors`` from a model's state dict, as safetensors' ``save_model`` writes it from the model
+    (a tied tensor once, its other names in the metadata), so a save from a staged copy writes the same file."""
+    state_dict = dict(state_dict)
+    metadata = {}
+    for kept, removed in _remove_duplicate_names(state_dict).items():
+        for name in removed:
+            metadata.setdefault(name, kept)
+            del state_dict[name]
+    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(path), metadata=metadata or None)
+    honour_umask(path)
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -252,6 +270,9 @@ class CheckpointManager:
     def __init__(self, run_dir: Path, keep_last: int = 3):
         self.dir = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
+        self._pending: tuple[Path, Future] | None = None  # a background save: its checkpoint, the writer's result
+        self._writer: ThreadPoolExecutor | None = None  # the one thread that writes background saves, in order
+        self._staging = None  # torch.distributed.checkpoint's DefaultStager, made at the first background save
 
     # ---- discovery -------------------------------------------------------------------------
     def complete(self) -> list[Path]:
@@ -312,6 +333,7 @@ class CheckpointManager:
         tokenizer_dir: Path,
         mesh=None,
         engine=None,
+        background: bool = False,
     ) -> Path:
         """Write checkpoint ``step_<state.step>`` atomically and point ``latest`` at it.
 
@@ -319,12 +341,24 @@ class CheckpointManager:
         this): ``dcp/``, a torch.distributed.checkpoint directory to which every rank writes its own shards;
         rank 0 writes the rest, the manifest, and renames the directory into place only after every rank's
         shards are on disk. Ranks agree after each phase, so a failure on any rank removes the partial
-        directory on all of them and raises on all of them."""
+        directory on all of them and raises on all of them.
+
+        ``background`` (checkpoint.async, torch engine): the model and optimizer state are copied to host memory
+        (pinned on CUDA) and the RNG and trainer state captured here; the files are written by a thread while
+        training goes on (several processes: ``dcp.async_save`` over ``mesh.checkpoint_group``), and rank 0
+        finishes the checkpoint there the way a synchronous save does. The files are the same either way. The
+        next save, ``wait`` and ``close`` wait for the write; ``wait`` raises its failure on every rank."""
+        self.wait(mesh)  # the previous write is published (or has failed) before this one starts
+        background = background and engine is None
         sharded = (mesh is not None and mesh.distributed) or engine is not None
         main = mesh is None or mesh.is_main
         final = self.dir / step_dir_name(state.step)
         tmp = self.dir / f".tmp-{final.name}-sharded" if sharded else scratch_name(final)
         writing = [tmp]  # the file being written, for the error message
+        upload = []  # background: what the thread writes (a DCP future, or the staged one-process state)
+        rng_tensors, rng_plain = capture_rng()  # this step's RNG, whenever the files are written
+        meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen,
+                **({"extra": copy.deepcopy(state.extra)} if state.extra else {}), "rng": rng_plain}
 
         def start():
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -343,22 +377,32 @@ class CheckpointManager:
 
                 writing[0] = tmp / SHARDED
                 msd, osd = canonical_state_dicts(model, *get_state_dict(model, optimizer))
-                dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(writing[0]))
+                if background:  # staged into host memory now, written by DCP's thread
+                    upload.append(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(writing[0]),
+                                                 process_group=mesh.checkpoint_group, async_stager=self._stager()))
+                else:
+                    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(writing[0]))
                 return
+            if background:
+                upload.append(self._stager().stage({"model": model.state_dict(), "optim": optimizer.state_dict()}))
+            else:
+                write_plain(model, optimizer.state_dict())
+
+        def write_plain(weights, optim_sd):  # weights: the model, or its staged state dict
             writing[0] = tmp / "model.safetensors"
-            save_model(model, str(writing[0]))
-            honour_umask(writing[0])
+            if isinstance(weights, torch.nn.Module):
+                save_model(weights, str(writing[0]))
+                honour_umask(writing[0])
+            else:
+                _save_model_state(weights, writing[0])
             writing[0] = tmp / "optimizer.pt"
-            torch.save(optimizer.state_dict(), writing[0])
+            torch.save(optim_sd, writing[0])
 
         def rest():
-            rng_tensors, rng_plain = capture_rng()
             writing[0] = tmp / "rng.pt"
             torch.save(rng_tensors, writing[0])
-            meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen,
-                    **({"extra": state.extra} if state.extra else {})}
             writing[0] = tmp / "trainer_state.json"
-            writing[0].write_text(json.dumps({**meta, "rng": rng_plain}))
+            writing[0].write_text(json.dumps(meta))
             writing[0] = tmp / "config.yaml"
             writing[0].write_text(config_yaml)
             writing[0] = tmp / "tokenizer"
@@ -368,7 +412,8 @@ class CheckpointManager:
             writing[0] = tmp
             _fsync_tree(tmp)
 
-        for phase, everyone in ((start, False), (weights, True), (rest, False)):
+        phases = ((start, False), (weights, True)) + (() if background else ((rest, False),))
+        for phase, everyone in phases:
             err = None
             if everyone or main:
                 try:
@@ -380,6 +425,33 @@ class CheckpointManager:
                     raise
             if (mesh.any(err is not None) if mesh is not None else err is not None):
                 self._abort_save(err, tmp, final, writing[0], main)
+        if background:
+            def finish() -> BaseException | None:  # in the writer thread: the error to raise at ``wait``, or None
+                try:
+                    if sharded:
+                        upload[0].result()  # every rank's shards and DCP's metadata are on disk (DCP agreed on it)
+                    else:
+                        write_plain(upload[0]["model"], upload[0]["optim"])
+                    if delay := float(os.environ.get(TEST_WRITE_DELAY, "0") or 0):
+                        time.sleep(delay)  # tests only: a write still in progress when the process is killed
+                    if main:
+                        rest()
+                except (Exception, CheckpointException) as e:  # noqa: BLE001
+                    try:
+                        self._abort_save(e, tmp, final, writing[0], main)
+                    except BaseException as reported:  # noqa: BLE001  (the error in the words of a synchronous save)
+                        return reported
+                if main:
+                    try:
+                        self._publish(tmp, final)
+                    except Exception as e:  # noqa: BLE001
+                        return e
+                return None
+
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtron-checkpoint")
+            self._pending = (final, self._writer.submit(finish))
+            return final
         err = None
         if main:
             try:
@@ -392,6 +464,55 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {final.name} was saved but rank 0 could not make it {LATEST} "
                                   f"(its error names the cause)")
         return final
+
+    def _stager(self):
+        """torch.distributed.checkpoint's stager: copies a state dict's tensors into host memory it keeps for the next
+        save (pinned on CUDA, for fast copies), tensors that share storage staying shared. Reusing the memory is safe
+        because a save first waits for the previous write."""
+        if self._staging is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._staging = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
+                                                         use_shared_memory=False, use_async_staging=False,
+                                                         use_non_blocking_copy=False))
+        return self._staging
+
+    def write_failed(self) -> bool:
+        """Whether the background write in progress has ended, in failure (``wait`` raises it)."""
+        return self._pending is not None and self._pending[1].done() and self._pending[1].result() is not None
+
+    def wait(self, mesh=None) -> Path | None:
+        """Wait for the background write in progress, if any (every rank calls this at the same point); returns the
+        checkpoint it published. A failure on any rank raises on every rank, as a synchronous save's does: the
+        partial checkpoint is removed and ``latest`` names the previous one."""
+        if self._pending is None:
+            return None
+        (final, future), self._pending = self._pending, None
+        err = future.result()
+        if mesh.any(err is not None) if mesh is not None else err is not None:
+            if err is not None:
+                raise err
+            prev = self.latest(warn=False)
+            raise CheckpointError(f"checkpoint {final.name} was not saved: another rank failed while writing it (its "
+                                  f"error names the cause); the partial checkpoint was removed and {LATEST} still "
+                                  f"names {prev.name if prev else 'no checkpoint'}")
+        return final
+
+    def close(self) -> str | None:
+        """Let a background write in progress finish (this rank alone: after a failure elsewhere no collective can
+        be trusted) and free the staging memory. Returns that write's error, one line, or None."""
+        err = None
+        if self._pending is not None:
+            (final, future), self._pending = self._pending, None
+            if (e := future.result()) is not None:
+                err = f"checkpoint {final.name}, written in the background, was not saved: {_first_line(e)}"
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        return err
 
     def _abort_save(self, err: Exception | None, tmp: Path, final: Path, writing: Path, main: bool):
         """Remove the partial checkpoint and raise: a full disk as DiskFullError, another rank's failure as

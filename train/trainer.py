@@ -190,7 +190,7 @@ class Trainer:
         self.state.extra["schedule"] = self.plan.to_dict()
         self.state.extra["spike_guard"] = self.spike.state_dict()
         return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir,
-                              mesh=self.mesh, engine=self.engine)
+                              mesh=self.mesh, engine=self.engine, background=self.cfg.checkpoint.async_save)
 
     # ---- one step: the engine's runner (forward and backward of the micro-batches), then the shared update ----
 
@@ -334,7 +334,9 @@ class Trainer:
                         last_ckpt = self.save()
                     if prof:
                         prof.after(step)
-                    if self.mesh.any(stop.received is not None):  # every rank stops at the same step
+                    # every rank stops at the same step, for a signal or a background save that failed on any rank
+                    if self.mesh.any(stop.received is not None or self.ckpt.write_failed()):
+                        self.ckpt.wait(self.mesh)  # raises a failed background save's error; else waits for it
                         stopped_by = "signal"
                         log(f"received signal {signal.Signals(stop.received).name if stop.received else 'on another rank'}; saving a checkpoint at step {step} and stopping")
                         break
@@ -344,9 +346,12 @@ class Trainer:
                 # A signal or exit_interval stop always saves: that is what makes it resumable.
                 if (cfg.checkpoint.at_exit or stopped_by != "max_steps") and (last_ckpt is None or last_ckpt.name != f"step_{self.state.step:08d}"):
                     last_ckpt = self.save()
+                self.ckpt.wait(self.mesh)  # a background save is complete, and latest, before the run ends
         finally:
             if prof:
                 prof.close()
             bar.close()
             metrics.close()
+            if (lost := self.ckpt.close()) is not None:  # only after an error here: a background save still went on
+                print(f"[hybridtron] warning: {lost}", file=sys.stderr, flush=True)
         return FitResult(self.state, last_ckpt, val_loss, stopped_by)

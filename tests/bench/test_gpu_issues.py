@@ -92,11 +92,12 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
         "train_hybrid": {"rows": [{"tokens_per_s": 60000.0, "mfu": 0.41}], "kernel_choices": {
             "ddp": {"attention[...]": "sdpa", "delta_rule[...]": "fla"}}},
         "hf_hybrid": {"ratio": 2.1, "hf_has_fla": True},
+        "checkpoint_stall": {"async_over_sync": 0.12, "sync_stall_s": 9.5, "state_mb": 3000},
         "train_dense": {"rows": [{"tokens_per_s": 90000.0, "mfu": 0.56}]},
     }
     clock = [0.0]
     monkeypatch.setattr(gpu_issues.time, "monotonic", lambda: clock[0])
-    spent = {"kernel_grid": 150, "train_hybrid": 110, "hf_hybrid": 100, "train_dense": 100}
+    spent = {"kernel_grid": 150, "checkpoint_stall": 30, "train_hybrid": 110, "hf_hybrid": 100, "train_dense": 100}
     ran = []
 
     def fake_run(name, cmd, log, timeout):
@@ -109,7 +110,8 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     monkeypatch.setattr(gpu_issues, "_run", fake_run)
     assert gpu_issues.main(["--quick", "--out", str(tmp_path)]) == 0
     # each command gets its cap or what is left; train_moe, with 20 s left at its turn, is not started
-    assert ran == [("kernel_grid", 200), ("train_hybrid", 110), ("hf_hybrid", 100), ("train_dense", 90)]
+    assert ran == [("kernel_grid", 200), ("checkpoint_stall", 60), ("train_hybrid", 110), ("hf_hybrid", 100),
+                   ("train_dense", 90)]
     out = capsys.readouterr().out
     assert "| attention T4k D128 | 0.97 | >= 0.95 | met |" in out
     assert "| hybrid preset MFU (60,000 tokens/s) | 0.41 | >= 45% | NOT met |" in out
@@ -119,7 +121,8 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     assert "- train_moe: not run (deadline)" in out
     assert "train_hybrid ddp: auto chose attention[...]: sdpa; delta_rule[...]: fla" in out
     saved = json.loads((tmp_path / "quick.json").read_text())
-    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 5
+    assert "| checkpoint stall: async / sync (9.50 s sync, 3,000 MB) | 0.12 | < 1 | met |" in out
+    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 6
 
 
 def test_kernel_grid_verdicts():
@@ -184,3 +187,20 @@ def test_kernel_grid_runs_end_to_end_on_tiny_classes(tmp_path, monkeypatch, caps
     assert set(data["results"]["att T4k D128"]["sdpa_kernels"]) == set(kernel_grid.SDPA_KERNELS)
     assert len(json.loads((tmp_path / "cache" / "kernel_choices.json").read_text())["machines"]) == 1
     assert "| target | value | bound | verdict |" in capsys.readouterr().out
+
+
+def test_checkpoint_stall_bench_measures_both_kinds_of_save_on_the_cpu(tmp_path, capsys):
+    """bench_checkpoint (the quick check's checkpoint_stall row) at a tiny size on the CPU: both saves go through
+    the trainer's CheckpointManager, and what it writes is the row's input."""
+    import json
+
+    from hybridtron.bench import bench_checkpoint
+
+    out = tmp_path / "stall.json"
+    assert bench_checkpoint.main(["--mb", "4", "--saves", "1", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["ranks"] == 1 and res["device"] == "cpu" and res["state_mb"] == 13  # 3 x 4 MB of 1024 x 1024 fp32
+    assert res["sync_stall_s"] > 0 and res["async_stall_s"] > 0 and res["async_write_s"] > 0
+    assert res["async_over_sync"] == res["async_stall_s"] / res["sync_stall_s"]
+    assert "async/sync" in capsys.readouterr().out
+    assert not list(tmp_path.glob("bench-ckpt-*"))  # its checkpoints are removed

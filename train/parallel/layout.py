@@ -45,6 +45,7 @@ class Layout:
         installed here as installed there. ConfigError, one line, at the first rule broken."""
         device_type = backend.device_type_of(cfg.train.device if device_type is None else device_type)
         check_engine(cfg)
+        check_async_checkpoint(cfg)
         check_sparse_attention(cfg)
         dp = data_parallel_size(cfg, world)
         p = cfg.parallel
@@ -126,6 +127,18 @@ def check_engine(cfg: JobConfig) -> None:
         if t.compile:
             raise ConfigError("train.compile=true works with parallel.engine=torch only (DeepSpeed wraps the model "
                               "itself); set train.compile=false or parallel.engine=torch")
+
+
+def check_async_checkpoint(cfg: JobConfig) -> None:
+    """checkpoint.async writes through torch.distributed.checkpoint (or our one-process files) from a staged copy;
+    DeepSpeed saves through its own engine, and a pipeline's async save is not yet tested."""
+    p = cfg.parallel
+    if cfg.checkpoint.async_save and p.engine == "deepspeed":
+        raise ConfigError("checkpoint.async=true works with parallel.engine=torch only (DeepSpeed writes its "
+                          "checkpoints itself); set checkpoint.async=false or parallel.engine=torch")
+    if cfg.checkpoint.async_save and p.pp > 1:
+        raise ConfigError(f"checkpoint.async=true is not yet tested with parallel.pp={p.pp}; set checkpoint.async="
+                          f"false (synchronous saves) or parallel.pp=1")
 
 
 def check_sharded_data_parallel(cfg: JobConfig, dp: int, what: str, why: str) -> None:

@@ -61,6 +61,10 @@ class Mesh:
     # FSDP2 takes for HSDP (everything else keeps using "dp")
     dp_shard: int = 1
     hsdp_mesh: object | None = None
+    # checkpoint.async with several processes: a gloo group of all ranks of its own, which only the background
+    # checkpoint writes use (torch.distributed.checkpoint's planning and commit), so they never share a group with
+    # the training collectives that the main thread runs at the same time
+    checkpoint_group: object | None = None
 
     @property
     def data_ranks(self) -> int:
@@ -134,8 +138,11 @@ class Mesh:
         if dp_shard < dp:  # dp_shard innermost: a shard group is neighbouring ranks (a node), the replicas span nodes.
             # The mesh's "dp" runs over dp x cp (cp inner): FSDP2 shards over dp_shard x cp, as torchtitan's dp_shard_cp
             hsdp_mesh = mesh["dp"]._unflatten(0, (dp // dp_shard, dp_shard * cp), ("dp_replicate", "dp_shard"))
+        checkpoint_group = None
+        if cfg.checkpoint.async_save:
+            checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
         return cls(rank, local, world, dp, tp, cfg.parallel.zero_stage, mesh, pp, ep, expert_mesh, cp, cp_group,
-                   dp_shard=dp_shard, hsdp_mesh=hsdp_mesh)
+                   dp_shard=dp_shard, hsdp_mesh=hsdp_mesh, checkpoint_group=checkpoint_group)
 
     def pipeline_ends_group(self):
         """The two-rank group {first stage, last stage} of this rank's (dp, tp) coordinate, or None on a middle
