@@ -33,7 +33,7 @@ from .parallel.expert_parallel import sync_expert_grads
 from .parallel.grad_norm import clip_grad_norm
 from .parallel.mesh import Mesh
 from .run_dir import STOP_REQUEST
-from .schedule import Plan, resume_plan
+from .schedule import Plan, resume_plan, warmup_note
 from .spike import SpikeGuard
 from .step import whole
 
@@ -270,6 +270,8 @@ class Trainer:
         main = self.mesh.is_main
         if not main:
             log = _quiet  # only rank 0 reports progress; every rank still raises its own errors
+        if resumed_from is None and warmup_note(t):
+            log(warmup_note(t))  # a short run of a preset made for a long one: the warm-up it takes instead
         # 0 without a checkpoint; only rank 0 writes metrics.jsonl and TensorBoard
         metrics = MetricsLogger(self.run_dir, resume_step=self.state.step) if main else _NoMetrics()
         self.model.train()
