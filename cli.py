@@ -180,9 +180,20 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    with _logs_to_stderr() as out:  # stdout: the tables, or with --json the JSON alone
+        result = _plan(args)
+        if result is not None:  # None: a rank of a measured job other than the first, which prints nothing
+            text, data = result
+            print(json.dumps(data) if args.json else text, file=out, flush=True)
+    return 0
+
+
+def _plan(args) -> tuple[str, object] | None:
+    """plan's (text, JSON-able data)."""
     from .train.plan import (
         Hardware,
         compare,
+        format_comparison,
         format_table,
         gather_measurements,
         measure,
@@ -205,8 +216,7 @@ def cmd_plan(args) -> int:
                                   + (" and <= 1" if name == "mfu" else ""))
         hw = Hardware(args.peak_tflops, args.mfu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
         rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw)
-        print(format_table(cfg, rows, world, args.gpu_memory_gib))
-        return 0
+        return format_table(cfg, rows, world, args.gpu_memory_gib), rows
     if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
         raise ConfigError("hybridtron plan --measure cannot follow parallel.pp_schedule=zero_bubble: torch's memory "
                           "tracker fails on its split backward (autograd.grad of the inputs, then of the weights); plan "
@@ -215,12 +225,14 @@ def cmd_plan(args) -> int:
     with Mesh.setup(cfg, device) as mesh:
         measured = gather_measurements(mesh, measure(cfg, mesh, device))
     release_distributed_state()
-    if mesh.is_main:  # the prediction for this very layout, simulated in this process once the real group is gone
-        print(json.dumps(compare(cfg, mesh.world_size, measured)))
-    return 0
+    if not mesh.is_main:
+        return None
+    # the prediction for this very layout, simulated in this process once the real group is gone
+    result = compare(cfg, mesh.world_size, measured)
+    return format_comparison(result), result
 
 
-def _suggest(cfg, args) -> int:
+def _suggest(cfg, args) -> tuple[str, dict]:
     """plan --suggest: hyperparameters for the budget from the scaling laws (train/suggest.py)."""
     from hybridtron.model.lm import GatedLM
 
@@ -235,13 +247,12 @@ def _suggest(cfg, args) -> int:
     tau_fit = routed = None
     if args.fit:
         tau_fit, routed = fits_from_sweeps(read_sweeps([Path(d) for d in args.fit]))
-        print(describe_fit(tau_fit, routed))
     with torch.device("meta"):  # counting only: no memory
         model = GatedLM(cfg.model, cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size))
     s = suggest(cfg, model.num_params(), model.num_active_params(), tokens, dp, tau_fit=tau_fit, tau_c=args.tau_c,
                 routed=routed)
-    print(format_suggestion(s))
-    return 0
+    text = format_suggestion(s)
+    return (describe_fit(tau_fit, routed) + "\n" + text if args.fit else text), s
 
 
 def cmd_ablate(args) -> int:
@@ -333,6 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--measure", action="store_true",
                     help="run the planned steps for real in this job's layout (under torchrun) and print the measured "
                          "peak of the rank planned heaviest beside its prediction")
+    sp.add_argument("--json", action="store_true", help="print the result as one JSON object instead of tables "
+                    "(stdout holds the JSON alone; log lines go to stderr)")
     sp.add_argument("--suggest", action="store_true",
                     help="learning rate, weight decay, batch size and steps for the token budget from scaling laws "
                          "(Power Lines' AdamW timescale; the routed-model law for the expert count)")
