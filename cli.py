@@ -236,12 +236,18 @@ def _suggest(cfg, args) -> tuple[str, dict]:
     """plan --suggest: hyperparameters for the budget from the scaling laws (train/suggest.py)."""
     from hybridtron.model.lm import GatedLM
 
-    from .train.suggest import describe_fit, fits_from_sweeps, format_suggestion, read_sweeps, suggest
+    from .train.suggest import (
+        describe_fit,
+        fits_from_sweeps,
+        format_suggestion,
+        read_sweeps,
+        reference_batch,
+        suggest,
+    )
 
     p = cfg.parallel
-    dp = max(1, args.nodes * args.gpus_per_node // (p.tp * p.pp * p.cp))
-    t = cfg.train
-    tokens = args.tokens or t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp * cfg.data.seq_len
+    dp = max(1, args.nodes * args.gpus_per_node // (p.tp * p.pp * p.cp))  # only how the batch is cut
+    tokens = args.tokens or cfg.train.max_steps * reference_batch(cfg)  # the config's budget, on any cluster
     if tokens <= 0:
         raise ConfigError(f"--tokens {args.tokens:g} must be > 0")
     tau_fit = routed = None
