@@ -196,7 +196,7 @@ def _last_metrics(run: Path) -> dict:
 
 def read_sweeps(dirs: list[Path]) -> list[dict]:
     """One record per finished variant of each ablation directory: lr, weight decay, steps, tokens, active
-    parameters, experts, final validation loss (train loss when the run never evaluated)."""
+    parameters, experts, final validation loss (the training language-model loss when the run never evaluated)."""
     import yaml
 
     out = []
@@ -209,7 +209,7 @@ def read_sweeps(dirs: list[Path]) -> list[dict]:
             run = d / name  # with --seeds: the first seed's run (the seeds share every setting but the seed)
             run = run if (run / "config.yaml").is_file() else min(run.glob("seed*"), default=run)
             cfg: JobConfig = from_dict(JobConfig, yaml.safe_load((run / "config.yaml").read_text()))
-            loss = r.get("final_val_loss") or r.get("final_train_loss")
+            loss = r.get("final_val_loss") or r.get("final_lm_loss") or r.get("final_train_loss")
             if loss is None:
                 continue
             t = cfg.train
