@@ -8,6 +8,7 @@ folder imports this one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import math
@@ -77,17 +78,54 @@ def cmd_train(args) -> int:
     return 0
 
 
+CHECKPOINT_HOLDS = "a checkpoint directory (RUN_DIR/checkpoints/step_N) holds config.yaml, tokenizer/ and the weights"
+
+
 def _checkpoint_for_inference(args) -> Path:
-    """--checkpoint, or --run-dir's latest checkpoint."""
+    """--checkpoint, or --run-dir's latest checkpoint; CheckpointError saying which is missing and what was
+    expected there."""
+    if args.checkpoint:
+        ckpt = Path(args.checkpoint)
+        if not ckpt.exists():
+            raise CheckpointError(f"--checkpoint {ckpt} does not exist; pass a checkpoint directory "
+                                  f"(RUN_DIR/checkpoints/step_N), or --run-dir RUN_DIR for a run's latest")
+        if (ckpt / "checkpoints").is_dir():
+            raise CheckpointError(f"--checkpoint {ckpt} is a run directory, not a checkpoint; pass --run-dir {ckpt} "
+                                  f"for its latest checkpoint, or --checkpoint {ckpt}/checkpoints/step_N")
+        absent = [name for name in ("config.yaml", "tokenizer/") if not (ckpt / name).exists()]
+        if absent:
+            raise CheckpointError(f"--checkpoint {ckpt} is not a checkpoint: it has no {' and no '.join(absent)} "
+                                  f"({CHECKPOINT_HOLDS})")
+        return ckpt
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(None)
-    ckpt = Path(args.checkpoint) if args.checkpoint else CheckpointManager(run_dir).latest()
-    if ckpt is None or not ckpt.is_dir():
-        where = args.checkpoint or f"{run_dir}/checkpoints"
-        raise CheckpointError(f"no checkpoint in {where}; train first or pass --checkpoint DIR")
+    flag = f"--run-dir {run_dir}" if args.run_dir else f"the default run directory {run_dir}"
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{flag} does not exist; pass --run-dir RUN_DIR (a `hybridtron train` run) or "
+                              f"--checkpoint DIR")
+    ckpt = CheckpointManager(run_dir).latest()
+    if ckpt is None:
+        raise CheckpointError(f"{flag} has no checkpoint ({run_dir / 'checkpoints'} holds no step_N directory); "
+                              f"train it first, or pass --checkpoint DIR")
     return ckpt
 
 
+@contextlib.contextmanager
+def _logs_to_stderr():
+    """Every line printed inside (progress, warnings) goes to stderr; yields the real stdout, for the result alone,
+    so that `hybridtron eval ... | jq .` reads nothing else."""
+    out = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        yield out
+
+
 def cmd_eval(args) -> int:
+    with _logs_to_stderr() as out:
+        result = _evaluate(args)
+        print(json.dumps(result), file=out, flush=True)
+    return 0
+
+
+def _evaluate(args) -> dict:
     from .train.probes import attention_sink
 
     ckpt = _checkpoint_for_inference(args)
@@ -105,8 +143,7 @@ def cmd_eval(args) -> int:
         from hybridtron.data_pipeline.synthetic import length_accuracy
 
         result["accuracy"] = length_accuracy(model, cfg, n * cfg.train.micro_batch_size, device)
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 def cmd_sample(args) -> int:
@@ -114,20 +151,26 @@ def cmd_sample(args) -> int:
         raise ConfigError(f"--temperature {args.temperature:g} must be >= 0 (0 = greedy decoding)")
     if args.top_k < 0 or args.max_new_tokens < 0:
         raise ConfigError(f"--top-k {args.top_k} and --max-new-tokens {args.max_new_tokens} must be >= 0")
-    cfg, model, tok, device = load_for_inference(_checkpoint_for_inference(args), parse_overrides(args.overrides))
-    gen = torch.Generator(device=device).manual_seed(args.seed)
-    # In the packed training stream every document follows the previous one's EOS, so EOS (not BOS, which
-    # training never shows) is the context the model knows as "a document starts here".
-    prompt = [tok.eos_id] + tok.encode(args.prompt)
-    out = generate(model, prompt, args.max_new_tokens, max_seq_len=cfg.model.max_seq_len,
-                   temperature=args.temperature, top_k=args.top_k, eos_id=tok.eos_id, generator=gen, device=device)
-    print(tok.decode(out[1:]))
+    with _logs_to_stderr() as stdout:  # stdout: the generated text alone
+        cfg, model, tok, device = load_for_inference(_checkpoint_for_inference(args),
+                                                     parse_overrides(args.overrides))
+        gen = torch.Generator(device=device).manual_seed(args.seed)
+        # In the packed training stream every document follows the previous one's EOS, so EOS (not BOS, which
+        # training never shows) is the context the model knows as "a document starts here".
+        prompt = [tok.eos_id] + tok.encode(args.prompt)
+        out = generate(model, prompt, args.max_new_tokens, max_seq_len=cfg.model.max_seq_len,
+                       temperature=args.temperature, top_k=args.top_k, eos_id=tok.eos_id, generator=gen,
+                       device=device)
+        print(tok.decode(out[1:]), file=stdout, flush=True)
     return 0
 
 
 def cmd_export(args) -> int:
     from .train.hf.export import export, resolve_checkpoint
 
+    if not Path(args.path).exists():
+        raise CheckpointError(f"{args.path} does not exist; pass a run directory (its latest checkpoint is exported) "
+                              f"or a checkpoint directory RUN_DIR/checkpoints/step_N")
     check_output_dir(Path(args.out), f"--out {args.out}", empty=True)
     ckpt = resolve_checkpoint(Path(args.path))
     _log(f"exporting {ckpt} -> {args.out}")
@@ -137,9 +180,20 @@ def cmd_export(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    with _logs_to_stderr() as out:  # stdout: the tables, or with --json the JSON alone
+        result = _plan(args)
+        if result is not None:  # None: a rank of a measured job other than the first, which prints nothing
+            text, data = result
+            print(json.dumps(data) if args.json else text, file=out, flush=True)
+    return 0
+
+
+def _plan(args) -> tuple[str, object] | None:
+    """plan's (text, JSON-able data)."""
     from .train.plan import (
         Hardware,
         compare,
+        format_comparison,
         format_table,
         gather_measurements,
         measure,
@@ -162,8 +216,7 @@ def cmd_plan(args) -> int:
                                   + (" and <= 1" if name == "mfu" else ""))
         hw = Hardware(args.peak_tflops, args.mfu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
         rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw)
-        print(format_table(cfg, rows, world, args.gpu_memory_gib))
-        return 0
+        return format_table(cfg, rows, world, args.gpu_memory_gib), rows
     if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
         raise ConfigError("hybridtron plan --measure cannot follow parallel.pp_schedule=zero_bubble: torch's memory "
                           "tracker fails on its split backward (autograd.grad of the inputs, then of the weights); plan "
@@ -172,33 +225,40 @@ def cmd_plan(args) -> int:
     with Mesh.setup(cfg, device) as mesh:
         measured = gather_measurements(mesh, measure(cfg, mesh, device))
     release_distributed_state()
-    if mesh.is_main:  # the prediction for this very layout, simulated in this process once the real group is gone
-        print(json.dumps(compare(cfg, mesh.world_size, measured)))
-    return 0
+    if not mesh.is_main:
+        return None
+    # the prediction for this very layout, simulated in this process once the real group is gone
+    result = compare(cfg, mesh.world_size, measured)
+    return format_comparison(result), result
 
 
-def _suggest(cfg, args) -> int:
+def _suggest(cfg, args) -> tuple[str, dict]:
     """plan --suggest: hyperparameters for the budget from the scaling laws (train/suggest.py)."""
     from hybridtron.model.lm import GatedLM
 
-    from .train.suggest import describe_fit, fits_from_sweeps, format_suggestion, read_sweeps, suggest
+    from .train.suggest import (
+        describe_fit,
+        fits_from_sweeps,
+        format_suggestion,
+        read_sweeps,
+        reference_batch,
+        suggest,
+    )
 
     p = cfg.parallel
-    dp = max(1, args.nodes * args.gpus_per_node // (p.tp * p.pp * p.cp))
-    t = cfg.train
-    tokens = args.tokens or t.max_steps * t.micro_batch_size * t.grad_accum_steps * dp * cfg.data.seq_len
+    dp = max(1, args.nodes * args.gpus_per_node // (p.tp * p.pp * p.cp))  # only how the batch is cut
+    tokens = args.tokens or cfg.train.max_steps * reference_batch(cfg)  # the config's budget, on any cluster
     if tokens <= 0:
         raise ConfigError(f"--tokens {args.tokens:g} must be > 0")
     tau_fit = routed = None
     if args.fit:
         tau_fit, routed = fits_from_sweeps(read_sweeps([Path(d) for d in args.fit]))
-        print(describe_fit(tau_fit, routed))
     with torch.device("meta"):  # counting only: no memory
         model = GatedLM(cfg.model, cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size))
     s = suggest(cfg, model.num_params(), model.num_active_params(), tokens, dp, tau_fit=tau_fit, tau_c=args.tau_c,
                 routed=routed)
-    print(format_suggestion(s))
-    return 0
+    text = format_suggestion(s)
+    return (describe_fit(tau_fit, routed) + "\n" + text if args.fit else text), s
 
 
 def cmd_ablate(args) -> int:
@@ -290,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--measure", action="store_true",
                     help="run the planned steps for real in this job's layout (under torchrun) and print the measured "
                          "peak of the rank planned heaviest beside its prediction")
+    sp.add_argument("--json", action="store_true", help="print the result as one JSON object instead of tables "
+                    "(stdout holds the JSON alone; log lines go to stderr)")
     sp.add_argument("--suggest", action="store_true",
                     help="learning rate, weight decay, batch size and steps for the token budget from scaling laws "
                          "(Power Lines' AdamW timescale; the routed-model law for the expert count)")

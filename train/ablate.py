@@ -28,10 +28,13 @@ from .parallel.layout import Layout
 from .parallel.mesh import launch_world
 from .recipe import train_run
 from .run_lock import hold_run_dir
+from .step import AUX_NAMES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 SHARED_ONLY = ("data.", "train.max_steps", "train.seed")
 TAIL = 10  # final train loss: mean of the last TAIL logged steps (one step's loss is noisy)
+AUX_DOC = {"moe_aux_loss": "the MoE load-balance and router z-losses, with their coefficients",
+           "hax_ranking_loss": "HAX's key-ranking loss, with its weight"}
 WARMUP = 3  # tokens/s: median over logged steps after the first WARMUP (compilation, allocator)
 
 
@@ -95,7 +98,11 @@ def summarize(run_dir: Path, model) -> dict:
     losses = [(r["step"], r["loss"]) for r in steps if "loss" in r]
     vals = [(r["step"], r["val_loss"]) for r in steps if "val_loss" in r]
     rates = [r["tokens_per_s"] for r in steps if "tokens_per_s" in r]
+    # the training loss in its parts: the language-model loss and each auxiliary loss (train/step.py's aux_terms)
+    parts = {k: [r[k] for r in steps if k in r][-TAIL:] for k in dict.fromkeys(
+        k for r in steps for k in r if k == "lm_loss" or k in AUX_NAMES.values())}
     return {
+        **{f"final_{k}": statistics.fmean(v) for k, v in parts.items() if v},
         "final_train_loss": statistics.fmean(v for _, v in losses[-TAIL:]) if losses else None,
         "final_val_loss": vals[-1][1] if vals else None,
         "tokens_per_s": statistics.median(rates[WARMUP:] or rates) if rates else None,
@@ -120,16 +127,20 @@ def _loss(r: dict, key: str) -> str:
 
 def write_table(out: Path, preset: str, shared: list[tuple[str, str]], results: dict[str, dict],
                 overrides: dict[str, list]) -> None:
+    aux = [k for k in AUX_NAMES.values() if any(f"final_{k}" in r for r in results.values())]
+    aux_note = "".join(f"{k}: {AUX_DOC[k]}; " for k in aux)
     lines = [
         f"# Ablation of `{preset}`" + (f" with {' '.join(f'--{k} {v}' for k, v in shared)}" if shared else ""),
         "",
-        f"Final train loss: mean over the last {TAIL} logged steps; tokens/s: median over logged steps after "
-        f"the first {WARMUP}."
+        f"Final train losses: mean over the last {TAIL} logged steps; LM loss: the language-model "
+        f"(cross-entropy) loss; {aux_note}total: what was minimised, LM plus the auxiliary losses; tokens/s: "
+        f"median over logged steps after the first {WARMUP}."
         + (f" Over {next(iter(results.values()))['n_seeds']} seeds (train.seed): mean ± standard deviation."
            if any(r.get("n_seeds", 1) > 1 for r in results.values()) else ""),
         "",
-        "| variant | overrides | steps | train loss | val loss | tokens/s | params | active params |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | overrides | steps | train LM loss | " + "".join(f"{k} | " for k in aux)
+        + "train total | val loss | tokens/s | params | active params |",
+        "|---|---|---:|---:|" + "---:|" * len(aux) + "---:|---:|---:|---:|---:|",
     ]
     acc = any("accuracy" in r for r in results.values())  # synthetic tasks: accuracy at each evaluated length
     if acc:
@@ -140,7 +151,9 @@ def write_table(out: Path, preset: str, shared: list[tuple[str, str]], results: 
     for name, r in results.items():
         ov = ", ".join(f"{k}={v}" for k, v in overrides[name]) or "(preset)"
         lines.append(
-            f"| {name} | {ov} | {r['steps']} | {_loss(r, 'final_train_loss')} | {_loss(r, 'final_val_loss')} "
+            f"| {name} | {ov} | {r['steps']} | {_loss(r, 'final_lm_loss')} | "
+            + "".join(f"{_loss(r, f'final_{k}')} | " for k in aux)
+            + f"{_loss(r, 'final_train_loss')} | {_loss(r, 'final_val_loss')} "
             f"| {_fmt(r['tokens_per_s'], ',.0f')} | {r['params'] / 1e6:.3f}M | {r['active_params'] / 1e6:.3f}M |"
             + (" " + ", ".join(f"{a['length']}: {_fmt(a['accuracy'], '.3f')}" for a in r.get("accuracy", [])) + " |"
                if acc else "")
@@ -209,8 +222,9 @@ def aggregate(per_seed: dict[int, dict]) -> dict:
                      for k, r in per_seed.items()},
            "n_seeds": len(runs), "steps": first["steps"], "params": first["params"],
            "active_params": first["active_params"]}
-    for key in ("final_train_loss", "final_val_loss", "tokens_per_s"):
-        out[key], out[f"{key}_sd"] = _mean_sd([r[key] for r in runs])
+    parts = [f"final_{k}" for k in ("lm_loss", *AUX_NAMES.values()) if any(f"final_{k}" in r for r in runs)]
+    for key in (*parts, "final_train_loss", "final_val_loss", "tokens_per_s"):
+        out[key], out[f"{key}_sd"] = _mean_sd([r.get(key) for r in runs])
     out["train_curve"], out["train_band"] = _mean_curve([r["train_curve"] for r in runs])
     out["val_curve"], out["val_band"] = _mean_curve([r["val_curve"] for r in runs])
     if all("accuracy" in r for r in runs):

@@ -43,7 +43,7 @@ class Plan:
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> Plan:
-        return cls(cfg.schedule, cfg.lr, cfg.lr * cfg.min_lr_ratio, cfg.warmup_steps, cfg.max_steps,
+        return cls(cfg.schedule, cfg.lr, cfg.lr * cfg.min_lr_ratio, warmup_steps(cfg), cfg.max_steps,
                    cfg.decay_fraction)
 
     @classmethod
@@ -108,6 +108,24 @@ class Plan:
         return f"{head}, peak {self.peak:.3g}, {curve}"
 
 
+def warmup_steps(cfg: TrainConfig) -> int:
+    """The warm-up a run started with ``cfg`` takes: ``train.warmup_steps``, or, when that is not below
+    ``train.max_steps`` (a smoke run of a preset made for a long one), a tenth of max_steps (at least 1 step, and
+    below max_steps), so the decay still has steps. A constant schedule keeps its warm-up: it has no decay."""
+    if cfg.warmup_steps < cfg.max_steps or cfg.schedule == "constant":
+        return cfg.warmup_steps
+    return min(max(1, cfg.max_steps // 10), cfg.max_steps - 1)
+
+
+def warmup_note(cfg: TrainConfig) -> str | None:
+    """The log line of a scaled-down warm-up (None when the config's is used as it is)."""
+    n = warmup_steps(cfg)
+    if n == cfg.warmup_steps:
+        return None
+    return (f"train.warmup_steps={cfg.warmup_steps} is not below train.max_steps={cfg.max_steps}: warming up over "
+            f"{n} step{'s' if n != 1 else ''} instead (a tenth of the run); --train.warmup_steps N sets it")
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """LR for optimizer step ``step`` (0-based) of a run started with ``cfg``: linear warm-up, then cosine / WSD /
     constant."""
@@ -119,7 +137,8 @@ def resume_plan(old: Plan, cfg: TrainConfig, step: int, policy: str) -> tuple[Pl
     with, and a line for the log when it differs from what the config alone would give (None when nothing
     changed). The LR at ``step`` is the old plan's: no jump."""
     wanted = Plan.from_config(cfg)
-    changed = {k: v for k, v in _shape(old).items() if not _same(getattr(cfg, k), v)}
+    asked = _shape(wanted)  # the config's settings, with the warm-up a short run scales down
+    changed = {k: v for k, v in _shape(old).items() if not _same(asked[k], v)}
     if not changed and old.end == cfg.max_steps:
         return old, None
     now = old.lr(step)
@@ -135,7 +154,7 @@ def resume_plan(old: Plan, cfg: TrainConfig, step: int, policy: str) -> tuple[Pl
         elif step < old.decay_start():  # at the new length the decay would have begun already: it begins now
             new = replace(moved, start=step, start_lr=now)
         # else: the decay is under way: it goes on as planned, then holds the floor
-    ignored = [f"train.{k}={getattr(cfg, k)!r} (the checkpoint's: {v!r})" for k, v in changed.items()]
+    ignored = [f"train.{k}={asked[k]!r} (the checkpoint's: {v!r})" for k, v in changed.items()]
     msg = f"resumed schedule (train.schedule_on_resume=keep): {new.describe()}"
     if new.kind != "wsd" and cfg.max_steps > old.end:
         msg += f"; from step {old.end} to {cfg.max_steps} it holds {old.lr(old.end):.3g}"

@@ -73,12 +73,39 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+# The modules whose ``aux_loss`` the model adds to the language-model loss, and the metric each kind is logged as.
+AUX_NAMES = {"MoE": "moe_aux_loss", "HAX": "hax_ranking_loss"}
+
+
+def aux_terms(model) -> dict[str, torch.Tensor]:
+    """The auxiliary losses of the model's last forward by kind, summed over the layers, detached: the tensors
+    GatedLM.aux_loss adds to the loss (MoE balance and router z-loss, already weighted; HAX's ranking loss)."""
+    out: dict[str, torch.Tensor] = {}
+    for m in model.modules():
+        a = getattr(m, "aux_loss", None)
+        if isinstance(a, torch.Tensor):  # GatedLM's own aux_loss is the method that sums these
+            name = AUX_NAMES.get(type(m).__name__, f"{type(m).__name__.lower()}_aux_loss")
+            out[name] = out.get(name, 0.0) + whole(a.detach()).float()
+    return out
+
+
+def _mean_aux(sums: dict[str, torch.Tensor], accum: int) -> dict[str, float]:
+    return {k: (v / accum).item() for k, v in sums.items()}
+
+
+def _add(sums: dict, terms: dict) -> None:
+    for k, v in terms.items():
+        sums[k] = sums.get(k, 0.0) + v
+
+
 def run_torch(model, batches: list[dict], weights: list[float | None], *, device, amp_dtype, mesh, doc_mask: bool,
-              sharded: bool, hsdp_modules) -> float:
+              sharded: bool, hsdp_modules) -> tuple[float, dict[str, float]]:
     """Forward and backward of every micro-batch on a plain, DDP, FSDP2, tensor-, expert- or context-parallel
-    model; returns this rank's loss (module docstring), not yet averaged over the data ranks."""
+    model; returns this rank's loss (module docstring), not yet averaged over the data ranks, and the auxiliary
+    losses in it by kind (``aux_terms``, in the same units: the loss less their sum is the language-model loss)."""
     accum = len(batches)
     loss_sum = torch.zeros((), device=device)
+    aux_sums: dict[str, torch.Tensor] = {}
     # Replicated (DDP) gradients are all-reduced once per step, after the last micro-batch. Sharded ones are
     # reduce-scattered after every micro-batch: holding them unsharded until the last would cost the memory
     # ZeRO-2/3 exists to save. Under hybrid sharding the shards are all-reduced across the replica groups (across
@@ -97,7 +124,8 @@ def run_torch(model, batches: list[dict], weights: list[float | None], *, device
                 loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"], **_weight(c, device))
             (loss / accum).backward()
             loss_sum += whole(loss.detach()).float()
-    return (loss_sum / accum).item()
+            _add(aux_sums, aux_terms(model))
+    return (loss_sum / accum).item(), _mean_aux(aux_sums, accum)
 
 
 def run_pipeline(pipeline, batches: list[dict], weights: list[float | None], *, device, amp_dtype,
@@ -115,20 +143,24 @@ def run_pipeline(pipeline, batches: list[dict], weights: list[float | None], *, 
         return pipeline.step(b)
 
 
-def run_deepspeed(engine, batches: list[dict], weights: list[float | None], *, device, doc_mask: bool) -> float:
+def run_deepspeed(engine, batches: list[dict], weights: list[float | None], *, device, doc_mask: bool
+                  ) -> tuple[float, dict[str, float]]:
     """DeepSpeed's forward/backward/step per micro-batch: it steps the optimizer (clipping first) only at the
     accumulation boundary, which is left to the caller (``engine.step()`` after the last backward) so that a
-    non-finite loss is never applied. Returns this rank's loss (module docstring)."""
+    non-finite loss is never applied. Returns this rank's loss (module docstring) and its auxiliary losses, as
+    ``run_torch``."""
     accum = len(batches)
     loss_sum = torch.zeros((), device=device)
+    aux_sums: dict[str, torch.Tensor] = {}
     for i, (cpu_batch, c) in enumerate(zip(batches, weights, strict=True)):
         b = _to(cpu_batch, device, doc_mask)
         loss = engine(b["input_ids"], b.get("doc_ids"), labels=b["labels"], **_weight(c, device))
         engine.backward(loss)  # scaled by 1/accum inside
         loss_sum += loss.detach().float()
+        _add(aux_sums, aux_terms(engine.module))
         if i < accum - 1:
             engine.step()
-    return (loss_sum / accum).item()
+    return (loss_sum / accum).item(), _mean_aux(aux_sums, accum)
 
 
 def tokens_of(batches: list[dict]) -> int:

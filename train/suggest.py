@@ -36,6 +36,22 @@ TAU_EXPONENT = -0.53  # Power Lines: tau_opt = c * TPP^m
 BATCH_EXPONENT = 0.383  # Power Lines: B_opt ~ D^0.383
 EXPERT_CANDIDATES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 SHARE_OF_GAIN = 0.9  # the favoured expert count: the smallest reaching this share of the saturated gain
+# The global batch (sequences) is rounded to a multiple of the largest of these that moves it by at most
+# ROUNDING: each divides the next, and 96 is split by every data-parallel size of 1, 2, 4 or 8 GPUs per node on 1
+# to 4 nodes (1, 2, 3, 4, 6, 8, 12, 16, 24, 32), 48 by those up to 24, 16 by the powers of two up to 16.
+BATCH_QUANTA = (96, 48, 16, 8, 4, 2, 1)
+ROUNDING = 0.1
+CUT_DP = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96)  # data-parallel sizes whose cut is printed when they split the batch
+SOURCES = (  # the constants the suggestion uses, and where each comes from (printed with it)
+    f"tau_opt ~ TPP^{TAU_EXPONENT} and B_opt ~ D^{BATCH_EXPONENT}: Bergsma et al. 2025, \"Power Lines\", "
+    "arXiv 2505.13738",
+    "lr ~ sqrt(batch) for AdamW: the square-root scaling rule (Malladi et al. 2022, arXiv 2205.10287)",
+    "routed law log L = a log N + b log Ehat + c log N log Ehat + d: Clark et al. 2022, arXiv 2202.01169 (its "
+    "constants only from --fit)",
+    f"ours: the favoured expert count is the smallest of {EXPERT_CANDIDATES[0]}..{EXPERT_CANDIDATES[-1]} with "
+    f"{SHARE_OF_GAIN:.0%} of the saturated gain; the batch is rounded to a multiple of one of {BATCH_QUANTA} "
+    f"sequences (the largest within {ROUNDING:.0%}) so that data-parallel ranks split it",
+)
 
 
 # ---- the AdamW timescale -------------------------------------------------------------------------------------
@@ -118,16 +134,17 @@ class RoutedFit:
         ln, le = np.log(n), np.log(e_hat(e, self.e_start, self.e_max))
         return self.a * ln + self.b * le + self.c * ln * le + self.d
 
-    def favoured_experts(self, n: float) -> int:
-        """The smallest candidate count reaching SHARE_OF_GAIN of the loss drop the saturated count gives."""
+    def favoured_experts(self, n: float, candidates: tuple[int, ...] = EXPERT_CANDIDATES) -> tuple[int, bool]:
+        """The smallest candidate count reaching SHARE_OF_GAIN of the loss drop the saturated count gives, and
+        whether none does (the loss is still falling at the largest candidate, which is then returned)."""
         dense = float(self.log_loss(n, 1.0))
         limit = float(self.log_loss(n, 1e9))
         if limit >= dense:
-            return 1  # at this size experts no longer help
-        for e in EXPERT_CANDIDATES:
+            return 1, False  # at this size experts no longer help
+        for e in candidates:
             if dense - float(self.log_loss(n, e)) >= SHARE_OF_GAIN * (dense - limit):
-                return e
-        return EXPERT_CANDIDATES[-1]
+                return e, False
+        return candidates[-1], True
 
 
 def fit_routed(runs: list[tuple[float, int, float]]) -> RoutedFit:
@@ -179,7 +196,7 @@ def _last_metrics(run: Path) -> dict:
 
 def read_sweeps(dirs: list[Path]) -> list[dict]:
     """One record per finished variant of each ablation directory: lr, weight decay, steps, tokens, active
-    parameters, experts, final validation loss (train loss when the run never evaluated)."""
+    parameters, experts, final validation loss (the training language-model loss when the run never evaluated)."""
     import yaml
 
     out = []
@@ -192,7 +209,7 @@ def read_sweeps(dirs: list[Path]) -> list[dict]:
             run = d / name  # with --seeds: the first seed's run (the seeds share every setting but the seed)
             run = run if (run / "config.yaml").is_file() else min(run.glob("seed*"), default=run)
             cfg: JobConfig = from_dict(JobConfig, yaml.safe_load((run / "config.yaml").read_text()))
-            loss = r.get("final_val_loss") or r.get("final_train_loss")
+            loss = r.get("final_val_loss") or r.get("final_lm_loss") or r.get("final_train_loss")
             if loss is None:
                 continue
             t = cfg.train
@@ -224,17 +241,51 @@ def fits_from_sweeps(records: list[dict]) -> tuple[TauFit | None, RoutedFit | No
 
 
 # ---- the suggestion -------------------------------------------------------------------------------------------
-def suggest(cfg: JobConfig, params: int, active: int, tokens: float, world: int = 1,
+def reference_batch(cfg: JobConfig) -> int:
+    """The config's tokens per step, whatever cluster it runs on: micro-batch x accumulation x sequence length x
+    parallel.dp (1 when the cluster sizes it, dp = -1)."""
+    t = cfg.train
+    return t.micro_batch_size * t.grad_accum_steps * max(cfg.parallel.dp, 1) * cfg.data.seq_len
+
+
+def round_batch(seqs: float) -> tuple[int, int]:
+    """(global batch in sequences, its quantum): the nearest multiple of the largest BATCH_QUANTA within
+    ROUNDING of ``seqs``."""
+    for q in BATCH_QUANTA:
+        n = max(q, q * round(seqs / q))
+        if abs(n - seqs) <= ROUNDING * seqs:
+            return n, q
+    return max(1, round(seqs)), 1
+
+
+def cut(batch_seqs: int, dp: int, micro_limit: int) -> dict:
+    """The global batch cut into micro-batch x accumulation x ``dp`` ranks: the largest micro-batch up to
+    ``micro_limit`` (the config's, what fits in memory) that divides each rank's share."""
+    share = batch_seqs // dp
+    micro = max(m for m in range(1, min(micro_limit, share) + 1) if share % m == 0)
+    return {"dp": dp, "micro_batch_size": micro, "grad_accum_steps": share // micro}
+
+
+def suggest(cfg: JobConfig, params: int, active: int, tokens: float, dp: int = 1,
             tau_fit: TauFit | None = None, tau_c: float | None = None, routed: RoutedFit | None = None) -> dict:
+    """Batch, steps, lr and weight decay for ``tokens`` from the laws, a function of the model, the config as the
+    reference point and the budget only; ``dp`` (the cluster's data-parallel ranks) only sets how the batch is cut.
+    """
     t = cfg.train
     seq = cfg.data.seq_len
-    ref_batch = t.micro_batch_size * t.grad_accum_steps * world * seq  # tokens per step
+    ref_batch = reference_batch(cfg)  # tokens per step
     ref_tokens = ref_batch * t.max_steps
     if tokens < ref_batch:
         raise ConfigError(f"--tokens {tokens:.3g} is less than one step of the reference batch ({ref_batch:,} tokens); "
                           f"give a budget of at least one step")
-    batch = ref_batch * (tokens / ref_tokens) ** BATCH_EXPONENT
-    batch_seqs = max(1, round(batch / seq))
+    law_seqs = ref_batch * (tokens / ref_tokens) ** BATCH_EXPONENT / seq
+    batch_seqs, quantum = round_batch(law_seqs)
+    rounding = (f"B ~ D^{BATCH_EXPONENT} gives {law_seqs:.4g} sequences, rounded to {batch_seqs}, a multiple of "
+                f"{quantum}")
+    if batch_seqs % dp:  # a cluster outside those the quanta cover: the nearest batch its ranks split
+        q = math.lcm(quantum, dp)
+        batch_seqs = max(q, q * round(law_seqs / q))
+        rounding += f"; then to {batch_seqs}, a multiple of {q}, which {dp} data-parallel ranks split"
     batch = batch_seqs * seq
     steps = max(1, math.ceil(tokens / batch))
     lr = t.lr * math.sqrt(batch / ref_batch)  # AdamW's square-root rule for a changed batch
@@ -252,16 +303,22 @@ def suggest(cfg: JobConfig, params: int, active: int, tokens: float, world: int 
         t_opt, source = c * tpp ** TAU_EXPONENT, (f"tau_opt = {c:.4g} * TPP^{TAU_EXPONENT}, c from the config as the "
                                                    f"reference (tau {ref_tau:.3g} at TPP {ref_tokens / active:.3g})")
     wd = 1.0 / (lr * t_opt * steps)
+    cuts = [cut(batch_seqs, d, t.micro_batch_size) for d in sorted({*CUT_DP, dp}) if batch_seqs % d == 0]
     out = {"params": params, "active_params": active, "tokens": tokens, "tokens_per_param": tpp,
            "batch_tokens": batch, "batch_sequences": batch_seqs, "steps": steps, "lr": lr, "weight_decay": wd,
            "tau": t_opt, "tau_rule": source,
-           "batch_rule": f"B ~ D^{BATCH_EXPONENT} from the config's {ref_batch:,} tokens/step at {ref_tokens:.3g} tokens"}
+           "batch_rule": f"{rounding}; from the config's {ref_batch:,} tokens/step at {ref_tokens:.3g} tokens",
+           "dp": dp, "cuts": cuts, "sources": list(SOURCES)}
     if cfg.model.moe.n_experts > 0 or routed is not None:
         if routed is not None:
-            out["experts"] = routed.favoured_experts(active)
+            out["experts"], gaining = routed.favoured_experts(active)
             out["experts_rule"] = (f"routed law a={routed.a:.3g} b={routed.b:.3g} c={routed.c:.3g} d={routed.d:.3g} "
                                    f"E_start={routed.e_start:.3g} E_max={routed.e_max:.3g} (rmse of log loss "
-                                   f"{routed.rmse:.2g}): smallest E with {SHARE_OF_GAIN:.0%} of the saturated gain")
+                                   f"{routed.rmse:.2g}): " + (
+                                       f"still gaining at the largest candidate, {out['experts']}: no candidate "
+                                       f"reaches {SHARE_OF_GAIN:.0%} of the saturated gain, more experts would "
+                                       f"help further" if gaining else
+                                       f"smallest E with {SHARE_OF_GAIN:.0%} of the saturated gain"))
         else:
             out["experts_rule"] = "fit the routed law first: --fit an ablation over model.moe.n_experts at 2+ sizes"
     return out
@@ -274,13 +331,20 @@ def format_suggestion(s: dict) -> str:
         "",
         "| setting | suggested | rule |",
         "| --- | ---: | --- |",
-        f"| batch (tokens/step) | {s['batch_tokens']:,} ({s['batch_sequences']} sequences) | {s['batch_rule']} |",
+        f"| global batch (tokens/step) | {s['batch_tokens']:,} ({s['batch_sequences']} sequences) | "
+        f"{s['batch_rule']} |",
         f"| train.max_steps | {s['steps']:,} | budget / batch |",
         f"| train.lr | {s['lr']:.3g} | the config's lr x sqrt(batch / its batch) |",
         f"| train.weight_decay | {s['weight_decay']:.3g} | 1 / (lr tau steps); {s['tau_rule']} |",
     ]
     if "experts_rule" in s:
         lines.append(f"| model.moe.n_experts | {s.get('experts', '-')} | {s['experts_rule']} |")
+    lines += ["", f"the batch cut over data-parallel ranks (the same batch, lr and weight decay on any cluster; "
+                  f"this cluster: dp={s['dp']}):",
+              "| data-parallel ranks | train.micro_batch_size | train.grad_accum_steps | |", "| ---: | ---: | ---: | --- |"]
+    lines += [f"| {c['dp']} | {c['micro_batch_size']} | {c['grad_accum_steps']} | {'<- this cluster' if c['dp'] == s['dp'] else ''} |"
+              for c in s["cuts"]]
+    lines += ["", "constants and their sources:", *(f"- {src}" for src in s["sources"])]
     return "\n".join(lines)
 
 

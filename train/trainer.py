@@ -34,7 +34,7 @@ from .parallel.grad_norm import clip_grad_norm
 from .parallel.mesh import Mesh
 from .profile import StepProfiler
 from .run_dir import STOP_REQUEST
-from .schedule import Plan, resume_plan
+from .schedule import Plan, resume_plan, warmup_note
 from .spike import SpikeGuard
 from .step import whole
 
@@ -204,14 +204,19 @@ class Trainer:
         batches = step_mod.micro_batches(self.train_loader, t.grad_accum_steps, self.mesh)
         weights = step_mod.loss_weights(batches, self.mesh)  # each micro-batch's share of the global batch's tokens
         run = dict(device=self.device, doc_mask=self.cfg.model.doc_mask)
+        aux = None  # the auxiliary losses in the loss, by kind (a pipeline's stages hold them apart: not split)
         if self.engine is not None:
-            local = step_mod.run_deepspeed(self.engine, batches, weights, **run)
+            local, aux = step_mod.run_deepspeed(self.engine, batches, weights, **run)
         elif self.pipeline is not None:
             local = step_mod.run_pipeline(self.pipeline, batches, weights, amp_dtype=self.amp_dtype, **run)
         else:
-            local = step_mod.run_torch(self.model, batches, weights, amp_dtype=self.amp_dtype, mesh=self.mesh,
-                                       sharded=self._sharded(), hsdp_modules=self._hsdp_modules(), **run)
+            local, aux = step_mod.run_torch(self.model, batches, weights, amp_dtype=self.amp_dtype, mesh=self.mesh,
+                                            sharded=self._sharded(), hsdp_modules=self._hsdp_modules(), **run)
         loss = self.mesh.mean(local)  # the global batch's loss: see train/step.py
+        parts = {}
+        if aux is not None:  # reduced like the loss; every data rank has the same modules, so the same kinds
+            parts = {k: self.mesh.mean(aux[k]) for k in sorted(aux)}
+            parts = {"lm_loss": loss - sum(parts.values()), **parts}
         grad_norm, finite = self._update(loss)
         model_metrics = after_step(self.model, reduce=self.mesh.sum_)
         if self.pipeline is not None:
@@ -220,7 +225,7 @@ class Trainer:
         tokens = step_mod.tokens_of(batches) * self.mesh.data_ranks  # every data (and context) rank took as many
         self.state.tokens_seen += tokens
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "skipped": not finite,
-                "model_metrics": model_metrics}
+                "loss_parts": parts, "model_metrics": model_metrics}
 
     def _update(self, loss: float) -> tuple[float, bool]:
         """After the backward: the gradient hooks, clipping by the global norm, the loss-spike guard and (if all is
@@ -271,6 +276,8 @@ class Trainer:
         main = self.mesh.is_main
         if not main:
             log = _quiet  # only rank 0 reports progress; every rank still raises its own errors
+        if resumed_from is None and warmup_note(t):
+            log(warmup_note(t))  # a short run of a preset made for a long one: the warm-up it takes instead
         # 0 without a checkpoint; only rank 0 writes metrics.jsonl and TensorBoard
         metrics = MetricsLogger(self.run_dir, resume_step=self.state.step) if main else _NoMetrics()
         self.model.train()
@@ -296,8 +303,9 @@ class Trainer:
                         torch.cuda.synchronize(self.device)
                     dt = time.perf_counter() - t0
                     step = self.state.step
-                    rec = {"step": step, "loss": out["loss"], "lr": out["lr"], "grad_norm": out["grad_norm"],
-                           "tokens_per_s": out["tokens"] / dt, "tokens_seen": self.state.tokens_seen}
+                    rec = {"step": step, "loss": out["loss"], **out["loss_parts"], "lr": out["lr"],
+                           "grad_norm": out["grad_norm"], "tokens_per_s": out["tokens"] / dt,
+                           "tokens_seen": self.state.tokens_seen}
                     if self.peak_flops:  # the global token rate against every device's peak together
                         rec["mfu"] = (self.flops_per_token * rec["tokens_per_s"]
                                       / (self.peak_flops * self.mesh.world_size))

@@ -39,7 +39,6 @@ def test_list_override_of_sources():
         ([("model.n_heads", "3")], ["model.n_heads=3", "model.d_model=128"]),
         ([("model.n_kv_heads", "3")], ["model.n_kv_heads=3", "model.n_heads=4"]),
         ([("data.seq_len", "1024")], ["data.seq_len=1024", "model.max_seq_len=256"]),
-        ([("train.warmup_steps", "900")], ["train.warmup_steps=900", "train.max_steps=600"]),
         ([("model.rotary_fraction", "0.01")], ["model.rotary_fraction"]),
         ([("data.tokenizer.vocab_size", "100")], ["data.tokenizer.vocab_size=100", "259"]),
         ([("data.tokenizer.kind", "pretrained")], ["data.tokenizer.path"]),

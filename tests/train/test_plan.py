@@ -87,21 +87,31 @@ def test_plan_cli_prints_a_row_per_stage(capsys):
         assert [ln.split("|")[1].strip() for ln in table.splitlines()
                 if ln.startswith("| ") and ln[2].isdigit()] == ["0", "2", "3"], table
     assert "2 GPUs, dp=2" in memory
+    assert main(["plan", "--config", "tiny", "--gpus-per-node", "2", "--json", *argv(SMALL)]) == 0
+    rows = json.loads(capsys.readouterr().out)  # the same rows as one JSON list, nothing else on stdout
+    assert [r["zero_stage"] for r in rows] == [0, 2, 3] and all(r["dp"] == 2 for r in rows)
 
 
 def _measured(out: str) -> dict:
     return json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
 
 
-def test_measured_step_matches_the_plan_on_one_process(capsys):
-    assert main(["plan", "--config", "tiny", "--measure", *argv(SMALL)]) == 0
-    res = _measured(capsys.readouterr().out)
+def test_measured_step_matches_the_plan_on_one_process(capfd):
+    assert main(["plan", "--config", "tiny", "--measure", "--json", *argv(SMALL)]) == 0
+    res = json.loads(capfd.readouterr().out)  # stdout holds the JSON alone
     assert 0.9 <= res["predicted_over_measured"] <= 1.1, res
+    # without --json: the same comparison as tables
+    assert main(["plan", "--config", "tiny", "--measure", *argv(SMALL)]) == 0
+    out = capfd.readouterr().out
+    pred, real = ([c.strip() for c in ln.split("|")[2:-1]] for ln in out.splitlines()
+                  if ln.startswith(("| predicted |", "| measured |")))
+    assert pred[-1] != "-" and float(pred[-1]) == pytest.approx(res["predicted_gib"]["total"], abs=1e-3), out
+    assert "predicted / measured peak: " in out and not out.lstrip().startswith("{")
 
 
 def test_a_mixture_of_experts_is_planned_and_measured_on_one_process(capsys):
     # The routing counts set shapes that fake tensors have no values for: the plan assumes balanced routing.
-    assert main(["plan", "--config", "tiny_moe", "--measure", *argv(SMALL)]) == 0
+    assert main(["plan", "--config", "tiny_moe", "--measure", "--json", *argv(SMALL)]) == 0
     res = _measured(capsys.readouterr().out)
     assert 0.9 <= res["predicted_over_measured"] <= 1.1, res
 
@@ -110,7 +120,7 @@ def test_a_mixture_of_experts_is_planned_and_measured_on_one_process(capsys):
 def test_measured_step_matches_the_plan_under_zero3_on_two_processes():
     from .test_data_parallel import torchrun
 
-    res = torchrun(["plan", "--config", "tiny", "--measure", "--parallel.zero_stage", "3", *argv(SMALL)])
+    res = torchrun(["plan", "--config", "tiny", "--measure", "--json", "--parallel.zero_stage", "3", *argv(SMALL)])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = _measured(res.stdout)
     assert got["dp"] == 2 and got["zero_stage"] == 3 and 0.9 <= got["predicted_over_measured"] <= 1.1, got
@@ -122,7 +132,7 @@ def test_measured_step_matches_the_plan_under_zero3_on_two_processes():
 def test_measured_step_matches_the_plan_under_hsdp_on_four_processes():
     from .test_data_parallel import torchrun
 
-    res = torchrun(["plan", "--config", "tiny", "--measure", "--parallel.zero_stage", "3", "--parallel.dp_shard", "2",
+    res = torchrun(["plan", "--config", "tiny", "--measure", "--json", "--parallel.zero_stage", "3", "--parallel.dp_shard", "2",
                     *argv(SMALL)], nproc=4)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = _measured(res.stdout)
@@ -155,7 +165,7 @@ MEASURED_LAYOUTS = {
 def test_measured_peak_matches_the_plan_for_model_parallel_layouts(layout):
     from .test_data_parallel import torchrun
 
-    res = torchrun(["plan", "--config", "tiny", "--measure", *argv(SMALL), *MEASURED_LAYOUTS[layout]])
+    res = torchrun(["plan", "--config", "tiny", "--measure", "--json", *argv(SMALL), *MEASURED_LAYOUTS[layout]])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     got = _measured(res.stdout)
     name = {"dp2": "dp", "tp2": "tp", "pp2_1f1b": "pp", "ep2": "ep", "cp2": "cp"}[layout]

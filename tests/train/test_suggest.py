@@ -13,7 +13,15 @@ import yaml
 from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.model.lm import GatedLM
-from hybridtron.train.suggest import RoutedFit, fit_routed, fit_tau, optimum_of_sweep, suggest, tau
+from hybridtron.train.suggest import (
+    ROUNDING,
+    RoutedFit,
+    fit_routed,
+    fit_tau,
+    optimum_of_sweep,
+    suggest,
+    tau,
+)
 
 
 def test_the_config_is_its_own_answer_at_its_own_budget_and_scales_by_the_laws():
@@ -25,7 +33,8 @@ def test_the_config_is_its_own_answer_at_its_own_budget_and_scales_by_the_laws()
     assert same["lr"] == pytest.approx(1e-3) and same["weight_decay"] == pytest.approx(0.1)
     more = suggest(cfg, 10_000_000, 5_000_000, batch * 1000 * 16)
     # B_opt ~ D^0.383, lr ~ sqrt(B), tau_opt ~ TPP^-0.53, wd = 1 / (lr tau steps): checked from the formulas
-    assert more["batch_tokens"] == pytest.approx(batch * 16 ** 0.383, rel=1 / 64 + 1e-9)
+    # rounded to a multiple of sequences that data-parallel ranks split, by at most ROUNDING
+    assert more["batch_tokens"] == pytest.approx(batch * 16 ** 0.383, rel=ROUNDING)
     b = more["batch_tokens"] / batch
     assert more["lr"] == pytest.approx(1e-3 * math.sqrt(b))
     tau_ref = 1 / (1e-3 * 0.1 * 1000)
@@ -116,3 +125,48 @@ def test_cli_fits_a_weight_decay_sweep_and_reports_the_fit(tmp_path, capsys):
 def test_cli_refuses_a_directory_without_a_sweep(tmp_path, capsys):
     assert main(["plan", "--config", "tiny", "--suggest", "--fit", str(tmp_path)]) == 2
     assert "no ablation.json" in capsys.readouterr().err
+
+
+def _suggested(capsys, *args) -> dict:
+    assert main(["plan", "--config", "tiny", "--suggest", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("tokens", [[], ["--tokens", "2e10"]])  # the config's own budget, and a large one
+def test_the_suggestion_is_the_same_on_any_cluster_and_every_cut_splits_the_batch(tokens, capsys):
+    shapes = [(1, 1), (1, 2), (1, 8)] + ([(n, g) for n in (2, 3, 4) for g in (1, 2, 8)] if tokens else [])
+    seen = {}
+    for nodes, gpus in shapes:
+        s = _suggested(capsys, "--nodes", str(nodes), "--gpus-per-node", str(gpus), *tokens)
+        seen[nodes, gpus] = {k: s[k] for k in ("batch_tokens", "batch_sequences", "steps", "lr", "weight_decay",
+                                               "tokens")}
+        cuts = {c["dp"]: c for c in s["cuts"]}
+        assert nodes * gpus in cuts  # this cluster's cut is among those printed
+        for c in s["cuts"]:
+            assert c["dp"] * c["micro_batch_size"] * c["grad_accum_steps"] == s["batch_sequences"], c
+            assert c["micro_batch_size"] <= 16  # never above the config's micro-batch (its memory)
+    assert len({json.dumps(v, sort_keys=True) for v in seen.values()}) == 1, seen
+
+
+def test_the_text_names_the_cuts_the_rounding_and_the_sources(capsys):
+    assert main(["plan", "--config", "tiny", "--suggest", "--gpus-per-node", "8", "--tokens", "3e8"]) == 0
+    out = capsys.readouterr().out
+    s = _suggested(capsys, "--gpus-per-node", "8", "--tokens", "3e8")
+    assert f"rounded to {s['batch_sequences']}, a multiple of" in out
+    rows = [ln.split("|")[1:4] for ln in out.split("the batch cut over data-parallel ranks")[1].splitlines()
+            if ln.startswith("| ") and ln[2].isdigit()]
+    assert rows and all(int(d) * int(m) * int(a) == s["batch_sequences"] for d, m, a in rows), out
+    assert "<- this cluster" in out
+    for source in ("arXiv 2505.13738", "arXiv 2202.01169", "square-root", "ours:"):
+        assert source in out.split("constants and their sources:")[1]
+
+
+def test_the_expert_count_says_still_gaining_when_the_candidates_stop_below_the_optimum():
+    law = RoutedFit(a=-0.08, b=-0.1, c=0.004, d=1.1, e_start=1.8, e_max=300.0, rmse=0.0)
+    assert law.favoured_experts(1e7) == (512, False)  # reached within the candidates
+    assert law.favoured_experts(1e7, candidates=(1, 2, 4, 8)) == (8, True)  # cut below it: still gaining at 8
+    far = RoutedFit(a=-0.08, b=-0.1, c=0.004, d=1.1, e_start=1.8, e_max=1e6, rmse=0.0)
+    cfg = load_config("tiny_moe")
+    out = suggest(cfg, 20_000_000, 10_000_000, 1e9, routed=far)
+    assert out["experts"] == 512 and "still gaining at the largest candidate, 512" in out["experts_rule"]
+    assert "still gaining" not in suggest(cfg, 20_000_000, 10_000_000, 1e9, routed=law)["experts_rule"]

@@ -95,6 +95,7 @@ from .memory import GIB, _KnownValues, build_rank, fake_world, gpu_kernels, simu
 from .step_time import Hardware, step_time
 from .table import (
     compare,
+    format_comparison,
     format_table,
     gather_measurements,
     measure,
@@ -105,5 +106,5 @@ from .table import (
 )
 
 __all__ = ["GIB", "CollectiveBytes", "Hardware", "_KnownValues", "build_rank", "comm_bytes", "compare", "fake_world",
-           "format_table", "gather_measurements", "gpu_kernels", "measure", "n_params", "plan_table",
+           "format_comparison", "format_table", "gather_measurements", "gpu_kernels", "measure", "n_params", "plan_table",
            "release_distributed_state", "simulate", "step_peak", "step_time", "with_zero_stage"]

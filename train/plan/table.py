@@ -180,3 +180,24 @@ def compare(cfg: JobConfig, world: int, measured: dict[int, dict]) -> dict:
             **comm(rank),
             "ranks": {r: {"predicted_gib": predicted[r]["memory"]["total"] / GIB,
                           "measured_gib": peak(measured[r]) / GIB, **comm(r)} for r in predicted}}
+
+
+def format_comparison(result: dict) -> str:
+    """``compare``'s result as text: the heaviest planned rank's predicted and measured peak by category, then
+    every rank's peak and communication."""
+    layout = ", ".join(f"{k}={result[k]}" for k in ("dp", "tp", "pp", "ep", "cp") if k == "dp" or result[k] > 1)
+    pred, real = result["predicted_gib"], result["measured_gib"]
+    cats = [k for k in pred if k in real] + [k for k in real if k not in pred]
+    cell = lambda d, k: f"{d[k]:.3f}" if k in d else "-"  # noqa: E731
+    lines = [f"{layout}, zero_stage {result['zero_stage']}: rank {result['rank']} (planned heaviest), GiB "
+             f"(cuda_max_allocated: the allocator's own peak, on a GPU)",
+             "| | " + " | ".join(cats) + " |", "|---" * (len(cats) + 1) + "|",
+             "| predicted | " + " | ".join(cell(pred, k) for k in cats) + " |",
+             "| measured | " + " | ".join(cell(real, k) for k in cats) + " |",
+             f"predicted / measured peak: {result['predicted_over_measured']:.3f}", "",
+             "| rank | predicted GiB | measured GiB | comm predicted GB/step | comm measured GB/step |",
+             "|---|---|---|---|---|"]
+    for r, v in result["ranks"].items():
+        lines.append(f"| {r} | {v['predicted_gib']:.3f} | {v['measured_gib']:.3f} | {v['comm_predicted_gb']:.3f} | "
+                     f"{v['comm_measured_gb']:.3f} |")
+    return "\n".join(lines)
