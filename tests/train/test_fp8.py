@@ -16,6 +16,7 @@ pytest.importorskip("torchao")
 
 from hybridtron.cli import main  # noqa: E402
 from hybridtron.configs import ConfigError, load_config  # noqa: E402
+from hybridtron.kernels import backend  # noqa: E402
 from hybridtron.model import GatedLM  # noqa: E402
 from hybridtron.train.metrics import read_metrics  # noqa: E402
 from hybridtron.train.parallel import fp8  # noqa: E402
@@ -24,14 +25,13 @@ from hybridtron.train.parallel.mesh import Mesh  # noqa: E402
 
 from .test_data_parallel import torchrun  # noqa: E402
 
-EMULATE = {fp8.EMULATE_ENV: "1"}
 RUN = ["--train.max_steps", "20", "--checkpoint.every", "10", "--train.eval_every", "0", "--train.warmup_steps", "2",
        "--train.micro_batch_size", "4"]
 
 
 @pytest.fixture
 def emulate(monkeypatch):
-    monkeypatch.setenv(fp8.EMULATE_ENV, "1")
+    monkeypatch.setenv(backend.FP8_EMULATE_ENV, "1")
 
 
 def _hybrid_moe(extra=()):
@@ -110,10 +110,10 @@ def _refusal(cfg, device_type="cpu") -> str:
 
 
 def test_refused_on_the_cpu_without_emulation(monkeypatch):
-    monkeypatch.delenv(fp8.EMULATE_ENV, raising=False)
+    monkeypatch.delenv(backend.FP8_EMULATE_ENV, raising=False)
     cfg = load_config("tiny", [("train.fp8", "tensorwise")])
     assert "FP8 tensor cores" in _refusal(cfg) and "train.fp8=none" in _refusal(cfg)
-    monkeypatch.setenv(fp8.EMULATE_ENV, "1")
+    monkeypatch.setenv(backend.FP8_EMULATE_ENV, "1")
     Layout.from_config(cfg, 1, "cpu")  # emulation: admitted
 
 
@@ -129,16 +129,14 @@ def test_refused_on_a_gpu_before_sm89(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
-    assert "sm_80" in fp8.unavailable_reason("tensorwise", "cuda") and "A100" in fp8.unavailable_reason(
+    assert "sm_80" in backend.fp8_unavailable_reason("tensorwise", "cuda") and "A100" in backend.fp8_unavailable_reason(
         "tensorwise", "cuda")
-    assert fp8.unavailable_reason("tensorwise", "cuda", here=False) is None  # a cluster's GPU: taken as able
+    assert backend.fp8_unavailable_reason("tensorwise", "cuda", here=False) is None  # a cluster's GPU: taken as able
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert fp8.unavailable_reason("rowwise", "cuda") is None
+    assert backend.fp8_unavailable_reason("rowwise", "cuda") is None
 
 
 def test_refused_without_torchao(monkeypatch, emulate):
-    from hybridtron.kernels import backend
-
     monkeypatch.setattr(backend, "installed", lambda name: name != "torchao")
     assert "pip install 'hybridtron[fp8]'" in _refusal(load_config("tiny", [("train.fp8", "tensorwise")]))
 
@@ -153,7 +151,7 @@ def _losses(run) -> list[float]:
 def runs(small_data_dir, small_argv, tmp_path_factory):
     """20 steps without FP8, with tensorwise and rowwise FP8, and each resumed at step 10 with FP8 switched."""
     mp = pytest.MonkeyPatch()
-    mp.setenv(fp8.EMULATE_ENV, "1")
+    mp.setenv(backend.FP8_EMULATE_ENV, "1")
     root = tmp_path_factory.mktemp("fp8")
     out = {}
     try:
@@ -207,7 +205,7 @@ def test_resume_with_fp8_switched_on_and_off(runs):
 def test_fsdp2_fp8_all_gather_at_two_ranks(small_data_dir, small_argv, tmp_path, monkeypatch, runs):
     """ZeRO-3 with tensorwise FP8: FSDP2 all-gathers the converted weights in FP8 (torchao's weight subclass) and the
     scales are precomputed after each step; its loss tracks the one-process run without FP8."""
-    monkeypatch.setenv(fp8.EMULATE_ENV, "1")
+    monkeypatch.setenv(backend.FP8_EMULATE_ENV, "1")
     run = tmp_path / "zero3"
     res = torchrun(small_argv(small_data_dir, run, [*RUN, "--train.micro_batch_size", "2", "--train.fp8",
                                                     "tensorwise", "--parallel.zero_stage", "3"]))

@@ -28,44 +28,16 @@ process must have ``HYBRIDTRON_FP8_EMULATE=1`` in its environment; the layout re
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections import Counter
 
-import torch
 from torch import nn
 
-EMULATE_ENV = "HYBRIDTRON_FP8_EMULATE"
+from hybridtron.kernels.backend import fp8_emulated as emulated
 
 # The last part(s) of a block's linear names that stay in bf16: routers and per-head gates (module docstring).
 KEPT_BY_NAME = {"mlp.gate": "router", "shared_expert_gate": "router", "self_attn.gate_proj": "per-head gate",
                 "linear_attn.in_proj_a": "per-head gate", "linear_attn.in_proj_b": "per-head gate"}
-
-
-def emulated() -> bool:
-    return os.environ.get(EMULATE_ENV) == "1"
-
-
-def unavailable_reason(recipe: str, device_type: str, *, here: bool = True) -> str | None:
-    """None when ``train.fp8=recipe`` can run on ``device_type`` devices, else one sentence saying why not.
-    ``here=False``: a cluster's GPU, taken as one with FP8 tensor cores."""
-    from hybridtron.kernels.backend import installed
-
-    if not installed("torchao"):
-        return f"train.fp8={recipe} needs torchao: pip install 'hybridtron[fp8]' (or set train.fp8=none)"
-    if device_type == "cpu":
-        if emulated():
-            return None
-        return (f"train.fp8={recipe} needs a GPU with FP8 tensor cores (sm_89 or newer); on the CPU it runs only in "
-                f"torchao's emulation, for tests ({EMULATE_ENV}=1): set train.fp8=none")
-    if device_type != "cuda":
-        return f"train.fp8={recipe} runs on CUDA GPUs, not on {device_type!r}: set train.fp8=none"
-    if here and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 9):
-            return (f"train.fp8={recipe} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
-                    f"Blackwell); this GPU, {torch.cuda.get_device_name()}, is sm_{major}{minor}: set train.fp8=none")
-    return None
 
 
 def _torchao_float8():

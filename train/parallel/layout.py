@@ -296,9 +296,7 @@ def check_fp8(cfg: JobConfig, device_type: str, *, here: bool = True) -> None:
     if p.offload != "none":
         raise ConfigError(f"train.fp8={recipe} with parallel.offload={p.offload} is not tested together (torchao's FP8 "
                           f"weight casts on host-held shards); set train.fp8=none or parallel.offload=none")
-    from .fp8 import unavailable_reason
-
-    if (why := unavailable_reason(recipe, device_type, here=here)) is not None:
+    if (why := backend.fp8_unavailable_reason(recipe, device_type, here=here)) is not None:
         raise ConfigError(why)
 
 
