@@ -11,13 +11,14 @@ own log -- and the quick check that fits one 10-minute call of a lent GPU:
 presets' and the targets' shapes, with documents and without, measured by the tuner itself (bench/kernel_grid.py:
 checked against the reference, timed; SDPA's own kernels beside); the three GPU presets end to end for a few steps
 with ``auto`` (bench_train: tokens/s, MFU, peak memory, the kernels ``auto`` chose); hybrid_1b against transformers
-+ fla (bench_hf). Commands run in that order under one deadline (``--deadline-s``, 480 by default): each gets at
++ fla (bench_hf); dense_1b, then hybrid_1b, with train.fp8=tensorwise (tokens/s and the last step's loss against
+the bf16 rows). Commands run in that order under one deadline (``--deadline-s``, 480 by default): each gets at
 most its own cap and what is left, one that would start with under 30 s left is listed as not run. The end is one
 table with met / NOT met against the targets and ``quick.json`` with every figure.
 
 On a lent GPU machine (the device tool: torch and triton are there; fla-core is not, and nothing can be
-downloaded there): here ``pip download --no-deps -d .whl fla-core==0.6.0`` into a git-ignored ``.whl``, then one
-call with carry ``[".whl"]``:
+downloaded there): here ``pip download --no-deps -d .whl fla-core==0.6.0 torchao==0.18.0`` (torchao: the FP8 rows)
+into a git-ignored ``.whl``, then one call with carry ``[".whl"]``:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && mkdir -p /tmp/pkg && \
     ln -sfn "$PWD" /tmp/pkg/hybridtron && export PYTHONPATH=/tmp/site:/tmp/pkg && \
@@ -66,6 +67,8 @@ NAMES = [name for name, _, _ in COMMANDS]
 # The training benches prepare a smaller slice of the stdlib corpus (enough tokens for a few steps, a quicker BPE).
 _QUICK_DATA = ["--extra", "data.sources=[{path: stdlib, max_files: 400}]"]
 _QUICK_STEPS = ["--variants", "ddp", "--steps", "2", "--warmup", "1", *_QUICK_DATA]
+# train.fp8=tensorwise at the same settings as the bf16 row beside it (torchao must be installed: see above)
+_QUICK_FP8 = ["--variants", "ddp_fp8:train.fp8=tensorwise", "--steps", "2", "--warmup", "1", *_QUICK_DATA]
 QUICK: list[tuple[str, str, list[str], int]] = [
     ("kernel_grid", "kernel_grid", ["--budget-s", "150", "--json", "{out}/kernel_grid.json"], 200),
     # the training stall of a 3 GB checkpoint (1 GB of weights + AdamW), synchronous against checkpoint.async
@@ -75,12 +78,20 @@ QUICK: list[tuple[str, str, list[str], int]] = [
     ("hf_hybrid", "bench_hf", ["--preset", "hybrid_1b", "--steps", "2", "--warmup", "1", "--repeats", "1",
                                "--json", "{out}/hf_hybrid.json"], 100),
     ("train_dense", "bench_train", ["--preset", "dense_1b", *_QUICK_STEPS, "--json", "{out}/train_dense.json"], 90),
+    ("train_dense_fp8", "bench_train", ["--preset", "dense_1b", *_QUICK_FP8, "--json", "{out}/train_dense_fp8.json"],
+     90),
     ("train_moe", "bench_train", ["--preset", "hybrid_moe", *_QUICK_STEPS, "--json", "{out}/train_moe.json"], 100),
+    ("train_hybrid_fp8", "bench_train", ["--preset", "hybrid_1b", *_QUICK_FP8, "--json",
+                                         "{out}/train_hybrid_fp8.json"], 110),
 ]
 QUICK_NAMES = [name for name, _, _, _ in QUICK]
 # end-to-end targets (issue 33, one H100, bf16, the presets as configured)
 MFU_TARGETS = {"train_dense": 0.55, "train_hybrid": 0.45, "train_moe": 0.30}
 HF_TARGET = 2.0
+# FP8 rows (issue 32): fp8 row -> (its bf16 row, preset, tokens/s gain target or None: printed only). The quick check's loss
+# is the last of its few steps, beside bf16's; the issue's loss target (step 200 within 1%) needs a longer run.
+FP8_ROWS = {"train_dense_fp8": ("train_dense", "dense_1b", 1.25), "train_hybrid_fp8": ("train_hybrid", "hybrid_1b", None)}
+FP8_LOSS_GAP = 0.01
 DEADLINE_S = 480
 MIN_START_S = 30
 
@@ -153,6 +164,7 @@ def quick_summary(out: Path, ran: dict[str, tuple]) -> tuple[list[dict], list[st
     ratio = hf["ratio"] if hf and hf.get("hf_has_fla") else None
     vs.append({"target": "hybrid_1b tokens/s: ours / transformers + fla", "value": ratio, "bound": f">= {HF_TARGET}",
                "met": None if ratio is None else ratio >= HF_TARGET})
+    vs += fp8_verdicts(out)
     from hybridtron.bench.kernel_grid import verdict_lines
 
     lines = verdict_lines(vs)
@@ -160,6 +172,22 @@ def quick_summary(out: Path, ran: dict[str, tuple]) -> tuple[list[dict], list[st
         lines.append(f"- {name}: {'exit ' + str(rc) if rc is not None else 'not run (deadline)'}"
                      + (f" after {wall:.0f} s" if wall is not None else ""))
     return vs, lines
+
+
+def fp8_verdicts(out: Path) -> list[dict]:
+    """Each FP8 row against its bf16 row: the tokens/s ratio and the relative gap of the last step's loss."""
+    vs = []
+    for name, (base, preset, target) in FP8_ROWS.items():
+        rows = [((_load(out / f"{n}.json") or {}).get("rows") or [{}])[0] for n in (name, base)]
+        tps, loss = [r.get("tokens_per_s") for r in rows], [r.get("final_loss") for r in rows]
+        ratio = tps[0] / tps[1] if all(tps) else None
+        gap = abs(loss[0] - loss[1]) / abs(loss[1]) if None not in loss and loss[1] else None
+        vs.append({"target": f"{preset} tokens/s: fp8 tensorwise / bf16", "value": ratio,
+                   "bound": f">= {target}" if target else "printed", "met": None if ratio is None or target is None
+                   else ratio >= target})
+        vs.append({"target": f"{preset} last-step loss: |fp8 - bf16| / bf16", "value": gap,
+                   "bound": f"<= {FP8_LOSS_GAP:.0%}", "met": None if gap is None else gap <= FP8_LOSS_GAP})
+    return vs
 
 
 def quick(args) -> int:

@@ -190,6 +190,11 @@ class TrainConfig:
     # torch.compile each block (in place: parameter names and checkpoints unchanged), after activation
     # checkpointing and before data parallel; the fused kernels are custom ops it traces without graph breaks.
     compile: bool = False
+    # FP8 matmuls for the blocks' linear layers through torchao's float8 training (pip install 'hybridtron[fp8]'):
+    # tensorwise (one scale per tensor; FSDP2 then all-gathers the weights in FP8) or rowwise (one scale per row:
+    # closer to bf16, a little slower). Compute only: weights, optimizer state and checkpoints stay as they are,
+    # so a run resumes with FP8 switched on or off. Needs a GPU with FP8 tensor cores (sm_89 and newer).
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
     eval_every: int = 50  # 0 disables periodic evaluation
     eval_batches: int = 8
     log_every: int = 1
@@ -240,6 +245,8 @@ class TrainConfig:
             )
         if not 0.0 < self.decay_fraction <= 1.0:
             raise ConfigError(f"train.decay_fraction={self.decay_fraction} must be in (0, 1]")
+        if self.fp8 not in ("none", "tensorwise", "rowwise"):
+            raise ConfigError(f"train.fp8={self.fp8!r} is not allowed; use none, tensorwise or rowwise")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device={self.device!r} is not allowed; use auto, cpu, cuda or cuda:N")
         names = self.dump_grads

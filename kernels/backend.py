@@ -115,6 +115,34 @@ def device_type_of(device: str | None) -> str:
     return _device_type(device)
 
 
+# Set in tests only: train.fp8 runs on the CPU in torchao's emulation (its casts, the matmul in high precision).
+FP8_EMULATE_ENV = "HYBRIDTRON_FP8_EMULATE"
+
+
+def fp8_emulated() -> bool:
+    return os.environ.get(FP8_EMULATE_ENV) == "1"
+
+
+def fp8_unavailable_reason(recipe: str, device_type: str, *, here: bool = True) -> str | None:
+    """None when ``train.fp8=recipe`` (train/parallel/fp8.py) can run on ``device_type`` devices, else why not.
+    ``here=False``: a cluster's GPU, taken as one with FP8 tensor cores."""
+    if not installed("torchao"):
+        return f"train.fp8={recipe} needs torchao: pip install 'hybridtron[fp8]' (or set train.fp8=none)"
+    if device_type == "cpu":
+        if fp8_emulated():
+            return None
+        return (f"train.fp8={recipe} needs a GPU with FP8 tensor cores (sm_89 or newer); on the CPU it runs only in "
+                f"torchao's emulation, for tests ({FP8_EMULATE_ENV}=1): set train.fp8=none")
+    if device_type != "cuda":
+        return f"train.fp8={recipe} runs on CUDA GPUs, not on {device_type!r}: set train.fp8=none"
+    if here and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (8, 9):
+            return (f"train.fp8={recipe} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
+                    f"Blackwell); this GPU, {torch.cuda.get_device_name()}, is sm_{major}{minor}: set train.fp8=none")
+    return None
+
+
 def triton_unavailable_reason(device: str | torch.device | None = None, *, here: bool = True) -> str | None:
     """None when our Triton kernels can run on ``device`` (None/"auto": where a run would go), else why not.
     ``here=False``: a device of that type on another machine (a cluster's node), whose GPU is taken as present."""

@@ -6,6 +6,7 @@
   resumed on either side of that step rebuilds exactly the structure the uninterrupted run had.
 - MoE: per-layer load, aux losses and router biases are read for the metrics line, then the
   auxiliary-loss-free biases move towards balance (outside the gradient).
+- FP8 with FSDP2's FP8 all-gather: the scales of the updated weights, computed once after the optimizer step.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def after_step(model: nn.Module, reduce=None) -> dict[str, float]:
     tensor over the data-parallel ranks in place: expert loads are global before they move the biases, so
     every rank keeps the same biases."""
     out: dict[str, float] = {}
+    fp8_scales = getattr(model, "after_optimizer_step_fp8", None)  # FSDP2's FP8 all-gather: weight scales, one
+    if fp8_scales is not None:  # all-reduce for all of them (train/parallel/fp8.py)
+        fp8_scales(model)
     for name, m in model.named_modules():
         if hasattr(m, "after_optimizer_step"):
             if reduce is not None:

@@ -122,7 +122,27 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     assert "train_hybrid ddp: auto chose attention[...]: sdpa; delta_rule[...]: fla" in out
     saved = json.loads((tmp_path / "quick.json").read_text())
     assert "| checkpoint stall: async / sync (9.50 s sync, 3,000 MB) | 0.12 | < 1 | met |" in out
-    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 6
+    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 10
+    assert "| dense_1b tokens/s: fp8 tensorwise / bf16 | - | >= 1.25 | not measured |" in out
+
+
+def test_fp8_rows_against_their_bf16_rows(tmp_path):
+    """The FP8 rows' verdicts: tokens/s over the bf16 row's (dense_1b judged against 1.25, hybrid_1b printed), and
+    the last step's loss gap judged against 1%."""
+    import json
+
+    for name, tps, loss in (("train_dense", 100.0, 4.00), ("train_dense_fp8", 130.0, 4.02),
+                            ("train_hybrid", 80.0, 5.0), ("train_hybrid_fp8", 88.0, 5.1)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": [{"tokens_per_s": tps, "final_loss": loss}]}))
+    vs = {v["target"]: v for v in gpu_issues.fp8_verdicts(tmp_path)}
+    dense, dense_loss = vs["dense_1b tokens/s: fp8 tensorwise / bf16"], vs["dense_1b last-step loss: |fp8 - bf16| / bf16"]
+    assert dense["value"] == pytest.approx(1.3) and dense["met"] is True
+    assert dense_loss["value"] == pytest.approx(0.005) and dense_loss["met"] is True
+    hybrid = vs["hybrid_1b tokens/s: fp8 tensorwise / bf16"]
+    assert hybrid["value"] == pytest.approx(1.1) and hybrid["met"] is None and hybrid["bound"] == "printed"
+    assert vs["hybrid_1b last-step loss: |fp8 - bf16| / bf16"]["met"] is False  # 2% apart
+    (tmp_path / "train_dense_fp8.json").write_text(json.dumps({"rows": [{"tokens_per_s": 110.0, "final_loss": 4.0}]}))
+    assert {v["target"]: v for v in gpu_issues.fp8_verdicts(tmp_path)}[dense["target"]]["met"] is False
 
 
 def test_kernel_grid_verdicts():

@@ -65,6 +65,7 @@ class Layout:
         if p.tp > 1:
             check_tensor_parallel(cfg, dp)
         check_self_guided(cfg, dp)
+        check_fp8(cfg, device_type, here=here)
         check_kernels(cfg, device_type, here=here)
         return cls(world, dp, p.tp, p.pp, p.cp, p.ep, dp if p.dp_shard == -1 else p.dp_shard, device_type)
 
@@ -295,6 +296,21 @@ def check_compile(cfg: JobConfig) -> None:
         raise ConfigError(f"train.compile=true is not yet tested with {', '.join(split)} (their exchanges run inside "
                           f"the compiled blocks); set train.compile=false for this layout (compile composes with "
                           f"data and tensor parallel)")
+
+
+def check_fp8(cfg: JobConfig, device_type: str, *, here: bool = True) -> None:
+    """train.fp8 needs torchao, FP8 tensor cores (on the CPU: torchao's emulation, tests only) and the torch engine."""
+    recipe, p = cfg.train.fp8, cfg.parallel
+    if recipe == "none":
+        return
+    if p.engine == "deepspeed":
+        raise ConfigError(f"train.fp8={recipe} works with parallel.engine=torch only (DeepSpeed wraps the model and "
+                          f"its linears itself); set train.fp8=none or parallel.engine=torch")
+    if p.offload != "none":
+        raise ConfigError(f"train.fp8={recipe} with parallel.offload={p.offload} is not tested together (torchao's FP8 "
+                          f"weight casts on host-held shards); set train.fp8=none or parallel.offload=none")
+    if (why := backend.fp8_unavailable_reason(recipe, device_type, here=here)) is not None:
+        raise ConfigError(why)
 
 
 def check_self_guided(cfg: JobConfig, dp: int) -> None:

@@ -28,7 +28,7 @@ from hybridtron.configs import JobConfig, TrainConfig
 # recomputes the rest of a block (norms, rotary, activations, gates, residual adds: memory-bound ops whose
 # outputs are as large as a matmul's but cost ~1/100 of its time). torchtitan's op-level policy is the model.
 _SAVED_ATEN = {
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::linear",
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm", "aten::linear", "aten::_scaled_mm",
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_flash_attention_forward", "aten::_efficient_attention_forward",
@@ -129,6 +129,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
     )
 
     from ..model_order import ROW_ORDERS
+    from .fp8 import tensor_parallel_plan as fp8_styles
     from .tensor_parallel import parallelize_gated_deltanet, parallelize_moe, vocab_parallel_loss
 
     tp_mesh = mesh.device_mesh["tp"]
@@ -181,7 +182,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
                 "mlp.up_proj": ColwiseParallel(),
                 "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
             })
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, fp8_styles(block, plan))
     setattr(model, ROW_ORDERS, orders)  # reordered fused weights: checkpoints put them back in the model's order
     return model
 
@@ -267,6 +268,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh, device: torch.device | N
     model already cut to its stages by ``pipeline.rank_cut``), in place and in this one order:
 
     1. pipeline: the rank's stage modules over the cut model (parallel.pp > 1)
+    1b. fp8: the blocks' linears become torchao's Float8Linear (train.fp8; train/parallel/fp8.py)
     2. tensor (with sequence) parallel: DTensor plans over the tp dimension (parallel.tp)
     3. expert parallel: each rank keeps its experts (parallel.ep)
     4. context parallel: each rank runs its piece of every sequence (parallel.cp)
@@ -288,6 +290,10 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh, device: torch.device | N
         log(f"pipeline: {len(pipeline.ranges)} stages of layers "
             f"{', '.join(f'{r.start}-{r.stop - 1}' for r in pipeline.ranges)}, schedule {cfg.parallel.pp_schedule}, "
             f"{t.grad_accum_steps} micro-batches per step")
+    if t.fp8 != "none":  # before tensor parallel, whose plans hook the very modules this swaps
+        from .fp8 import apply_fp8
+
+        apply_fp8(model, cfg, mesh, log)
     apply_tensor_parallel(model, mesh)
     from .context_parallel import apply_context_parallel
     from .expert_parallel import apply_expert_parallel
