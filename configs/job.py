@@ -92,7 +92,7 @@ class DataConfig:
     # What prepare does with a record it cannot train on (a binary file, invalid UTF-8, a malformed jsonl line,
     # a non-string, missing or empty text, a record over max_record_mb, an unreadable file): skip it and count
     # it (counts and the first few places go to the prepare summary and the shard manifests), or error: stop
-    # at the first one (empty documents are only counted). The README's data section has the whole policy.
+    # at the first one (empty documents are only counted). docs/data.md has the whole policy.
     on_bad_record: Literal["skip", "error"] = "skip"
     # With skip, prepare still stops when more than this share of a source's records are malformed (invalid
     # UTF-8, malformed JSON, non-string text, over max_record_mb, unreadable): that is damage, not noise.

@@ -3,7 +3,7 @@
 One document is one record: a whole file for text sources, one line for jsonl, one row for parquet.
 
 Our own readers (run as a ``datasets`` generator: streaming, or through an Arrow cache) decide what is a
-document and what is a *bad record* (the README's data section is the policy):
+document and what is a *bad record* (docs/data.md is the policy):
 
 - ``binary_file``: a text/jsonl file with a NUL byte, a compression magic, or > 30% control bytes or invalid
   UTF-8 in its first 8 KiB; ``empty``: an empty text; ``missing_text``: a record without the text field (or

@@ -610,7 +610,7 @@ def test_broken_pretrained_tokenizer_is_one_line(tmp_path):
 
 # ---- everything at once, with the memory bound ----------------------------------------------------------------------
 HUGE_MB = 20
-RSS_BOUND_MB = 1024  # the README's bound for prepare's peak RSS growth at the default settings
+RSS_BOUND_MB = 1024  # docs/data.md's bound for prepare's peak RSS growth at the default settings
 
 _CHILD = textwrap.dedent(
     """

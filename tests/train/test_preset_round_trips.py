@@ -1,7 +1,7 @@
 """Every tiny preset, end to end: train a few steps, `hybridtron export`, load the directory in transformers (native
 class or our custom code), compare its logits with the model `sample` loads and its greedy text with `hybridtron
 sample`'s, import it back the way `train --init-from hf:DIR` does, and re-export it bit for bit. The classes are
-those the README's export table names."""
+those the export table of docs/export.md names."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hybridtron.train.build import load_for_inference
 
 transformers = pytest.importorskip("transformers", reason="transformers is a dependency; install the project")
 
-# preset -> the transformers class its export is (README, "Hugging Face export and import")
+# preset -> the transformers class its export is (docs/export.md)
 PRESETS = {
     "tiny": "Qwen3_5ForCausalLM",
     "tiny_hybrid": "Qwen3_5ForCausalLM",
