@@ -361,8 +361,6 @@ def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote
     if any, is the copy in ``hf_dir``) on random tokens: the full forward, and transformers' cached decoding (a
     prompt, single tokens, then a multi-token continuation, through its own cache) against our full forward.
     Also how many distinct experts each MoE layer chose on that batch (the routing the check exercised)."""
-    import inspect
-
     from transformers import AutoModelForCausalLM
 
     from hybridtron.model.moe import MoE
@@ -385,16 +383,14 @@ def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote
         for h in hooks:
             h.remove()
     full = float((hf(x).logits - ref).abs().max())
-    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # renamed in 5.24
     h = T // 2
     out = hf(x[:, :h], use_cache=True)
     pieces = [out.logits]
     for t in range(h, min(h + 3, T)):
-        cache = getattr(out, "cache", None) or out.past_key_values
-        out = hf(x[:, t : t + 1], use_cache=True, **{key: cache})
+        out = hf(x[:, t : t + 1], use_cache=True, cache=out.cache)
         pieces.append(out.logits)
     if h + 3 < T:
-        pieces.append(hf(x[:, h + 3 :], use_cache=True, **{key: getattr(out, "cache", None) or out.past_key_values}).logits)
+        pieces.append(hf(x[:, h + 3 :], use_cache=True, cache=out.cache).logits)
     cached = float((torch.cat(pieces, dim=1) - ref).abs().max())
     return {"max_logit_diff": max(full, cached), "full": full, "cached": cached, "experts_chosen": chosen}
 
