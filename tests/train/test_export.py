@@ -287,3 +287,32 @@ def test_train_init_from_hf_continues_from_its_weights(small_data_dir, cli_args,
     # The continued run starts where the exported one ended (same data, same tokenizer), far below a fresh start.
     assert first_cont < first_fresh - 0.5
     assert abs(first_cont - trained) < 0.5
+
+
+@pytest.mark.slow
+def test_export_of_a_run_with_triton_kernels_runs_the_reference_on_a_cpu(small_data_dir, cli_args, tmp_path, capsys,
+                                                                          monkeypatch):
+    """A run that named Triton kernels (trained here under the interpreter, as on a GPU) exports on a CPU without
+    one: the export switches every kernel to the reference and says so; sample keeps refusing the backend."""
+    from hybridtron.cli import main
+    from hybridtron.kernels import backend
+
+    run = tmp_path / "run"
+    extra = ["--model.n_layers", "2", "--model.kernels.norm", "triton", "--model.kernels.swiglu", "triton",
+             "--train.max_steps", "2", "--checkpoint.every", "2", "--train.eval_every", "0", "--train.warmup_steps", "1"]
+    assert main(cli_args(small_data_dir, run, extra)) == 0
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # now a CPU machine without Triton's interpreter
+    backend.clear_cache()
+    try:
+        capsys.readouterr()
+        ckpt = run / "checkpoints" / "step_00000002"
+        assert main(["sample", "--checkpoint", str(ckpt), "--prompt", "def", "--max-new-tokens", "2"]) == 2
+        assert "triton" in capsys.readouterr().err  # the refusal the export must not hit
+        out = tmp_path / "hf"
+        assert main(["export", str(run), "--out", str(out)]) == 0
+        printed = capsys.readouterr().out
+        assert ("pure-torch reference on the CPU: model.kernels.norm=reference, model.kernels.swiglu=reference"
+                in printed), printed
+        assert "parity: max |logit difference|" in printed
+    finally:
+        backend.clear_cache()

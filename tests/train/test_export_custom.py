@@ -173,11 +173,11 @@ def test_custom_export_matches_in_logits_generation_and_cached_decoding(case, to
 
         # transformers' cache: a prompt, three single-token steps, then a multi-token continuation.
         step = hf(x[:, :30], use_cache=True)
-        cache, pieces = step.past_key_values, [step.logits]
+        cache, pieces = step.cache, [step.logits]
         for t in range(30, 33):
-            step = hf(x[:, t : t + 1], past_key_values=cache, use_cache=True)
+            step = hf(x[:, t : t + 1], cache=cache, use_cache=True)
             pieces.append(step.logits)
-        pieces.append(hf(x[:, 33:], past_key_values=cache, use_cache=True).logits)
+        pieces.append(hf(x[:, 33:], cache=cache, use_cache=True).logits)
         assert (torch.cat(pieces, dim=1) - full).abs().max().item() <= 1e-4
 
     ours = generate(model, PROMPT, 20, max_seq_len=model.cfg.max_seq_len, temperature=0.0)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -314,12 +314,29 @@ def fuse_qwen3_next_projections(state: dict[str, torch.Tensor], cfg: ModelConfig
 
 
 # ---- the export --------------------------------------------------------------------------------------
-def load_for_export(ckpt: Path) -> tuple[JobConfig, GatedLM]:
+def reference_kernels(cfg: JobConfig) -> list[tuple[str, str]]:
+    """Overrides that put every kernel choice of the run on the pure-torch reference: a run trained on a GPU
+    with an explicit ``model.kernels.<op>`` (triton, fla, flash-attn, ...) or ``model.moe.backend=megablocks``
+    names backends the CPU cannot run, and the export computes in float32 on the CPU anyway. The kernels
+    change neither the parameters nor their layout, only how they are computed."""
+    out = [(f"model.kernels.{f.name}", "reference") for f in fields(cfg.model.kernels)
+           if getattr(cfg.model.kernels, f.name) not in ("auto", "reference")]
+    if cfg.model.moe.backend != "native":
+        out.append(("model.moe.backend", "native"))
+    return out
+
+
+def load_for_export(ckpt: Path, log=print) -> tuple[JobConfig, GatedLM]:
     """The checkpoint's model exactly as ``sample`` and ``eval`` load it (train/build.py: the self-guided
-    guide as saved, the mix weight of the checkpoint's step), in float32 on the CPU."""
+    guide as saved, the mix weight of the checkpoint's step), in float32 on the CPU with the reference kernels
+    whatever backends the run chose (`reference_kernels`; logged when that changes any)."""
     from ..build import load_for_inference
 
-    cfg, model, _tok, _device = load_for_inference(ckpt, [("train.device", "cpu")])
+    changed = reference_kernels(load_config(str(ckpt / "config.yaml")))
+    if changed:
+        log("export computes with the pure-torch reference on the CPU: " + ", ".join(
+            f"{k}={v}" for k, v in changed) + " (the run's kernel choices do not change the weights)")
+    cfg, model, _tok, _device = load_for_inference(ckpt, [("train.device", "cpu"), *changed])
     return cfg, model.float().eval()
 
 
@@ -344,8 +361,6 @@ def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote
     if any, is the copy in ``hf_dir``) on random tokens: the full forward, and transformers' cached decoding (a
     prompt, single tokens, then a multi-token continuation, through its own cache) against our full forward.
     Also how many distinct experts each MoE layer chose on that batch (the routing the check exercised)."""
-    import inspect
-
     from transformers import AutoModelForCausalLM
 
     from hybridtron.model.moe import MoE
@@ -368,16 +383,14 @@ def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote
         for h in hooks:
             h.remove()
     full = float((hf(x).logits - ref).abs().max())
-    key = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"  # renamed in 5.24
     h = T // 2
     out = hf(x[:, :h], use_cache=True)
     pieces = [out.logits]
     for t in range(h, min(h + 3, T)):
-        cache = getattr(out, "cache", None) or out.past_key_values
-        out = hf(x[:, t : t + 1], use_cache=True, **{key: cache})
+        out = hf(x[:, t : t + 1], use_cache=True, cache=out.cache)
         pieces.append(out.logits)
     if h + 3 < T:
-        pieces.append(hf(x[:, h + 3 :], use_cache=True, **{key: getattr(out, "cache", None) or out.past_key_values}).logits)
+        pieces.append(hf(x[:, h + 3 :], use_cache=True, cache=out.cache).logits)
     cached = float((torch.cat(pieces, dim=1) - ref).abs().max())
     return {"max_logit_diff": max(full, cached), "full": full, "cached": cached, "experts_chosen": chosen}
 
@@ -402,7 +415,7 @@ def export(ckpt: Path, out: Path, *, max_shard_size: str = "5GB", check: bool = 
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory (nothing was written)")
     cfg = load_config(str(ckpt / "config.yaml"))
     choose_target(cfg.model)  # refuse before loading any weights
-    _cfg, model = load_for_export(ckpt)
+    _cfg, model = load_for_export(ckpt, log=log)
     return export_model(model, ckpt / "tokenizer", out, max_shard_size=max_shard_size, check=check, log=log,
                         source=str(ckpt))
 

@@ -277,10 +277,8 @@ class HybridtronGatedDeltaNet(nn.Module):
         self.hax = HybridtronHAX(config, self.value_dim) if config.linear_sparse_attention != "none" else None
 
     def forward(self, hidden_states: torch.Tensor, cache=None, attention_mask: torch.Tensor | None = None,
-                cache_params=None, **kwargs) -> torch.Tensor:
-        # transformers 5.24 passes the layer's cache as ``cache``; earlier 5.x releases as ``cache_params``.
-        # Missing either one would silently run without the cache, every decoding step from a zero state.
-        cache_params = cache if cache is not None else cache_params
+                **kwargs) -> torch.Tensor:
+        # ``cache``: transformers' Cache (5.24's name; the decoder layer passes it by keyword), None without one.
         x = hidden_states
         if attention_mask is not None:  # (B, T) padding mask: a padded position writes nothing into the state
             x = x * attention_mask[:, :, None].to(x.dtype)
@@ -290,10 +288,10 @@ class HybridtronGatedDeltaNet(nn.Module):
 
         mixed = self.in_proj_qkv(x).transpose(1, 2)  # (B, conv_dim, T)
         state = None
-        if cache_params is not None:
-            state = cache_params.get_recurrent_state(self.layer_idx)  # None before the first call (or a reset)
+        if cache is not None:
+            state = cache.get_recurrent_state(self.layer_idx)  # None before the first call (or a reset)
             # Stores the last K inputs and returns the ones the convolution needs: those kept, then these.
-            mixed = cache_params.update_conv_state(mixed, self.layer_idx, conv_kernel_size=K)
+            mixed = cache.update_conv_state(mixed, self.layer_idx, conv_kernel_size=K)
         fresh = state is None  # (the HAX branch then starts anew too)
         conv = self.conv1d(F.pad(mixed, (K - 1, 0)))[..., -T:]  # causal: output t reads inputs t-K+1 .. t
         conv = F.silu(conv).transpose(1, 2)  # (B, T, conv_dim)
@@ -317,17 +315,17 @@ class HybridtronGatedDeltaNet(nn.Module):
             o, state = delta_rule_stepwise(*steps, state)
         else:
             o, state = delta_rule_chunked(*steps, state, self.chunk_size)
-        if cache_params is not None:
-            cache_params.update_recurrent_state(state, self.layer_idx)
+        if cache is not None:
+            cache.update_recurrent_state(state, self.layer_idx)
         o = o[:, :, n_h - 1 :: n_h].transpose(1, 2)  # (B, T, Hv, Dv): each token's last step
         if self.hax is not None:  # its state: per layer in ``hybridtron_hax``, a dict set on transformers' cache
-            if cache_params is not None and not hasattr(cache_params, "hybridtron_hax"):
-                cache_params.hybridtron_hax = {}
-            past = None if cache_params is None or fresh else cache_params.hybridtron_hax.get(self.layer_idx)
+            if cache is not None and not hasattr(cache, "hybridtron_hax"):
+                cache.hybridtron_hax = {}
+            past = None if cache is None or fresh else cache.hybridtron_hax.get(self.layer_idx)
             live = None if attention_mask is None else attention_mask.bool()
             extra, hax_state = self.hax(hax_input, live, past)
-            if cache_params is not None:
-                cache_params.hybridtron_hax[self.layer_idx] = hax_state
+            if cache is not None:
+                cache.hybridtron_hax[self.layer_idx] = hax_state
             o = o + extra.view(B, T, Hv, Dv).to(o.dtype)
 
         z = self.in_proj_z(x).reshape(B, T, Hv, Dv)
