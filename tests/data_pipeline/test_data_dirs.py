@@ -168,16 +168,22 @@ def test_an_explicit_dir_holding_another_tokenizer_is_refused(tmp_path, monkeypa
 
 @pytest.mark.slow
 def test_bad_input_leaves_no_new_folders(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
+    cwd, empty = tmp_path / "cwd", tmp_path / "empty"
+    cwd.mkdir()
+    empty.mkdir()
+    (empty / "a.txt").write_text("")  # a source without text: found once prepare has made its directory
+    monkeypatch.chdir(cwd)
     missing = ["--data.sources", f"[{{path: {tmp_path}/missing}}]"]
     for argv in (["prepare", *missing], ["train", *missing], ["train", *missing, "--run-dir", "runs/deep/x"],
                  ["prepare", *missing, "--data.out_dir", "a/b/c"],
+                 ["prepare", "--data.sources", f"[{{path: {empty}}}]", "--data.out_dir", "a/b/c"],
+                 ["train", "--data.sources", f"[{{path: {empty}}}]", "--run-dir", "runs/deep/x"],
                  ["ablate", *missing, "--variant", "a:", "--variant", "b:train.lr=0.001"],
                  ["train", "--data.tokenizer.kind", "pretrained", "--data.tokenizer.path", "nowhere/tokenizer.json"]):
         assert main(argv) == 2, argv
         err = one_error_line(capsys)
-        assert "matches no files" in err or "nowhere/tokenizer.json is not a file" in err, err
-        assert list(tmp_path.iterdir()) == [], (argv, list(tmp_path.rglob("*")))
+        assert any(s in err for s in ("matches no files", "no text to train", "tokenizer.json is not a file")), err
+        assert list(cwd.iterdir()) == [], (argv, list(cwd.rglob("*")))
 
 
 @pytest.mark.slow
