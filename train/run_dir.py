@@ -20,7 +20,7 @@ import yaml
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 from hybridtron.configs.base import from_dict
 from hybridtron.data_pipeline import load_tokenizer
-from hybridtron.data_pipeline.data_dir import data_dir, default_data_dir
+from hybridtron.data_pipeline.data_dir import data_dir, resolve_out_dir
 
 from .checkpoint import CheckpointManager, verify_manifest
 from .run_lock import LOCK_FILE
@@ -162,14 +162,15 @@ def resolve_data_dir(cfg: JobConfig, run_dir: Path) -> JobConfig:
     resumes on its own data), else to the corpus's own directory (data_pipeline/data_dir.py). Called once the
     config is final (after --init-from); a given data.out_dir is kept as is."""
     if not cfg.data.out_dir:
-        saved = ((read_saved_config(run_dir) or {}).get("data") or {})
+        saved = (read_saved_config(run_dir) or {}).get("data")
         own = saved.get("out_dir") if isinstance(saved, dict) else None
         if own and isinstance(own, str):
             try:
                 check_resume_compatible(cfg, run_dir, sections=("data",))
+                cfg.data.out_dir = own
             except ConfigError:
-                own = None  # other data: refused when the run is resumed, and no reason to reuse its directory
-        cfg.data.out_dir = own or str(default_data_dir(cfg.data))
+                pass  # other data: refused if the run is resumed, and no reason to reuse its directory
+    resolve_out_dir(cfg.data)
     return cfg
 
 
