@@ -1,5 +1,6 @@
 """Durable, atomic file writes shared by shards, tokenizers, checkpoints, run files and the kernel tuner's cache,
-and the reclaiming of the scratch that writers killed midway leave behind.
+the reclaiming of the scratch that writers killed midway leave behind, and the removal of the empty directories
+a command that failed had created.
 
 Write to a temporary name in the same directory, fsync, ``os.replace`` onto the final name, then fsync
 the directory so the rename itself survives a crash: a reader sees the old file or the new one, never
@@ -22,7 +23,7 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 # A name written by an older version, ".<final>.tmp-<pid>", carries no host: its writer may have run on any node
@@ -187,3 +188,32 @@ def write_file_atomic(path: Path, write: Callable[[str], object]) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     write_bytes_atomic(path, text.encode())
+
+
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and those of its parents that do not exist yet, innermost first: what creating it will make."""
+    path = Path(path)
+    return [d for d in (path, *path.parents) if not os.path.lexists(d)]
+
+
+def remove_empty_dirs(dirs: Iterable[Path]) -> None:
+    """Remove ``dirs`` (innermost first) while they are empty; the first that holds anything stays, and so do
+    the ones above it."""
+    for d in dirs:
+        try:
+            Path(d).rmdir()
+        except OSError:
+            break
+
+
+@contextlib.contextmanager
+def new_dirs_removed_on_failure(path: Path) -> Iterator[None]:
+    """When the block raises, the directories that creating ``path`` made (``path`` and its parents that did not
+    exist before the block) are removed again where empty: a command that stopped on bad input leaves no empty
+    folders behind."""
+    created = missing_dirs(path)
+    try:
+        yield
+    except BaseException:
+        remove_empty_dirs(created)
+        raise

@@ -33,6 +33,7 @@ from .train.run_dir import (
     DEFAULT_PRESET,
     check_output_dir,
     default_run_dir,
+    resolve_data_dir,
     resolve_job,
 )
 from .train.sample import generate
@@ -49,19 +50,10 @@ EXIT_CODES = (
 
 # ---- subcommands --------------------------------------------------------------------------------
 def cmd_prepare(args) -> int:
-    cfg, _ = resolve_job(args)
-    out = Path(cfg.data.out_dir).expanduser()
-    check_output_dir(out, f"data.out_dir={cfg.data.out_dir}")
-    created = [d for d in (out, *out.parents) if not d.exists()]  # what a failure below must not leave behind
-    try:
-        prepared = prepare_data(cfg.data, log=_log)
-    except BaseException:
-        for d in created:  # innermost first; a directory that holds anything stays
-            try:
-                d.rmdir()
-            except OSError:
-                break
-        raise
+    cfg, run_dir = resolve_job(args)
+    resolve_data_dir(cfg, run_dir)  # the directory `train` with these arguments would use
+    check_output_dir(Path(cfg.data.out_dir).expanduser(), f"data.out_dir={cfg.data.out_dir}")
+    prepared = prepare_data(cfg.data, log=_log)  # on bad input, it removes the directories it made
     _log(f"prepared data in {prepared.out_dir} (tokenizer: {prepared.tokenizer_dir})")
     _log(json.dumps(prepared.stats))
     return 0

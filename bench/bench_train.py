@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import importlib.util
 import json
 import math
@@ -77,8 +76,6 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
     "ds_zero3": [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "3"), ("train.compile", "false")],
 }
 DEFAULT_VARIANTS = ["ddp", "fsdp2_zero2", "fsdp2_zero3", "ds_zero1", "ds_zero2", "ds_zero3"]
-# data settings that do not change the prepared tokens: left out of the data directory's key
-_DATA_FREE = ("out_dir", "seq_len", "streaming", "num_workers")
 _KILL_GRACE_S = 10.0
 
 
@@ -162,12 +159,10 @@ def with_rotary_room(preset: str, overrides: list[tuple[str, str]]) -> list[tupl
 
 
 def data_dir(work_dir: Path, cfg) -> Path:
-    """One prepared directory per set of data settings (seq_len aside: shards are documents, packed at load)."""
-    d = {k: v for k, v in dataclasses.asdict(cfg.data).items() if k not in _DATA_FREE}
-    key = hashlib.blake2b(json.dumps(d, sort_keys=True).encode(), digest_size=4).hexdigest()
-    tok = cfg.data.tokenizer
-    name = f"{tok.kind}{tok.vocab_size if tok.kind != 'pretrained' else ''}-{key}"
-    return work_dir / "data" / name
+    """The corpus's own directory (data_pipeline/data_dir.py), under the work directory."""
+    from hybridtron.data_pipeline.data_dir import default_data_dir
+
+    return default_data_dir(cfg.data, root=work_dir / "data")
 
 
 def as_flags(overrides: list[tuple[str, str]]) -> list[str]:

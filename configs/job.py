@@ -79,7 +79,9 @@ class SyntheticConfig:
 class DataConfig:
     sources: list[SourceConfig] = field(default_factory=lambda: [SourceConfig()])
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    out_dir: str = "data/stdlib"  # prepared tokenizer + shards
+    # Prepared tokenizer + shards. "": a directory of this corpus's own, data/<name>-<fingerprint> (e.g.
+    # data/stdlib-bpe4096-3f9a1c2e; data_pipeline/data_dir.py), so corpora, tokenizers and tasks never share one.
+    out_dir: str = ""
     seq_len: int = 128
     val_fraction: float = 0.02  # share of documents held out for validation
     shard_docs: int = 1000  # documents per shard file

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
 from hybridtron.configs.job import DataConfig
 
+from .data_dir import data_dir
 from .errors import DataError
 from .prepare import source_names
 from .shards import ShardError, SplitReader
@@ -103,14 +102,15 @@ class BlendedDataset(torch.utils.data.Dataset):
 
 
 def build_dataset(cfg: DataConfig, split: str):
-    """The packed dataset of ``split`` over ``cfg.out_dir``, verified against the tokenizer saved there."""
+    """The packed dataset of ``split`` over ``cfg``'s data directory (data_dir.py), verified against the
+    tokenizer saved there."""
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r} must be 'train' or 'val'")
     if cfg.synthetic.task:  # rows generated when read (data_pipeline/synthetic.py)
         from .synthetic import SyntheticDataset
 
         return SyntheticDataset(cfg, split)
-    out = Path(cfg.out_dir).expanduser()
+    out = data_dir(cfg)
     meta = read_meta(out / "tokenizer")
     if meta is None:
         raise ShardError(f"{out / 'tokenizer'} holds no tokenizer; run `hybridtron prepare` for data.out_dir={out}")

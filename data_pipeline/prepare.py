@@ -37,7 +37,8 @@ import numpy as np
 
 from hybridtron.configs.job import DataConfig
 
-from ..atomic import reclaim_scratch, write_text_atomic
+from ..atomic import new_dirs_removed_on_failure, reclaim_scratch, write_text_atomic
+from .data_dir import data_dir, describe_recipe, tokenizer_recipe
 from .errors import DataError, EmptySourceError, SourceChangedError, one_line
 from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
 from .sources import (
@@ -75,11 +76,6 @@ def source_names(cfg: DataConfig) -> list[str]:
     if dup:
         raise DataError(f"data.sources have duplicate names {dup}; give each source a distinct `name`")
     return names
-
-
-def _tokenizer_config(cfg: DataConfig) -> dict:
-    t = cfg.tokenizer
-    return {"kind": t.kind, "vocab_size": t.vocab_size if t.kind != "pretrained" else None, "path": t.path or None}
 
 
 def _training_texts(cfg: DataConfig, cache: Path, reports: list) -> Iterator[str]:
@@ -124,17 +120,35 @@ class _Guarded:
             raise
 
 
-def get_tokenizer(cfg: DataConfig, out: Path, log: Callable = print) -> Tokenizer:
-    """Reuse ``out/tokenizer`` when present and made from the same config; otherwise train or load and save."""
-    tdir = out / "tokenizer"
-    want = _tokenizer_config(cfg)
+def _holds_tokenizer(tdir: Path, recipe: dict, fingerprint: str | None) -> bool:
+    """Whether ``tdir`` holds the tokenizer ``recipe`` asks for (False: none yet). One made from anything else is
+    refused, never replaced: it may be what another corpus's shards or a run's checkpoints were made with. A
+    tokenizer whose content is known before it is made (pretrained, synthetic: ``fingerprint``) is compared by
+    content; a trained one by its recipe."""
     meta = read_meta(tdir)
-    if meta is not None:
-        if meta.get("config") != want:
-            raise DataError(
-                f"{tdir} holds a tokenizer made with {meta.get('config')}, but data.tokenizer asks for {want}; "
-                f"use another data.out_dir or delete {out}"
-            )
+    if meta is None:
+        return False
+    had = meta.get("config") or {}
+    if fingerprint is not None:
+        same = meta.get("fingerprint") == fingerprint
+    elif "sources" not in had:  # written by a version that recorded only kind, vocab_size and path, and compared those
+        same = (had.get("kind"), had.get("vocab_size")) == (recipe["kind"], recipe["vocab_size"])
+    else:
+        same = had == recipe
+    if not same:
+        raise DataError(
+            f"{tdir} holds a tokenizer made from {describe_recipe(had)}, but this config asks for one made from "
+            f"{describe_recipe(recipe)}; leave data.out_dir unset (each corpus gets a directory of its own), choose "
+            f"another data.out_dir, or delete {tdir.parent}"
+        )
+    return True
+
+
+def get_tokenizer(cfg: DataConfig, out: Path, log: Callable = print) -> Tokenizer:
+    """Reuse ``out/tokenizer`` when it was made for this config; otherwise train or load it and save it there."""
+    tdir = out / "tokenizer"
+    want = tokenizer_recipe(cfg)
+    if _holds_tokenizer(tdir, want, want.get("sha256")):
         return load_tokenizer(tdir)
     t = cfg.tokenizer
     if t.kind == "pretrained":
@@ -261,10 +275,12 @@ class _Sink:
         self.writers[split].add([*doc.parts, self.eos])
 
 
-def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Path, log: Callable) -> dict:
-    """Shards for source ``i`` (or none, when complete and current); returns its manifest's ``source`` record."""
+def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Path, log: Callable,
+                    resolved: tuple[list[Path], str]) -> dict:
+    """Shards for source ``i`` (or none, when complete and current) from its ``resolved`` files and format;
+    returns its manifest's ``source`` record."""
     src = cfg.sources[i]
-    files, fmt = resolve_files(src)
+    files, fmt = resolved
     stamps = [file_stamp(f) for f in files]
     digest = _inputs_digest(stamps)
     key = _source_key(cfg, i, fmt)
@@ -407,14 +423,13 @@ def prepare_synthetic(cfg: DataConfig, log: Callable = print) -> PreparedData:
     from .synthetic import task_symbols
 
     symbols = task_symbols(cfg.synthetic)
-    out = Path(cfg.out_dir).expanduser()
+    out = data_dir(cfg)
     tok_dir = out / "tokenizer"
     hf = HFTokenizer(models.WordLevel({s: i for i, s in enumerate(symbols)}, unk_token="<pad>"))
     hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = Tokenizer("hf", hf.to_str().encode("utf-8"))
-    meta = read_meta(tok_dir)
-    if meta is None or meta.get("fingerprint") != tok.fingerprint:
-        tok.save(tok_dir, {"synthetic": cfg.synthetic.task})
+    if not _holds_tokenizer(tok_dir, tokenizer_recipe(cfg), tok.fingerprint):
+        tok.save(tok_dir, tokenizer_recipe(cfg))
         log(f"synthetic task {cfg.synthetic.task}: {len(symbols)} symbols, tokenizer in {tok_dir}")
     tok = load_tokenizer(tok_dir)
     return PreparedData(out_dir=out, tokenizer=tok, tokenizer_dir=tok_dir, sources=[f"synthetic:{cfg.synthetic.task}"],
@@ -424,19 +439,25 @@ def prepare_synthetic(cfg: DataConfig, log: Callable = print) -> PreparedData:
 def prepare_data(cfg: DataConfig, log: Callable = print) -> PreparedData:
     """Train/load the tokenizer and write shards for every source. A re-run only finishes what is missing."""
     cfg.validate()
-    out = Path(cfg.out_dir).expanduser()
+    out = data_dir(cfg)
+    with new_dirs_removed_on_failure(out):  # bad input leaves no empty data directory behind
+        return _prepare(cfg, out, log)
+
+
+def _prepare(cfg: DataConfig, out: Path, log: Callable) -> PreparedData:
     # a prepare killed midway left the temporary file of the write it was in: tokenizer, shard, manifest
     splits = [] if cfg.synthetic.task else [out / name / s for name in source_names(cfg) for s in SPLITS]
     reclaim_scratch(out, out / "tokenizer", *splits, log=log)
     if cfg.synthetic.task:  # a generated task: only its tokenizer (data_pipeline/synthetic.py)
         return prepare_synthetic(cfg, log)
     _set_threads(cfg)
-    out.mkdir(parents=True, exist_ok=True)
     names = source_names(cfg)
+    resolved = [resolve_files(src) for src in cfg.sources]  # a source that matches no file: said before any work
+    out.mkdir(parents=True, exist_ok=True)
     tok = get_tokenizer(cfg, out, log)
     tok.num_threads = cfg.num_workers or tok.num_threads
     for i, name in enumerate(names):
-        _prepare_source(cfg, i, name, tok, out, log)
+        _prepare_source(cfg, i, name, tok, out, log, resolved[i])
     stats = _stats(out, names)
     write_text_atomic(out / "prepare_config.json", json.dumps(asdict(cfg), indent=2))
     for name, per in stats["by_source"].items():

@@ -270,10 +270,11 @@ def torchrun_path(container: bool) -> str:
 
 def build_job(args) -> tuple[Job, str, str]:
     """Validate everything and render: (job, script text, config YAML)."""
-    from hybridtron.train.run_dir import check_run_paths, resolve_job
+    from hybridtron.train.run_dir import check_run_paths, resolve_data_dir, resolve_job
 
     nproc = check_numbers(args)
     cfg, run_dir = resolve_job(args)  # the config and its overrides, validated
+    resolve_data_dir(cfg, run_dir)  # the job's config names its data directory (relative to the working directory)
     run_dir = run_dir.resolve()
     check_path(run_dir, "--run-dir")
     check_run_paths(cfg, run_dir)  # a run or data directory the job could not write: said here, not in the job log

@@ -261,12 +261,13 @@ def run_ablation(args, log, probe=None) -> dict[str, dict] | None:
         except ConfigError as e:
             raise ConfigError(f"variant {name!r}: {e}") from None
     out = Path(args.run_dir) if args.run_dir else Path("runs") / f"ablate_{Path(preset).stem}"
-    out.mkdir(parents=True, exist_ok=True)
     # The ablation directory's own lock: a second ablation into it is refused at once, not after it has resumed
     # the variants the first one finished. Each variant's train_run locks its own directory besides. Under
-    # torchrun only rank 0 locks here; if it is refused, torchrun stops the other ranks.
+    # torchrun only rank 0 locks here; if it is refused, torchrun stops the other ranks. The lock creates the
+    # directory, and removes it again if it ends holding nothing (an ablation stopped on bad input).
     with hold_run_dir(out, is_main=os.environ.get("RANK", "0") == "0",
                       what=f"--run-dir {out} (an ablation)"):
+        out.mkdir(parents=True, exist_ok=True)  # the other ranks of a multi-process ablation
         results = {}
         total, done = len(configs) * max(1, len(seeds)), 0
         for name, by_seed in configs.items():

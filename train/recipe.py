@@ -27,7 +27,14 @@ from .device import autocast_dtype
 from .optim import build_optimizer
 from .parallel.mesh import Mesh, launch_world
 from .parallel.parallelize import parallelize
-from .run_dir import LAST_STOP, check_resume_compatible, check_resume_tokenizer, check_run_paths, naming
+from .run_dir import (
+    LAST_STOP,
+    check_resume_compatible,
+    check_resume_tokenizer,
+    check_run_paths,
+    naming,
+    resolve_data_dir,
+)
 from .run_lock import hold_run_dir
 from .trainer import FitResult, Trainer
 
@@ -61,6 +68,7 @@ def train_run(cfg: JobConfig, run_dir: Path, log=rank_log, init_from: Path | Non
     """Train (or resume) ``cfg`` in ``run_dir``; returns (FitResult, model). ``init_from``: a Hugging Face
     directory whose weights start the run (ignored when resuming from a checkpoint). Under torchrun every
     process runs this; the layout in ``cfg.parallel`` is checked before any of them builds a model."""
+    resolve_data_dir(cfg, run_dir)  # data.out_dir left empty: the run's own data directory, or the corpus's
     check_run_paths(cfg, run_dir)  # a run directory or data directory that cannot be written: before anything
     device = select_rank_device(cfg)
     # Mesh.setup refuses an impossible layout before anything is allocated; then rank 0 locks the run directory

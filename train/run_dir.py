@@ -20,6 +20,7 @@ import yaml
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 from hybridtron.configs.base import from_dict
 from hybridtron.data_pipeline import load_tokenizer
+from hybridtron.data_pipeline.data_dir import data_dir, resolve_out_dir
 
 from .checkpoint import CheckpointManager, verify_manifest
 from .run_lock import LOCK_FILE
@@ -136,8 +137,8 @@ def check_run_paths(cfg: JobConfig, run_dir: Path) -> None:
     """The run directory and the prepared-data directory of a ``train`` can be written, before any data is
     prepared."""
     check_output_dir(run_dir, f"--run-dir {run_dir}", entries=RUN_DIR_ENTRIES)
-    out = Path(cfg.data.out_dir).expanduser()
-    check_output_dir(out, f"data.out_dir={cfg.data.out_dir}")
+    out = data_dir(cfg.data)
+    check_output_dir(out, f"data.out_dir={out}")
 
 
 def default_run_dir(config: str | None) -> Path:
@@ -153,6 +154,24 @@ def resolve_job(args) -> tuple[JobConfig, Path]:
     if resuming:
         read_saved_config(run_dir)  # a damaged one is named as the run's, with the way to restore it
     return load_config(str(saved) if resuming else args.config or DEFAULT_PRESET, overrides), run_dir
+
+
+def resolve_data_dir(cfg: JobConfig, run_dir: Path) -> JobConfig:
+    """Set data.out_dir where the config leaves it empty: to the directory the run in ``run_dir`` was prepared in
+    when that run used this same data (a run started before directories were named by corpus, e.g. data/stdlib,
+    resumes on its own data), else to the corpus's own directory (data_pipeline/data_dir.py). Called once the
+    config is final (after --init-from); a given data.out_dir is kept as is."""
+    if not cfg.data.out_dir:
+        saved = (read_saved_config(run_dir) or {}).get("data")
+        own = saved.get("out_dir") if isinstance(saved, dict) else None
+        if own and isinstance(own, str):
+            try:
+                check_resume_compatible(cfg, run_dir, sections=("data",))
+                cfg.data.out_dir = own
+            except ConfigError:
+                pass  # other data: refused if the run is resumed, and no reason to reuse its directory
+    resolve_out_dir(cfg.data)
+    return cfg
 
 
 # Data settings that do not change which tokens are trained on, nor their order: where the prepared data
@@ -215,7 +234,12 @@ def check_resume_compatible(cfg: JobConfig, run_dir: Path, sections: tuple[str, 
         free = RESUME_FREE_DATA if section == "data" else ("kernels",)
         before = old.get(section)
         before = before if isinstance(before, dict) else {}
-        for k, v in new[section].items():
+        now = new[section]
+        if section == "data" and now["tokenizer"]["kind"] == "pretrained" and isinstance(before.get("tokenizer"), dict):
+            # a pretrained tokenizer is the file's content, compared by check_resume_tokenizer: not where it lies
+            before = {**before, "tokenizer": {k: v for k, v in before["tokenizer"].items() if k != "path"}}
+            now = {**now, "tokenizer": {k: v for k, v in now["tokenizer"].items() if k != "path"}}
+        for k, v in now.items():
             d = None if k in free else _first_difference(before.get(k, _ABSENT), v, f"{section}.{k}")
             if d is not None:
                 key, was, now = d

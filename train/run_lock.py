@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from hybridtron.atomic import missing_dirs, remove_empty_dirs
 from hybridtron.configs import ConfigError
 
 LOCK_FILE = ".lock"
@@ -66,7 +67,7 @@ class RunLock:
         self._created: list[Path] = []  # directories made for the lock, removed again if the run leaves them empty
 
     def acquire(self) -> str | None:
-        self._created = [d for d in (self.run_dir, *self.run_dir.parents) if not d.exists()][::-1]
+        self._created = missing_dirs(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -117,11 +118,7 @@ class RunLock:
         self.fd = None
 
     def _remove_created(self) -> None:
-        for d in reversed(self._created):  # innermost first; one that holds anything stays
-            try:
-                d.rmdir()
-            except OSError:
-                break
+        remove_empty_dirs(self._created)
         self._created = []
 
 

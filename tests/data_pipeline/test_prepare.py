@@ -112,7 +112,7 @@ def test_a_rerun_removes_what_killed_prepares_left_and_says_so(copy_prepared, de
 
 def test_changed_tokenizer_config_is_refused(copy_prepared):
     copy_prepared.tokenizer = TokenizerConfig(kind="bpe", vocab_size=400)
-    with pytest.raises(ValueError, match="another data.out_dir or delete"):
+    with pytest.raises(ValueError, match=r"made from bpe training \(vocab_size 300.*one made from bpe training \(vocab_size 400"):
         prepare_data(copy_prepared, log=quiet)
 
 

@@ -179,6 +179,12 @@ def test_resume_on_data_of_another_tokenizer_of_the_same_size_is_refused(run_cop
     theirs = json.loads((other / "tokenizer" / "tokenizer_meta.json").read_text())
     assert own["vocab_size"] == theirs["vocab_size"] and own["fingerprint"] != theirs["fingerprint"]
     capsys.readouterr()
+    # prepare itself refuses a tokenizer whose recipe differs ...
+    code, err = run_cli(cli_args(small_data_dir, run_copy, [*steps_arg(6), "--data.out_dir", str(other)]), capsys)
+    assert_one_line_error(code, err, "train_max_chars 30000", "train_max_chars 20000000", str(other))
+    # ... but data prepared by an older version recorded only the kind and size: the checkpoint's tokenizer decides
+    meta_f = other / "tokenizer" / "tokenizer_meta.json"
+    meta_f.write_text(json.dumps({**theirs, "config": {"kind": "bpe", "vocab_size": theirs["vocab_size"], "path": None}}))
     code, err = run_cli(cli_args(small_data_dir, run_copy, [*steps_arg(6), "--data.out_dir", str(other)]), capsys)
     assert_one_line_error(code, err, f"tokenizer {own['fingerprint'][:12]}", f"tokenizer {theirs['fingerprint'][:12]}",
                           str(other))
