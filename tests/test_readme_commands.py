@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 FRONT_PAGE_MAX_LINES = 140
 
-SHORT = ["--train.max_steps", "4", "--train.warmup_steps", "1", "--train.eval_every", "2",
+SHORT = ["--train.max_steps", "4", "--train.eval_every", "2",  # the presets' warm-up scales down to a short run
          "--train.eval_batches", "1", "--checkpoint.every", "2"]
 SMALL_CORPUS = ["--data.sources", "[{path: stdlib, max_files: 30}]"]
 SMALL_VOCAB = ["--data.tokenizer.vocab_size", "400"]
