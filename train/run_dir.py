@@ -20,7 +20,7 @@ import yaml
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 from hybridtron.configs.base import from_dict
 from hybridtron.data_pipeline import load_tokenizer
-from hybridtron.data_pipeline.data_dir import data_dir, resolve_out_dir
+from hybridtron.data_pipeline.data_dir import data_dir, default_data_dir, resolve_out_dir
 
 from .checkpoint import CheckpointManager, verify_manifest
 from .run_lock import LOCK_FILE
@@ -151,9 +151,16 @@ def resolve_job(args) -> tuple[JobConfig, Path]:
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args.config)
     saved = run_dir / "config.yaml"
     resuming = args.config is None and saved.is_file()
-    if resuming:
-        read_saved_config(run_dir)  # a damaged one is named as the run's, with the way to restore it
-    return load_config(str(saved) if resuming else args.config or DEFAULT_PRESET, overrides), run_dir
+    if not resuming:
+        return load_config(args.config or DEFAULT_PRESET, overrides), run_dir
+    read_saved_config(run_dir)  # a damaged one is named as the run's, with the way to restore it
+    cfg = load_config(str(saved), overrides)
+    own = load_config(str(saved)).data
+    if cfg.data.out_dir == own.out_dir == str(default_data_dir(own)):
+        # The run's directory was chosen for its corpus, not given: overrides of data.* (a prepare of another
+        # corpus with this run directory's config as the base) choose their own; the same data resolves to it again.
+        cfg.data.out_dir = ""
+    return cfg, run_dir
 
 
 def resolve_data_dir(cfg: JobConfig, run_dir: Path) -> JobConfig:

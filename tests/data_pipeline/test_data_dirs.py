@@ -92,6 +92,35 @@ def test_a_resumed_run_keeps_its_own_data_dir(tmp_path):
         str(default_data_dir(load_config("tiny").data))
 
 
+def test_a_command_on_a_run_dirs_config_with_other_data_gets_that_datas_dir(tmp_path):
+    """`hybridtron prepare --data.sources X` with the default run directory takes that run's saved config as its
+    base; the run's directory was chosen for the run's corpus, so X gets its own (the README's `prepare` of a user
+    corpus after `./run.sh train` used to land in, and be refused by, the stdlib directory)."""
+    import argparse
+
+    from hybridtron.train.run_dir import resolve_job
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(resolve_data_dir(data_cfg_job(), run).to_yaml())
+    ran = load_config(str(run / "config.yaml")).data.out_dir
+
+    def job(*overrides):
+        args = argparse.Namespace(config=None, run_dir=str(run), overrides=list(overrides))
+        cfg, run_dir = resolve_job(args)
+        return resolve_data_dir(cfg, run_dir).data
+
+    assert job().out_dir == ran  # the run's own data: its directory
+    other = job("--data.sources", "[{path: corpus/*.jsonl, text_field: text}]")
+    assert other.out_dir == str(default_data_dir(other)) != ran
+    assert job("--data.out_dir", "mine").out_dir == "mine"
+
+
+def data_cfg_job():
+    return load_config("tiny", [("data.sources", "[{path: stdlib, max_files: 20}]"),
+                                ("data.tokenizer.vocab_size", "300")])
+
+
 def test_a_pretrained_tokenizer_at_another_path_resumes(tmp_path):
     """The tokenizer's path is not what a run is compared on (its content is, by check_resume_tokenizer)."""
     run = tmp_path / "run"
