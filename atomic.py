@@ -147,43 +147,41 @@ def write_bytes_atomic(path: Path, data: bytes) -> str:
     return write_chunks_atomic(path, [data])
 
 
-def write_chunks_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> str:
-    """``write_bytes_atomic`` of the concatenation of ``chunks``, without ever holding it whole. A write that
-    fails (a full disk, an interrupt) removes its temporary file and raises."""
-    path = Path(path)
+@contextlib.contextmanager
+def _publishing(path: Path):
+    """Yields the scratch name to write ``path`` under; on success renames it into place (after the caller's fsync),
+    on any failure removes it and re-raises."""
     tmp = scratch_name(path)
-    h = hashlib.blake2b(digest_size=16)
     try:
-        with open(tmp, "wb") as f:
-            for c in chunks:
-                h.update(c)
-                f.write(c)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def write_chunks_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> str:
+    """``write_bytes_atomic`` of the concatenation of ``chunks``, without ever holding it whole. A write that
+    fails (a full disk, an interrupt) removes its temporary file and raises."""
+    h = hashlib.blake2b(digest_size=16)
+    with _publishing(Path(path)) as tmp, open(tmp, "wb") as f:
+        for c in chunks:
+            h.update(c)
+            f.write(c)
+        f.flush()
+        os.fsync(f.fileno())
     return h.hexdigest()
 
 
 def write_file_atomic(path: Path, write: Callable[[str], object]) -> None:
     """Atomically publish the file that ``write(scratch)`` writes at the path it is handed: for a library that
     writes a file itself (a profiler trace, a memory snapshot). A write that fails removes its scratch and raises."""
-    path = Path(path)
-    tmp = scratch_name(path)
-    try:
+    with _publishing(Path(path)) as tmp:
         write(str(tmp))
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
