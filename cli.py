@@ -160,10 +160,10 @@ def cmd_sample(args) -> int:
 def cmd_export(args) -> int:
     from .train.hf.export import export, resolve_checkpoint
 
+    check_output_dir(Path(args.out), f"--out {args.out}", empty=True)  # first: a mistyped --out costs nothing
     if not Path(args.path).exists():
         raise CheckpointError(f"{args.path} does not exist; pass a run directory (its latest checkpoint is exported) "
                               f"or a checkpoint directory RUN_DIR/checkpoints/step_N")
-    check_output_dir(Path(args.out), f"--out {args.out}", empty=True)
     ckpt = resolve_checkpoint(Path(args.path))
     _log(f"exporting {ckpt} -> {args.out}")
     export(ckpt, Path(args.out), max_shard_size=args.max_shard_size, check=not args.no_check, log=_log)
