@@ -212,10 +212,13 @@ class Trainer:
         else:
             local, aux = step_mod.run_torch(self.model, batches, weights, amp_dtype=self.amp_dtype, mesh=self.mesh,
                                             sharded=self._sharded(), hsdp_modules=self._hsdp_modules(), **run)
-        loss = self.mesh.mean(local)  # the global batch's loss: see train/step.py
+        # the global batch's loss (see train/step.py) and its auxiliary parts, reduced alike in one all-reduce;
+        # every data rank has the same modules, so the same kinds
+        kinds = sorted(aux or {})
+        loss, *means = self.mesh.means([local, *(aux[k] for k in kinds)])
         parts = {}
-        if aux is not None:  # reduced like the loss; every data rank has the same modules, so the same kinds
-            parts = {k: self.mesh.mean(aux[k]) for k in sorted(aux)}
+        if aux is not None:
+            parts = dict(zip(kinds, means, strict=True))
             parts = {"lm_loss": loss - sum(parts.values()), **parts}
         grad_norm, finite = self._update(loss)
         model_metrics = after_step(self.model, reduce=self.mesh.sum_)
@@ -276,8 +279,8 @@ class Trainer:
         main = self.mesh.is_main
         if not main:
             log = _quiet  # only rank 0 reports progress; every rank still raises its own errors
-        if resumed_from is None and warmup_note(t):
-            log(warmup_note(t))  # a short run of a preset made for a long one: the warm-up it takes instead
+        if resumed_from is None and (note := warmup_note(t)):
+            log(note)  # a short run of a preset made for a long one: the warm-up it takes instead
         # 0 without a checkpoint; only rank 0 writes metrics.jsonl and TensorBoard
         metrics = MetricsLogger(self.run_dir, resume_step=self.state.step) if main else _NoMetrics()
         self.model.train()

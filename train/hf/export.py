@@ -326,13 +326,14 @@ def reference_kernels(cfg: JobConfig) -> list[tuple[str, str]]:
     return out
 
 
-def load_for_export(ckpt: Path, log=print) -> tuple[JobConfig, GatedLM]:
+def load_for_export(ckpt: Path, cfg: JobConfig, log=print) -> tuple[JobConfig, GatedLM]:
     """The checkpoint's model exactly as ``sample`` and ``eval`` load it (train/build.py: the self-guided
     guide as saved, the mix weight of the checkpoint's step), in float32 on the CPU with the reference kernels
-    whatever backends the run chose (`reference_kernels`; logged when that changes any)."""
+    whatever backends the run chose (`reference_kernels`; logged when that changes any). ``cfg``: the
+    checkpoint's config."""
     from ..build import load_for_inference
 
-    changed = reference_kernels(load_config(str(ckpt / "config.yaml")))
+    changed = reference_kernels(cfg)
     if changed:
         log("export computes with the pure-torch reference on the CPU: " + ", ".join(
             f"{k}={v}" for k, v in changed) + " (the run's kernel choices do not change the weights)")
@@ -415,7 +416,7 @@ def export(ckpt: Path, out: Path, *, max_shard_size: str = "5GB", check: bool = 
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory (nothing was written)")
     cfg = load_config(str(ckpt / "config.yaml"))
     choose_target(cfg.model)  # refuse before loading any weights
-    _cfg, model = load_for_export(ckpt, log=log)
+    _cfg, model = load_for_export(ckpt, cfg, log=log)
     return export_model(model, ckpt / "tokenizer", out, max_shard_size=max_shard_size, check=check, log=log,
                         source=str(ckpt))
 

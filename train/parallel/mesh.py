@@ -159,11 +159,15 @@ class Mesh:
     # ---- collectives (no-ops on one process) -----------------------------------------------------
     def mean(self, value: float) -> float:
         """The mean of a per-rank scalar over the data-parallel (x context-parallel) ranks."""
+        return self.means([value])[0]
+
+    def means(self, values: list[float]) -> list[float]:
+        """``mean`` of each per-rank scalar, in one all-reduce."""
         if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, group=self._group())
-        return float(t.item()) / self.data_ranks
+        return [float(v) / self.data_ranks for v in t.tolist()]
 
     def total(self, count: int) -> int:
         """The sum of a per-rank integer over the data-parallel (x context-parallel) ranks (a token count)."""
