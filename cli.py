@@ -21,6 +21,7 @@ import torch
 from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, parse_overrides
 from hybridtron.data_pipeline import DataError, build_dataset, prepare_data
+from hybridtron.quiet import quiet_dependencies
 
 from .train.build import load_for_inference, select_rank_device
 from .train.checkpoint import CheckpointError, CheckpointManager, DiskFullError
@@ -423,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ``HYBRIDTRON_DEBUG=1`` re-raises them with their traceback instead. Any other exception is a bug and
     propagates with its traceback.
     """
+    quiet_dependencies()  # first: before torch loads (quiet.py lists what it drops and why)
     if launched():  # a worker of torchrun: ends when its launcher dies, instead of training on as an orphan
         watch_parent()
     parser = build_parser()

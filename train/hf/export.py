@@ -426,6 +426,12 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     """Export an in-memory model (float32, eval) with the tokenizer saved in ``tokenizer_dir``."""
     import transformers
 
+    from .torch_paths import import_with_torch_paths
+
+    # Before transformers builds any Qwen3.5-family class: building one imports its modeling module, which binds
+    # fla's and causal-conv1d's kernels whenever they are importable, and those fail on the CPU's tensors.
+    import_with_torch_paths()
+
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"--out {out} exists and is not empty; choose a new directory (nothing was written)")
     target = choose_target(model.cfg)
@@ -450,6 +456,8 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     reclaim_scratch(out.parent, log=log)  # an export killed midway left its whole directory there
     tmp = scratch_name(out)
     shutil.rmtree(tmp, ignore_errors=True)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # our log lines say what is written and checked
     try:
         hf_model.save_pretrained(tmp, max_shard_size=max_shard_size)
         for f in tmp.glob("*.safetensors"):
@@ -476,6 +484,8 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     report.out_dir = out
     for line in report.lines():
         log(line)

@@ -1,0 +1,51 @@
+"""Keep the dependencies' known, harmless messages off the command line's stderr, so what a user reads there is ours.
+
+Each entry below was seen on a `hybridtron` command's stderr (2026-11-28, torch 2.13 CPU, transformers 5.24, torchao
+0.18, fla-core 0.6) and says nothing the user can act on. Only these exact messages are dropped: any other warning
+of the same libraries still shows. ``quiet_dependencies`` runs first thing in the CLI's ``main``, before torch is
+imported (kineto reads its log level when torch loads). No torch here.
+
+- kineto (torch's profiler) prints ``STAGE:`` and ``USDT: ... profiler_start`` / ``profiler_stop`` info lines on
+  every traced range (``train.profile.steps``): its log level defaults to errors only (``KINETO_LOG_LEVEL=3``; a
+  value the user set is kept).
+- torchao (the ``dev`` and ``fp8`` extras; transformers imports it whenever it is installed) tries to load compiled
+  extensions built for CUDA torch (``_C_mxfp8``, ``_C_cutlass_90a``) and logs ``Failed to load ...`` on a CPU
+  build; ``train.fp8`` does not use them. Its import also registers two Enums with torch's pytree, which torch 2.13
+  answers with a deprecation warning (``... is an Enum subclass and is now natively supported ...``).
+- transformers says a Qwen3.5-family kernel ``is falling back to its reference PyTorch implementation``: on the
+  CPU that is the path export's logit check takes on purpose (train/hf/torch_paths.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+# logger name -> substrings: a record of that logger whose message holds one of them is dropped
+DROPPED: dict[str, tuple[str, ...]] = {
+    "torchao": ("Failed to load ",),
+    "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "transformers.integrations.hub_kernels": ("is falling back to its reference PyTorch implementation",),
+}
+
+
+class _Drop(logging.Filter):
+    def __init__(self, needles: tuple[str, ...]):
+        super().__init__()
+        self.needles = needles
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            text = record.getMessage()
+        except Exception:  # a record that cannot format itself is shown as it is
+            return True
+        return not any(n in text for n in self.needles)
+
+
+def quiet_dependencies() -> None:
+    """Drop the messages listed in DROPPED and default kineto to errors only (idempotent)."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "3")
+    for name, needles in DROPPED.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in logger.filters):
+            logger.addFilter(_Drop(needles))
