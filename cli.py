@@ -126,10 +126,12 @@ def _evaluate(args) -> dict:
     prepare_data(cfg.data, log=_log)
     val_ds = build_dataset(cfg.data, "val")
     n = args.batches or cfg.train.eval_batches
-    loss = evaluate(model, val_loader_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
+    loss = evaluate(model, val_loader_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device),
+                    doc_mask=cfg.model.doc_mask)
     result = {"checkpoint": str(ckpt), "val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
               "batches": n, "tokens": n * cfg.train.micro_batch_size * cfg.data.seq_len}
-    sink = attention_sink(model, val_loader_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device))
+    sink = attention_sink(model, val_loader_factory(val_ds, cfg), n, device, autocast_dtype(cfg.train, device),
+                          doc_mask=cfg.model.doc_mask)
     if sink:  # attention layers: mean probability on each document's first token (train/probes.py)
         result["attention_sink"] = sink
     if cfg.data.synthetic.task:  # a generated task: accuracy at the training length and at longer ones
@@ -261,7 +263,7 @@ def cmd_ablate(args) -> int:
     def probe(cfg, model):  # a finished run's attention sink, on its evaluation batches
         device = next(model.parameters()).device
         sink = attention_sink(model, val_loader_factory(build_dataset(cfg.data, "val"), cfg), cfg.train.eval_batches,
-                              device, autocast_dtype(cfg.train, device))
+                              device, autocast_dtype(cfg.train, device), doc_mask=cfg.model.doc_mask)
         return {"attention_sink": sink} if sink else {}
 
     run_ablation(args, log=_log, probe=probe)

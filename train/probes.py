@@ -18,8 +18,11 @@ from .model_order import canonical_name
 
 
 @torch.no_grad()
-def attention_sink(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype) -> dict[str, float]:
-    """{layer name: mean probability on the document's first token} for every attention layer (empty if none)."""
+def attention_sink(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype, *, doc_mask: bool
+                   ) -> dict[str, float]:
+    """{layer name: mean probability on the first token a query can see} for every attention layer (empty if
+    none): its document's when the model masks documents (``doc_mask``), else the sequence's, the model
+    computing as it was trained."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, GatedAttention)}
     if not layers:
         return {}
@@ -30,9 +33,9 @@ def attention_sink(model: nn.Module, val_loader_factory, n_batches: int, device,
     try:
         loader = val_loader_factory()
         for _ in range(n_batches):
-            b = {k: v.to(device) for k, v in next(loader).items()}
+            b = next(loader)
             with autocast_context(device, amp_dtype):
-                model(b["input_ids"], b.get("doc_ids"))
+                model(b["input_ids"].to(device), b["doc_ids"].to(device) if doc_mask and "doc_ids" in b else None)
         out = {}
         for name, m in layers.items():
             total, count = map(sum, zip(*m.sink_stats, strict=True)) if m.sink_stats else (0.0, 0)

@@ -55,12 +55,13 @@ def loss_weights(batches: list[dict], mesh) -> list[float | None]:
     return weights
 
 
-def _keys(doc_mask: bool) -> tuple[str, ...]:
+def batch_keys(doc_mask: bool) -> tuple[str, ...]:
+    """What of a batch the model reads: its document ids only when it masks documents (``model.doc_mask``)."""
     return ("input_ids", "labels", "doc_ids") if doc_mask else ("input_ids", "labels")
 
 
 def _to(batch: dict, device, doc_mask: bool) -> dict:
-    return {k: batch[k].to(device, non_blocking=True) for k in _keys(doc_mask)}
+    return {k: batch[k].to(device, non_blocking=True) for k in batch_keys(doc_mask)}
 
 
 def _weight(c: float | None, device) -> dict:
@@ -133,7 +134,7 @@ def run_pipeline(pipeline, batches: list[dict], weights: list[float | None], *, 
     """The micro-batches through the pipeline schedule (forwards and backwards interleaved over the stages); the
     last stage weighs each micro-batch's loss. Returns this rank's loss (module docstring), summed over the
     stages, not yet averaged over the data ranks."""
-    b = {k: torch.cat([p[k] for p in batches]) for k in _keys(doc_mask)}
+    b = {k: torch.cat([p[k] for p in batches]) for k in batch_keys(doc_mask)}
     if any(c is not None for c in weights):  # one weight per row: the schedule cuts kwargs into micro-batches
         rows = [torch.full((len(p["input_ids"]),), 1.0 if c is None else c, dtype=torch.float32)
                 for p, c in zip(batches, weights, strict=True)]

@@ -107,15 +107,18 @@ class FitResult:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype, mesh=None,
+def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype, *, doc_mask: bool, mesh=None,
              pipeline=None) -> float:
-    """Mean loss over the first ``n_batches`` validation micro-batches (the same ones every time)."""
+    """Mean loss over the first ``n_batches`` validation micro-batches (the same ones every time), computed as
+    training computes it: the batches' document ids reach the model exactly when it was trained with them
+    (``model.doc_mask``), so a model trained across document boundaries is evaluated across them too."""
     was_training = model.training
     model.eval()
     loader = val_loader_factory()
     total = 0.0
     for _ in range(n_batches):
-        b = local_piece({k: v.to(device) for k, v in next(loader).items()}, mesh)
+        b = local_piece({k: v.to(device) for k, v in next(loader).items() if k in step_mod.batch_keys(doc_mask)},
+                        mesh)
         with autocast_context(device, amp_dtype):
             if pipeline is not None:
                 total += pipeline.eval_loss(b)
@@ -329,7 +332,8 @@ class Trainer:
                         log(f"step {step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
                     if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
                         val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
-                                            self.amp_dtype, self.mesh, self.pipeline)
+                                            self.amp_dtype, doc_mask=self.cfg.model.doc_mask, mesh=self.mesh,
+                                            pipeline=self.pipeline)
                         rec["val_loss"], rec["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
                         tag = f"[hybridtron rank 0/{self.mesh.world_size}] " if self.mesh.world_size > 1 else ""
                         (bar.write if main else _quiet)(f"{tag}step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "

@@ -55,7 +55,7 @@ def test_attention_sink_per_layer_is_exact_for_uniform_attention():
         torch.nn.init.zeros_(m.k_proj.weight)  # every key 0: each query spreads evenly over what it sees
     T = 16
     ids = torch.randint(0, 64, (3, T))
-    sink = attention_sink(model, lambda: iter([{"input_ids": ids}] * 2), 2, torch.device("cpu"), None)
+    sink = attention_sink(model, lambda: iter([{"input_ids": ids}] * 2), 2, torch.device("cpu"), None, doc_mask=False)
     expect = sum(1 / (t + 1) for t in range(1, T)) / (T - 1)
     assert len(sink) == len(attn) and all(v == pytest.approx(expect, rel=1e-5) for v in sink.values()), sink
     assert all(m.sink_stats is None for m in attn)  # switched off again
