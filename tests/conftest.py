@@ -39,8 +39,8 @@ else:
 # The files that take the longest (minutes: several multi-process layouts, the SLURM cluster, interpreter-run
 # training), collected first: pytest-xdist hands each worker whole files in collection order, so the long ones
 # start at once and the short ones fill the end instead of one worker finishing a long file alone.
-LONG_FIRST = ("train/test_data_parallel.py", "train/test_context_parallel.py", "kernels/test_model_kernels.py",
-              "slurm/test_cluster.py", "model/test_state_tracking.py", "train/test_pipeline.py",
+LONG_FIRST = ("test_user_commands.py", "train/test_data_parallel.py", "train/test_context_parallel.py",
+              "kernels/test_model_kernels.py", "slurm/test_cluster.py", "model/test_state_tracking.py", "train/test_pipeline.py",
               "train/test_tensor_parallel.py", "train/test_expert_parallel.py", "train/test_composed_parallel.py",
               "train/test_plan.py", "train/test_hsdp.py", "bench/test_bench_train.py")
 
