@@ -8,7 +8,7 @@ import pytest
 
 from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.kernels import backend, limits
+from hybridtron.kernels import backend, limits, rules
 from hybridtron.train.parallel.layout import Layout, check_kernels, target_layout
 
 
@@ -16,8 +16,8 @@ from hybridtron.train.parallel.layout import Layout, check_kernels, target_layou
 def peers(monkeypatch):
     """Which peer libraries 'are installed' (triton is, as on every GPU node): a dict the test fills."""
     present = {"flash_attn": False, "fla": False, "causal_conv1d": False}
-    monkeypatch.setattr(backend, "installed", lambda module: present.get(module, True))
-    monkeypatch.setattr(backend, "triton_installed", lambda: True)
+    monkeypatch.setattr(rules, "installed", lambda module: present.get(module, True))
+    monkeypatch.setattr(rules, "triton_installed", lambda: True)
     backend.clear_cache()
     yield present
     backend.clear_cache()
@@ -150,8 +150,8 @@ def test_device_rules_of_the_layout(monkeypatch):
         Layout.from_config(load_config("tiny", [("parallel.backend", "nccl")]), 2, "cpu")
     assert Layout.from_config(load_config("tiny", [("parallel.backend", "nccl")]), 2, "cuda", here=False).dp == 2
     moe = [("model.moe.n_experts", "4"), ("model.moe.backend", "megablocks")]
-    monkeypatch.setattr(backend, "installed", lambda module: module != "grouped_gemm")
+    monkeypatch.setattr(rules, "installed", lambda module: module != "grouped_gemm")
     with pytest.raises(ConfigError, match="model.moe.backend=megablocks needs megablocks and its grouped_gemm"):
         target_layout(load_config("tiny", moe), 1)
-    monkeypatch.setattr(backend, "installed", lambda module: True)
+    monkeypatch.setattr(rules, "installed", lambda module: True)
     target_layout(load_config("tiny", moe), 1)
