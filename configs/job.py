@@ -403,5 +403,13 @@ def load_config(path: str | None = None, overrides: list[tuple[str, Any]] | None
     return cfg.validate()
 
 
+def check_overrides(overrides: list[tuple[str, Any]]) -> None:
+    """Each dotted override names a config key and takes a value of its type: checked against the defaults, for
+    the commands whose config is read later (a checkpoint's), so that a mistyped key is said first."""
+    cfg = JobConfig()
+    for key, val in overrides:
+        apply_override(cfg, key, val)
+
+
 def config_from_dict(raw: dict[str, Any]) -> JobConfig:
     return from_dict(JobConfig, raw).validate()

@@ -19,6 +19,7 @@ machine's), a run again (``Mesh.setup``, before the process group is created, wi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -121,6 +122,20 @@ def target_layout(cfg: JobConfig, world: int) -> Layout:
     """The layout of a job planned or submitted from here for a cluster: its GPUs (the CPU when train.device says
     so), taken as present, with what is installed here taken as installed there."""
     return Layout.from_config(cfg, world, "cpu" if cfg.train.device == "cpu" else "cuda", here=False)
+
+
+def check_plan_layout(cfg: JobConfig, world: int, zero_stages: tuple[int, ...] = (0, 2, 3)) -> None:
+    """``hybridtron plan``'s refusal, torch-free: it tabulates every ZeRO stage whose `target_layout` holds on
+    ``world`` GPUs and is refused only when none does, with the first stage's reason (train/plan/table.py's
+    plan_table, which imports torch to count the model: this says it before)."""
+    refusals = []
+    for z in zero_stages:
+        try:
+            target_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=z)), world)
+            return
+        except ConfigError as e:
+            refusals.append(e)
+    raise refusals[0]
 
 
 def data_parallel_size(cfg: JobConfig, world: int) -> int:
