@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
 import json
 import math
@@ -326,8 +327,22 @@ def cmd_kernels(args) -> int:
 
 
 # ---- argument parsing ---------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "invalid choice" (a mistyped command) also names the closest choice (Python 3.14's
+    suggest_on_error does the same; this runs on 3.10 and up). Subcommand parsers are of this class too."""
+
+    def _check_value(self, action, value):
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            close = difflib.get_close_matches(str(value), [str(c) for c in action.choices or ()], n=1, cutoff=0.6)
+            if not close:
+                raise
+            raise argparse.ArgumentError(action, f"{e.message}; did you mean {close[0]!r}?") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
+    p = _Parser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,plan,export,eval,sample,kernels,submit,status}")
 
     def add_subcommand(name, **kw):  # every subcommand: --debug, and the exit codes in its --help
@@ -420,7 +435,31 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add_subcommand("status", help="a SLURM run: job state, last step and loss, latest checkpoint, logs")
     slurm_status.add_arguments(sp)
     sp.set_defaults(func=slurm_status.cmd_status)
+    for name, sp in sub.choices.items():
+        # main() tells a mistyped flag from a dotted override by these (argparse keeps no public list of them)
+        sp.set_defaults(subparser=sp, flags=sorted(sp._option_string_actions),
+                        takes_overrides=name not in ("export", "status"))
     return p
+
+
+def _check_flags(args) -> None:
+    """What parse_known_args leaves over is taken for dotted overrides; a leftover that is more likely a mistyped
+    flag says so, naming the subcommand's closest flag: argparse's own error (usage, then one line) where the
+    subcommand takes no overrides (`export` and `status` used to ignore an unknown flag), a ConfigError where a
+    section-less ``--run-dri`` is close to a flag and is no config section."""
+    from hybridtron.configs import JobConfig
+    from hybridtron.configs.base import config_keys
+
+    flags = {f.lstrip("-"): f for f in args.flags}  # compared without the dashes every flag shares
+    names = [a.split("=", 1)[0] for a in args.overrides if a.startswith("-")]
+    near = {n: [flags[c] for c in difflib.get_close_matches(n.lstrip("-"), flags, n=1, cutoff=0.6)] for n in names}
+    if args.overrides and not args.takes_overrides:
+        hint = next((f"; did you mean {c[0]}?" for c in near.values() if c), "")
+        args.subparser.error(f"unrecognized arguments: {' '.join(args.overrides)}{hint}")
+    for n, close in near.items():
+        if close and "." not in n and n.lstrip("-") not in config_keys(JobConfig):
+            raise ConfigError(f"unknown option {n}; did you mean {close[0]}? (a config override is --section.field "
+                              f"VALUE)")
 
 
 def _one_line(e: BaseException) -> str:
@@ -467,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         args.command = f"{args.command} (rank {rank}/{world})"
     try:
+        _check_flags(args)
         return args.func(args)
     except DiskFullError as e:
         if debug:

@@ -21,10 +21,12 @@ CASES = [
     (["--help"], 0, "exit codes"),
     *[([cmd, "--help"], 0, "--debug") for cmd in
       ("prepare", "train", "ablate", "plan", "export", "eval", "sample", "kernels", "submit", "status")],
-    (["trian"], 2, "invalid choice: 'trian'"),  # a mistyped command
+    (["trian"], 2, "invalid choice: 'trian'"),  # a mistyped command (its suggestion: test_did_you_mean.py)
     (["train", "--config"], 2, "expected one argument"),  # a flag without its argument
     (["export", "runs/x"], 2, "the following arguments are required: --out"),  # a missing argument
     (["train", "--foo"], 2, "override '--foo' has no value"),  # an unknown flag
+    (["train", "--run-dri", "runs/x"], 2, "unknown option --run-dri; did you mean --run-dir?"),  # a mistyped one
+    (["status", "runs/x", "--jsn"], 2, "unrecognized arguments: --jsn"),
     (["train", "--train.lerning_rate", "1e-3"], 2, "unknown config key 'train.lerning_rate'"),
     (["train", "--config", "dense1b"], 2, "config 'dense1b' is neither a file nor a preset"),
     (["train", "--train.lr", "-1"], 2, "train.lr=-1.0 must be > 0"),  # a bad value
