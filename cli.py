@@ -160,8 +160,10 @@ def _evaluate(args) -> dict:
 def cmd_sample(args) -> int:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature {args.temperature:g} must be >= 0 (0 = greedy decoding)")
-    if args.top_k < 0 or args.max_new_tokens < 0:
-        raise ConfigError(f"--top-k {args.top_k} and --max-new-tokens {args.max_new_tokens} must be >= 0")
+    bad = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("top_k", "max_new_tokens")
+           if getattr(args, name) < 0]
+    if bad:  # only the flags that are wrong: naming a good one beside them sent users to fix it too
+        raise ConfigError(f"{' and '.join(bad)} must be >= 0")
     check_overrides(parse_overrides(args.overrides))  # before the checkpoint's config is read, and torch imported
     import torch
 
@@ -212,6 +214,12 @@ def _plan(args) -> tuple[str, object] | None:
         raise ConfigError("hybridtron plan models the torch engine (DDP / FSDP2); for DeepSpeed use its own "
                           "estimators (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live), "
                           "or plan with parallel.engine=torch")
+    if not args.measure:  # the cluster is --nodes x --gpus-per-node (under --measure: torchrun's processes)
+        bad = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("nodes", "gpus_per_node")
+               if getattr(args, name) < 1]
+        if bad:
+            raise ConfigError(f"{' and '.join(bad)} must be >= 1 (plan models a cluster of --nodes x "
+                              f"--gpus-per-node GPUs)")
     if args.suggest or args.fit:
         return _suggest(cfg, args)
     if not args.measure:

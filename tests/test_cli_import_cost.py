@@ -37,6 +37,7 @@ CASES = [
     (["prepare", "--data.seq_len", "0"], 2, "data.seq_len"),
     (["ablate", "--variant", "base:", "--variant", "a:model.n_layer=2"], 2,
      "variant 'a': unknown config key 'model.n_layer'"),
+    (["plan", "--nodes", "0"], 2, "--nodes 0 must be >= 1"),
     (["plan", "--parallel.tp", "3", "--gpus-per-node", "8"], 2, "needs a multiple of 3 processes"),
     (["sample", "--max-new-tokens", "-3"], 2, "--max-new-tokens -3 must be >= 0"),
     (["eval", "--train.devcie", "cpu"], 2, "unknown config key 'train.devcie'"),
@@ -90,7 +91,7 @@ def test_the_module_answers_without_torch(argv, code, text, tmp_path):
 
 
 SCRIPT_CASES = [c for c in CASES if c[0] in (["--help"], ["train", "--train.lerning_rate", "1e-3"],
-                                             ["train", "--config", "dense1b"])]
+                                             ["train", "--config", "dense1b"], ["plan", "--nodes", "0"])]
 
 
 @pytest.mark.parametrize(("argv", "code", "text"), SCRIPT_CASES, ids=[" ".join(c[0]) for c in SCRIPT_CASES])
