@@ -7,7 +7,7 @@
 /tmp/old/hybridtron && git archive HEAD~5 | tar -x -C /tmp/old/hybridtron``), run with ``PYTHONPATH=DIR``; the two
 alternate command by command, so a drift in the machine's speed moves both. Each figure is the median of the
 runs' user + system seconds of the whole process (``resource.getrusage(RUSAGE_CHILDREN)`` around it), start-up
-included: what a user waits for on an idle core.
+included: what a user waits for on an idle core; the wall seconds beside it depend on what else the machine runs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 COMMANDS = {
     "hybridtron --help": ["--help"],
@@ -27,13 +28,13 @@ COMMANDS = {
 }
 
 
-def cpu_seconds(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, int]:
-    """(user + system seconds, exit code) of one ``python -m hybridtron.cli ARGV`` process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+def cpu_seconds(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, float, int]:
+    """(user + system seconds, wall seconds, exit code) of one ``python -m hybridtron.cli ARGV`` process."""
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     code = subprocess.run([sys.executable, "-m", "hybridtron.cli", *argv], env=env, cwd=cwd,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=600).returncode
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), code
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall, code
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -45,19 +46,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.before:
         sides = {"before": {**os.environ, "PYTHONPATH": os.path.abspath(args.before)}, **sides}
     with tempfile.TemporaryDirectory() as cwd:  # runs/ and data/ the commands might name stay out of the checkout
-        times = {(c, s): [] for c in COMMANDS for s in sides}
+        cpu = {(c, s): [] for c in COMMANDS for s in sides}
+        wall = {(c, s): [] for c in COMMANDS for s in sides}
         codes = {}
         for name, cmd in COMMANDS.items():
             for env in sides.values():
                 cpu_seconds(cmd, env, cwd)  # warm-up: the page cache, .pyc files
             for _ in range(args.runs):
                 for side, env in sides.items():
-                    t, codes[name, side] = cpu_seconds(cmd, env, cwd)
-                    times[name, side].append(t)
-    print(f"| command | {' | '.join(f'{s}: CPU s (median of {args.runs})' for s in sides)} | exit |")
-    print(f"| --- | {' | '.join('---:' for _ in sides)} | ---: |")
+                    c, w, codes[name, side] = cpu_seconds(cmd, env, cwd)
+                    cpu[name, side].append(c)
+                    wall[name, side].append(w)
+    print(f"| command (median of {args.runs}) | {' | '.join(f'{s}: CPU s | wall s' for s in sides)} | exit |")
+    print(f"| --- | {' | '.join('---: | ---:' for _ in sides)} | ---: |")
     for name in COMMANDS:
-        cells = [f"{statistics.median(times[name, s]):.2f}" for s in sides]
+        cells = [f"{statistics.median(cpu[name, s]):.2f} | {statistics.median(wall[name, s]):.2f}" for s in sides]
         print(f"| {name} | {' | '.join(cells)} | {'/'.join(str(codes[name, s]) for s in sides)} |")
 
 
