@@ -55,11 +55,11 @@ def _log(msg: str) -> None:
 
 
 def cmd_prepare(args) -> int:
-    from hybridtron.data_pipeline import prepare_data
-
     cfg, run_dir = resolve_job(args)
     resolve_data_dir(cfg, run_dir)  # the directory `train` with these arguments would use
     check_output_dir(Path(cfg.data.out_dir).expanduser(), f"data.out_dir={cfg.data.out_dir}")
+    from hybridtron.data_pipeline import prepare_data  # (numpy, the tokenizer trainers: after the checks)
+
     prepared = prepare_data(cfg.data, log=_log)  # on bad input, it removes the directories it made
     _log(f"prepared data in {prepared.out_dir} (tokenizer: {prepared.tokenizer_dir})")
     _log(json.dumps(prepared.stats))

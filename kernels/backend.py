@@ -67,7 +67,7 @@ from .rules import (  # noqa: F401  (the switch's rules, asked as backend.<name>
 )
 
 
-def _device_type(device: str | torch.device | None) -> str:
+def _device_type(device: str | torch.device | None) -> str:  # resolve's seam (a test sees CPU tensors as CUDA)
     return rules.device_type_of(device)
 
 

@@ -3,7 +3,7 @@ torch.
 
 kernels/backend.py dispatches calls on tensors and needs torch; these rules are asked before anything exists -- by
 the job's layout check (train/parallel/layout.py), for a run here, a SLURM submission or a plan -- and the command
-line asks them before it imports torch, which costs about 2 s of CPU (measured on a 2-core VM; bench/RESULTS.md).
+line asks them before it imports torch (``import torch`` alone: 2.1 s of CPU on the 2-core VM, 2026-11-28).
 So nothing here imports torch at module level: the one question only torch can answer, whether this machine sees a
 CUDA device (`cuda_visible`), imports it when asked, and a rule asks it only where a GPU's presence decides the
 answer (a CUDA device on this machine, ``here``). The size limits are kernels/limits.py's. backend.py re-exports

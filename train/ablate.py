@@ -24,7 +24,7 @@ import yaml
 from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 
-from .parallel.layout import check_run, launch_world
+from .parallel.layout import Layout, check_run, launch_world
 from .run_lock import hold_run_dir
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -255,20 +255,25 @@ def run_ablation(args, log, probe=None) -> dict[str, dict] | None:
         raise ConfigError("--seeds and --train.seed both set the seed; give one of them")
     configs: dict[str, dict[int | None, JobConfig]] = {}
     world = launch_world()[2]
-    for name, pairs in variants:  # every config and its layout checked before the first step of the first variant
-        try:
-            configs[name] = {s: load_config(preset, shared + pairs + ([("train.seed", str(s))] if s is not None else []))
-                             for s in (seeds or [None])}
-            for cfg in configs[name].values():
-                check_run(cfg, world)  # torch-free where the device does not decide
-        except ConfigError as e:
-            raise ConfigError(f"variant {name!r}: {e}") from None
+    # Every config and its layout checked before the first step of the first variant: torch-free first (check_run,
+    # where the device does not decide), then with the device in hand (what each variant's run checks again), so
+    # that a refusal only this machine's GPU can give (its FP8 support) does not wait for an earlier variant's run.
+    for check in (check_run, Layout.from_config):
+        for name, pairs in variants:
+            try:
+                configs[name] = configs.get(name) or {
+                    s: load_config(preset, shared + pairs + ([("train.seed", str(s))] if s is not None else []))
+                    for s in (seeds or [None])}
+                for cfg in configs[name].values():
+                    check(cfg, world)
+            except ConfigError as e:
+                raise ConfigError(f"variant {name!r}: {e}") from None
     out = Path(args.run_dir) if args.run_dir else Path("runs") / f"ablate_{Path(preset).stem}"
     # The ablation directory's own lock: a second ablation into it is refused at once, not after it has resumed
     # the variants the first one finished. Each variant's train_run locks its own directory besides. Under
     # torchrun only rank 0 locks here; if it is refused, torchrun stops the other ranks. The lock creates the
     # directory, and removes it again if it ends holding nothing (an ablation stopped on bad input).
-    from .recipe import train_run  # the configs are good: now torch and the trainer
+    from .recipe import train_run  # (torch and the trainer: the configs are good)
 
     with hold_run_dir(out, is_main=os.environ.get("RANK", "0") == "0",
                       what=f"--run-dir {out} (an ablation)"):

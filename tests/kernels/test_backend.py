@@ -82,3 +82,17 @@ def test_resume_may_change_kernels_but_not_the_model(tmp_path, no_interpreter):
     check_resume_compatible(load_config("tiny", [("model.kernels.norm", "reference")]), tmp_path)
     with pytest.raises(ConfigError, match="model.d_model"):
         check_resume_compatible(load_config("tiny", [("model.d_model", "64")]), tmp_path)
+
+
+def test_the_model_registers_the_tuner_and_the_rules_need_neither():
+    """kernels/__init__ imports nothing (issue 39): the layout's rules load without torch, and the tuner that decides
+    auto on CUDA is registered by importing the model, whose ops it measures (it was kernels/__init__'s import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import hybridtron.kernels.rules, hybridtron.kernels.limits; "
+            "print('torch' in sys.modules, 'hybridtron.kernels.tune' in sys.modules); "
+            "import hybridtron.model; from hybridtron.kernels import backend; print(backend._tuner.__name__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["False", "False", "hybridtron.kernels.tune"], res.stdout
