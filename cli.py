@@ -3,12 +3,19 @@
 Each subcommand takes ``--config PRESET_OR_YAML`` and dotted overrides (``--train.max_steps 200``). This module
 only parses and reports: ``train`` runs the recipe in train/recipe.py, ``submit`` and ``status`` slurm/; neither
 folder imports this one.
+
+Nothing here imports torch before a command needs it: the parser, --help, a usage error, the config and its layout
+are answered from torch-free modules (configs/, train/run_dir.py, train/parallel/layout.py, kernels/rules.py), and
+each command imports its heavy modules (torch, the trainer, the data pipeline) once its input is checked. Importing
+them at the top cost every invocation ~4.5 s of CPU on a 2-core VM, --help and a mistyped flag included
+(bench/RESULTS.md); tests/test_cli_import_cost.py keeps torch out of those paths.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import errno
 import json
 import math
@@ -16,20 +23,13 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
-from hybridtron.atomic import write_text_atomic
-from hybridtron.configs import ConfigError, parse_overrides
-from hybridtron.data_pipeline import DataError, build_dataset, prepare_data
+from hybridtron.configs import ConfigError, check_overrides, parse_overrides
+from hybridtron.data_pipeline.errors import DataError
 from hybridtron.quiet import quiet_dependencies
 
-from .train.build import load_for_inference, select_rank_device
-from .train.checkpoint import CheckpointError, CheckpointManager, DiskFullError
-from .train.device import autocast_dtype
+from .train.errors import CheckpointError, DiskFullError, NonFiniteLossError
 from .train.launcher_watch import launched, watch_parent
-from .train.parallel.mesh import Mesh, launch_world
-from .train.recipe import rank_log as _log
-from .train.recipe import train_run, val_loader_factory
+from .train.parallel.layout import check_plan_layout, check_run, launch_world
 from .train.run_dir import (
     DEFAULT_PRESET,
     check_output_dir,
@@ -37,8 +37,6 @@ from .train.run_dir import (
     resolve_data_dir,
     resolve_job,
 )
-from .train.sample import generate
-from .train.trainer import NonFiniteLossError, evaluate
 
 EXIT_CODES = (
     "exit codes: 0 done; 2 bad input or state (a config, data, a checkpoint or run directory that is missing, "
@@ -50,10 +48,19 @@ EXIT_CODES = (
 
 
 # ---- subcommands --------------------------------------------------------------------------------
+def _log(msg: str) -> None:
+    """train/recipe.py's progress line (tagged with the rank), imported when a command first logs."""
+    from .train.recipe import rank_log
+
+    rank_log(msg)
+
+
 def cmd_prepare(args) -> int:
     cfg, run_dir = resolve_job(args)
     resolve_data_dir(cfg, run_dir)  # the directory `train` with these arguments would use
     check_output_dir(Path(cfg.data.out_dir).expanduser(), f"data.out_dir={cfg.data.out_dir}")
+    from hybridtron.data_pipeline import prepare_data  # (numpy, the tokenizer trainers: after the checks)
+
     prepared = prepare_data(cfg.data, log=_log)  # on bad input, it removes the directories it made
     _log(f"prepared data in {prepared.out_dir} (tokenizer: {prepared.tokenizer_dir})")
     _log(json.dumps(prepared.stats))
@@ -67,6 +74,9 @@ def cmd_train(args) -> int:
         from .train.hf.load import apply_init_from
 
         init_from = apply_init_from(cfg, args.init_from)  # model section + tokenizer from the HF directory
+    check_run(cfg, launch_world()[2])  # its layout and kernels, torch-free where the device does not decide
+    from .train.recipe import train_run
+
     train_run(cfg, run_dir, init_from=init_from)
     return 0
 
@@ -90,6 +100,8 @@ def _checkpoint_for_inference(args) -> Path:
             raise CheckpointError(f"--checkpoint {ckpt} is not a checkpoint: it has no {' and no '.join(absent)} "
                                   f"({CHECKPOINT_HOLDS})")
         return ckpt
+    from .train.checkpoint import CheckpointManager
+
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(None)
     flag = f"--run-dir {run_dir}" if args.run_dir else f"the default run directory {run_dir}"
     if not run_dir.is_dir():
@@ -112,6 +124,7 @@ def _logs_to_stderr():
 
 
 def cmd_eval(args) -> int:
+    check_overrides(parse_overrides(args.overrides))  # before the checkpoint's config is read, and torch imported
     with _logs_to_stderr() as out:
         result = _evaluate(args)
         print(json.dumps(result), file=out, flush=True)
@@ -119,7 +132,13 @@ def cmd_eval(args) -> int:
 
 
 def _evaluate(args) -> dict:
+    from hybridtron.data_pipeline import build_dataset, prepare_data
+
+    from .train.build import load_for_inference
+    from .train.device import autocast_dtype
     from .train.probes import attention_sink
+    from .train.recipe import val_loader_factory
+    from .train.trainer import evaluate
 
     ckpt = _checkpoint_for_inference(args)
     cfg, model, _tok, device = load_for_inference(ckpt, parse_overrides(args.overrides))
@@ -144,8 +163,16 @@ def _evaluate(args) -> dict:
 def cmd_sample(args) -> int:
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise ConfigError(f"--temperature {args.temperature:g} must be >= 0 (0 = greedy decoding)")
-    if args.top_k < 0 or args.max_new_tokens < 0:
-        raise ConfigError(f"--top-k {args.top_k} and --max-new-tokens {args.max_new_tokens} must be >= 0")
+    bad = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("top_k", "max_new_tokens")
+           if getattr(args, name) < 0]
+    if bad:  # only the flags that are wrong: naming a good one beside them sent users to fix it too
+        raise ConfigError(f"{' and '.join(bad)} must be >= 0")
+    check_overrides(parse_overrides(args.overrides))  # before the checkpoint's config is read, and torch imported
+    import torch
+
+    from .train.build import load_for_inference
+    from .train.sample import generate
+
     with _logs_to_stderr() as stdout:  # stdout: the generated text alone
         cfg, model, tok, device = load_for_inference(_checkpoint_for_inference(args),
                                                      parse_overrides(args.overrides))
@@ -185,22 +212,17 @@ def cmd_plan(args) -> int:
 
 def _plan(args) -> tuple[str, object] | None:
     """plan's (text, JSON-able data)."""
-    from .train.plan import (
-        Hardware,
-        compare,
-        format_comparison,
-        format_table,
-        gather_measurements,
-        measure,
-        plan_table,
-        release_distributed_state,
-    )
-
     cfg, _ = resolve_job(args)
     if cfg.parallel.engine != "torch":
         raise ConfigError("hybridtron plan models the torch engine (DDP / FSDP2); for DeepSpeed use its own "
                           "estimators (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live), "
                           "or plan with parallel.engine=torch")
+    if not args.measure:  # the cluster is --nodes x --gpus-per-node (under --measure: torchrun's processes)
+        bad = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("nodes", "gpus_per_node")
+               if getattr(args, name) < 1]
+        if bad:
+            raise ConfigError(f"{' and '.join(bad)} must be >= 1 (plan models a cluster of --nodes x "
+                              f"--gpus-per-node GPUs)")
     if args.suggest or args.fit:
         return _suggest(cfg, args)
     if not args.measure:
@@ -209,6 +231,9 @@ def _plan(args) -> tuple[str, object] | None:
             if not getattr(args, name) > 0 or (name == "mfu" and args.mfu > 1):
                 raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0"
                                   + (" and <= 1" if name == "mfu" else ""))
+        check_plan_layout(cfg, world)  # plan_table's refusal, before train.plan (and torch) is imported
+        from .train.plan import Hardware, format_table, plan_table
+
         hw = Hardware(args.peak_tflops, args.mfu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
         rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw)
         return format_table(cfg, rows, world, args.gpu_memory_gib), rows
@@ -216,6 +241,11 @@ def _plan(args) -> tuple[str, object] | None:
         raise ConfigError("hybridtron plan --measure cannot follow parallel.pp_schedule=zero_bubble: torch's memory "
                           "tracker fails on its split backward (autograd.grad of the inputs, then of the weights); plan "
                           "it without --measure, or measure parallel.pp_schedule=interleaved_1f1b (the same stages)")
+    check_run(cfg, launch_world()[2])
+    from .train.build import select_rank_device
+    from .train.parallel.mesh import Mesh
+    from .train.plan import compare, format_comparison, gather_measurements, measure, release_distributed_state
+
     device = select_rank_device(cfg)
     with Mesh.setup(cfg, device) as mesh:
         measured = gather_measurements(mesh, measure(cfg, mesh, device))
@@ -229,8 +259,6 @@ def _plan(args) -> tuple[str, object] | None:
 
 def _suggest(cfg, args) -> tuple[str, dict]:
     """plan --suggest: hyperparameters for the budget from the scaling laws (train/suggest.py)."""
-    from hybridtron.model.lm import GatedLM
-
     from .train.suggest import (
         describe_fit,
         fits_from_sweeps,
@@ -248,6 +276,10 @@ def _suggest(cfg, args) -> tuple[str, dict]:
     tau_fit = routed = None
     if args.fit:
         tau_fit, routed = fits_from_sweeps(read_sweeps([Path(d) for d in args.fit]))
+    import torch  # the input is checked: now the model's parameters are counted
+
+    from hybridtron.model.lm import GatedLM
+
     with torch.device("meta"):  # counting only: no memory
         model = GatedLM(cfg.model, cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size))
     s = suggest(cfg, model.num_params(), model.num_active_params(), tokens, dp, tau_fit=tau_fit, tau_c=args.tau_c,
@@ -257,10 +289,15 @@ def _suggest(cfg, args) -> tuple[str, dict]:
 
 
 def cmd_ablate(args) -> int:
-    from .train.ablate import run_ablation
-    from .train.probes import attention_sink
+    from .train.ablate import run_ablation  # torch-free until its configs are checked
 
     def probe(cfg, model):  # a finished run's attention sink, on its evaluation batches
+        from hybridtron.data_pipeline import build_dataset
+
+        from .train.device import autocast_dtype
+        from .train.probes import attention_sink
+        from .train.recipe import val_loader_factory
+
         device = next(model.parameters()).device
         sink = attention_sink(model, val_loader_factory(build_dataset(cfg.data, "val"), cfg), cfg.train.eval_batches,
                               device, autocast_dtype(cfg.train, device), doc_mask=cfg.model.doc_mask)
@@ -273,13 +310,15 @@ def cmd_ablate(args) -> int:
 def cmd_kernels(args) -> int:
     """Measure ``auto``'s choices at a preset's shapes on this GPU and print the table (kernels/tune_report.py)."""
     from hybridtron.configs import load_config
+
+    cfg = load_config(args.config or DEFAULT_PRESET, parse_overrides(args.overrides))
+    from hybridtron.atomic import write_text_atomic
     from hybridtron.kernels import tune
     from hybridtron.kernels.tune_report import markdown, measure_peaks, rows
 
     from .train.device import select_device
     from .train.kernel_choice import measure_preset
 
-    cfg = load_config(args.config or DEFAULT_PRESET, parse_overrides(args.overrides))
     device = select_device(cfg.train)
     if device.type != "cuda" and not args.measure_on_cpu:
         print("hybridtron kernels: auto runs the pure-torch reference on the CPU, so nothing is measured here; on a "
@@ -299,8 +338,22 @@ def cmd_kernels(args) -> int:
 
 
 # ---- argument parsing ---------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose "invalid choice" (a mistyped command) also names the closest choice (Python 3.14's
+    suggest_on_error does the same; this runs on 3.10 and up). Subcommand parsers are of this class too."""
+
+    def _check_value(self, action, value):
+        try:
+            super()._check_value(action, value)
+        except argparse.ArgumentError as e:
+            close = difflib.get_close_matches(str(value), [str(c) for c in action.choices or ()], n=1, cutoff=0.6)
+            if not close:
+                raise
+            raise argparse.ArgumentError(action, f"{e.message}; did you mean {close[0]!r}?") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
+    p = _Parser(prog="hybridtron", description=__doc__.splitlines()[0], epilog=EXIT_CODES)
     sub = p.add_subparsers(dest="command", required=True, metavar="{prepare,train,ablate,plan,export,eval,sample,kernels,submit,status}")
 
     def add_subcommand(name, **kw):  # every subcommand: --debug, and the exit codes in its --help
@@ -393,7 +446,31 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add_subcommand("status", help="a SLURM run: job state, last step and loss, latest checkpoint, logs")
     slurm_status.add_arguments(sp)
     sp.set_defaults(func=slurm_status.cmd_status)
+    for name, sp in sub.choices.items():
+        # main() tells a mistyped flag from a dotted override by these (argparse keeps no public list of them)
+        sp.set_defaults(subparser=sp, flags=sorted(sp._option_string_actions),
+                        takes_overrides=name not in ("export", "status"))
     return p
+
+
+def _check_flags(args) -> None:
+    """What parse_known_args leaves over is taken for dotted overrides; a leftover that is more likely a mistyped
+    flag says so, naming the subcommand's closest flag: argparse's own error (usage, then one line) where the
+    subcommand takes no overrides (`export` and `status` used to ignore an unknown flag), a ConfigError where a
+    section-less ``--run-dri`` is close to a flag and is no config section."""
+    from hybridtron.configs import JobConfig
+    from hybridtron.configs.base import config_keys
+
+    flags = {f.lstrip("-"): f for f in args.flags}  # compared without the dashes every flag shares
+    names = [a.split("=", 1)[0] for a in args.overrides if a.startswith("-")]
+    near = {n: [flags[c] for c in difflib.get_close_matches(n.lstrip("-"), flags, n=1, cutoff=0.6)] for n in names}
+    if args.overrides and not args.takes_overrides:
+        hint = next((f"; did you mean {c[0]}?" for c in near.values() if c), "")
+        args.subparser.error(f"unrecognized arguments: {' '.join(args.overrides)}{hint}")
+    for n, close in near.items():
+        if close and "." not in n and n.lstrip("-") not in config_keys(JobConfig):
+            raise ConfigError(f"unknown option {n}; did you mean {close[0]}? (a config override is --section.field "
+                              f"VALUE)")
 
 
 def _one_line(e: BaseException) -> str:
@@ -441,6 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         args.command = f"{args.command} (rank {rank}/{world})"
     try:
+        _check_flags(args)
         return args.func(args)
     except DiskFullError as e:
         if debug:

@@ -10,6 +10,7 @@ from .job import (
     SourceConfig,
     TokenizerConfig,
     TrainConfig,
+    check_overrides,
     config_from_dict,
     load_config,
     resolve_preset,
@@ -19,6 +20,6 @@ from .model import DeltaNetConfig, MoEConfig, ScaleVectorConfig, StructuredFFNCo
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "DeltaNetConfig", "JobConfig", "MoEConfig", "ModelConfig",
     "ParallelConfig", "ScaleVectorConfig", "SourceConfig", "StructuredFFNConfig",
-    "TokenizerConfig", "TrainConfig", "apply_override", "config_from_dict", "load_config",
+    "TokenizerConfig", "TrainConfig", "apply_override", "check_overrides", "config_from_dict", "load_config",
     "parse_overrides", "resolve_preset",
 ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -102,6 +103,67 @@ def config_keys(cls: type) -> dict[str, str]:
     return {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(cls)}
 
 
+# The names other trainers give our fields (Hugging Face TrainingArguments and model configs, Megatron's flags), which
+# difflib alone does not lead to ours ('learning_rate' is 0.29 like 'lr'): a mistyped key is matched against them too.
+KNOWN_AS = {
+    "learning_rate": "lr", "batch_size": "micro_batch_size", "per_device_train_batch_size": "micro_batch_size",
+    "gradient_accumulation_steps": "grad_accum_steps", "train_steps": "max_steps", "train_iters": "max_steps",
+    "max_grad_norm": "grad_clip", "clip_grad": "grad_clip", "adam_beta1": "beta1", "adam_beta2": "beta2",
+    "adam_epsilon": "eps", "warmup_iters": "warmup_steps", "lr_warmup_iters": "warmup_steps",
+    "num_layers": "n_layers", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+    "num_key_value_heads": "n_kv_heads", "num_query_groups": "n_kv_heads", "hidden_size": "d_model",
+    "intermediate_size": "ffn_hidden", "ffn_hidden_size": "ffn_hidden", "max_position_embeddings": "max_seq_len",
+    "seq_length": "seq_len", "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
+    "context_parallel_size": "cp", "expert_model_parallel_size": "ep", "num_experts": "n_experts",
+}
+
+
+def closest_key(name: str, keys) -> str | None:
+    """The key of ``keys`` that a mistyped ``name`` most likely meant (difflib's closest at a ratio of 0.6 or more,
+    also through KNOWN_AS); None when none is close."""
+    candidates = {k: k for k in keys}
+    candidates.update({alias: k for alias, k in KNOWN_AS.items() if k in candidates and alias not in candidates})
+    match = difflib.get_close_matches(name.lower(), list(candidates), n=1, cutoff=0.6)
+    return candidates[match[0]] if match else None
+
+
+def _section(cls: type, key: str) -> type | None:
+    """The dataclass of section ``key`` of ``cls`` (None for a plain field)."""
+    tp = get_type_hints(cls)[config_keys(cls)[key]]
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
+def _dotted_keys(cls: type, prefix: str = ""):
+    for key in config_keys(cls):
+        yield f"{prefix}{key}"
+        if (sub := _section(cls, key)) is not None:
+            yield from _dotted_keys(sub, f"{prefix}{key}.")
+
+
+def suggest_key(cls: type, dotted: str) -> str | None:
+    """The dotted key of ``cls`` that a mistyped ``dotted`` most likely meant: each part its section does not
+    have replaced by its closest key (``trian.lerning_rate`` -> ``train.lr``); failing that, a key of the same name
+    in another section (``model.lr`` -> ``train.lr``). None when neither finds one."""
+    parts, fixed, section = dotted.split("."), [], cls
+    for i, part in enumerate(parts):
+        key = part if part in config_keys(section) else closest_key(part, config_keys(section))
+        if key is None:
+            break
+        fixed.append(key)
+        sub = _section(section, key)
+        if i == len(parts) - 1:
+            return ".".join(fixed) if sub is None else None
+        if sub is None:
+            break
+        section = sub
+    leaf = parts[-1].lower()
+    return next((k for k in _dotted_keys(cls) if k.rpartition(".")[2] == leaf and k != dotted), None)
+
+
+def _did_you_mean(suggestion: str | None) -> str:
+    return f"did you mean {suggestion!r}? " if suggestion else ""
+
+
 def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ConfigError."""
     hints = get_type_hints(cls)
@@ -109,8 +171,10 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "") -> Any:
     unknown = [k for k in data if k not in keys]
     if unknown:
         loc = f"{where}." if where else ""
+        close = closest_key(str(unknown[0]), keys)
         raise ConfigError(
-            f"unknown config key {loc}{unknown[0]!r}; allowed keys in {where or 'the top level'}: {list(keys)}"
+            f"unknown config key {loc}{unknown[0]!r}; {_did_you_mean(close and loc + close)}allowed keys in "
+            f"{where or 'the top level'}: {list(keys)}"
         )
     kwargs = {}
     for k, v in data.items():
@@ -146,7 +210,8 @@ def apply_override(cfg: Any, dotted: str, raw: str | Any) -> None:
         keys = config_keys(type(obj))
         if p not in keys:
             where = ".".join(parts[:i]) or "the top level"
-            raise ConfigError(f"unknown config key {dotted!r}: {p!r} is not in {where}; allowed: {list(keys)}")
+            raise ConfigError(f"unknown config key {dotted!r}: {p!r} is not in {where}; "
+                              f"{_did_you_mean(suggest_key(type(cfg), dotted))}allowed: {list(keys)}")
         name = keys[p]
         if i < len(parts) - 1:
             obj = getattr(obj, name)

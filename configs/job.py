@@ -7,6 +7,7 @@ default); ``load_config`` merges a preset with dotted CLI overrides and validate
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -380,7 +381,9 @@ def resolve_preset(name_or_path: str) -> Path:
     if cand.is_file():
         return cand
     presets = sorted(x.stem for x in PRESET_DIR.glob("*.yaml"))
-    raise ConfigError(f"config {name_or_path!r} is neither a file nor a preset; presets: {presets}")
+    close = difflib.get_close_matches(Path(name_or_path).stem, presets, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(f"config {name_or_path!r} is neither a file nor a preset; {hint}presets: {presets}")
 
 
 def load_config(path: str | None = None, overrides: list[tuple[str, Any]] | None = None) -> JobConfig:
@@ -401,6 +404,14 @@ def load_config(path: str | None = None, overrides: list[tuple[str, Any]] | None
     for key, val in overrides or []:
         apply_override(cfg, key, val)
     return cfg.validate()
+
+
+def check_overrides(overrides: list[tuple[str, Any]]) -> None:
+    """Each dotted override names a config key and takes a value of its type: checked against the defaults, for
+    the commands whose config is read later (a checkpoint's), so that a mistyped key is said first."""
+    cfg = JobConfig()
+    for key, val in overrides:
+        apply_override(cfg, key, val)
 
 
 def config_from_dict(raw: dict[str, Any]) -> JobConfig:

@@ -1,6 +1,10 @@
-"""data_pipeline: sources -> tokenizer -> token shards -> packed, blended, resumable batches."""
+"""data_pipeline: sources -> tokenizer -> token shards -> packed, blended, resumable batches.
 
-from .dataset import BlendedDataset, PackedDataset, build_dataset
+The errors and the tokenizer are imported here; the rest on first use (PEP 562): dataset.py and sampler.py import
+torch (~2 s of CPU on a 2-core VM), prepare.py and shards.py numpy, and what the command line needs before any work
+(the errors it reports, the data directory's name in data_dir.py) needs none of them.
+"""
+
 from .errors import (
     BadRecordError,
     DataError,
@@ -9,9 +13,6 @@ from .errors import (
     TooManyBadRecordsError,
     UnreadableFileError,
 )
-from .prepare import PreparedData, prepare_data
-from .sampler import DataLoaderState, DistributedLoader, build_loader
-from .shards import ShardError
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -33,3 +34,21 @@ __all__ = [
     "load_tokenizer",
     "prepare_data",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("BlendedDataset", "PackedDataset", "build_dataset"):
+        from . import dataset as module
+    elif name in ("PreparedData", "prepare_data"):
+        from . import prepare as module
+    elif name in ("DataLoaderState", "DistributedLoader", "build_loader"):
+        from . import sampler as module
+    elif name == "ShardError":
+        from . import shards as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

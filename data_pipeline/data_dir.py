@@ -79,11 +79,29 @@ def _corpus_key(cfg: DataConfig) -> dict:
             "max_record_mb": cfg.max_record_mb}
 
 
+def _glob_stem(path: str) -> str | None:
+    """What a glob path names, for a directory name: its last part that is more than glob characters and an
+    extension (``corpus/*.jsonl`` -> ``corpus``, ``web/**/shard-*.jsonl.gz`` -> ``shard``); None without glob
+    characters, or when no part names anything."""
+    if not re.search(r"[*?\[\]]", path):
+        return None
+    p = Path(path)
+    for part in reversed(p.parts[1:] if p.anchor else p.parts):
+        stem = re.sub(r"[*?\[\]]", "", part).split(".")[0].strip("_-")
+        if stem:
+            return stem
+    return None
+
+
 def _readable_name(cfg: DataConfig) -> str:
     if cfg.synthetic.task:
         name = cfg.synthetic.task
     else:
-        first = source_name(cfg.sources[0])[:_NAME_CHARS]
+        src = cfg.sources[0]
+        # A glob's source_name (recorded in the shards' manifest and the fingerprint, so kept as it is) is often
+        # "source" (corpus/*.jsonl): the directory is named after what the glob's path names instead.
+        first = (None if src.name else _glob_stem(src.path)) or source_name(src)
+        first = first[:_NAME_CHARS]
         more = f"-and{len(cfg.sources) - 1}" if len(cfg.sources) > 1 else ""
         t = cfg.tokenizer
         tok = {"bpe": f"bpe{t.vocab_size}", "sentencepiece": f"sp{t.vocab_size}"}.get(t.kind, t.kind)

@@ -25,6 +25,8 @@ device, why, and what to choose instead -- never silently replaced by another.
 Before a run builds anything, `admissible` answers the same questions for the model's sizes (kernels/limits.py:
 the chunk sizes, head dims and filter widths each backend takes): the job's layout check asks it
 (train/parallel/layout.py), so a config no backend on the device can run stops at load, not at the first forward.
+Those rules (which backend runs where, what a config may ask for) live in kernels/rules.py, which imports no torch
+so that the command line can check a config without it; this module re-exports them and dispatches the calls.
 
 Op folders follow one layout (``kernels/<op>/``): ``reference.py`` (pure torch), ``triton_kernels.py``
 (the ``@triton.jit`` kernels and their launchers; imported lazily, so the package works without triton),
@@ -35,187 +37,38 @@ taking ``backend=``). Nothing under ``kernels/`` imports ``torch.distributed``.
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib.util
-import os
-from collections.abc import Mapping
 
 import torch
 
-from . import limits
-
-BACKENDS = ("reference", "triton", "sdpa", "flex", "flash-attn", "fla", "causal-conv1d")
-CHOICES = ("auto", *BACKENDS)
-
-# Backends each op implements, in the order ``auto`` takes them on CUDA where it does not measure (ops without
-# peers, or inside a torch.compile trace): ours first, the path CI tests (kernels/tune.py measures the others).
-AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "norm": ("triton", "reference"),
-    "rotary": ("triton", "reference"),
-    "swiglu": ("triton", "reference"),
-    "attention": ("triton", "sdpa", "flex", "flash-attn", "reference"),
-    "cross_entropy": ("triton", "reference"),
-    "conv": ("triton", "causal-conv1d", "fla", "reference"),  # short causal depthwise convolution + SiLU (GDN)
-    "moe": ("triton", "reference"),  # MoE token permute / unpermute
-    "delta_rule": ("triton", "fla", "reference"),  # chunked gated delta rule (training, prefill); recurrent decodes
-    "hax": ("triton", "reference"),  # gathered sparse attention of the HAX branch (model/hax.py)
-}
-# The ops whose ``auto`` is decided by measurement on CUDA (kernels/tune.py): those with a peer library beside
-# ours. The others keep AUTO_ORDER: ours against the eager reference only, measured faster on 2026-11-24's H100.
-TUNED_OPS = ("attention", "delta_rule", "conv")
-OPS = tuple(AUTO_ORDER)
-
-_TRUE = ("1", "true", "yes", "on", "y")  # what triton's knobs read as true
-
-
-class BackendError(ValueError):
-    """A kernel backend that is unknown, not implemented for an op, or cannot run on this device."""
+from . import rules
+from .rules import (  # noqa: F401  (the switch's rules, asked as backend.<name> by the ops, the model and tests)
+    AUTO_ORDER,
+    BACKENDS,
+    CHOICES,
+    FP8_EMULATE_ENV,
+    OPS,
+    PEERS,
+    TUNED_OPS,
+    BackendError,
+    admissible,
+    check_choice,
+    device_type_of,
+    flash_attn_installed,
+    flash_attn_unavailable_reason,
+    flex_unavailable_reason,
+    fp8_emulated,
+    fp8_unavailable_reason,
+    installed,
+    interpreter_requested,
+    peer_unavailable_reason,
+    triton_installed,
+    triton_unavailable_reason,
+    unavailable_reason,
+)
 
 
-def interpreter_requested() -> bool:
-    """TRITON_INTERPRET is set to a true value in this process's environment."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
-
-
-@functools.cache
-def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-@functools.cache
-def installed(module: str) -> bool:
-    """Whether ``module`` (a peer library) can be found, without importing it (fla imports triton and probes the
-    GPU at import)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def flash_attn_installed() -> bool:
-    return installed("flash_attn")
-
-
-# backend -> (module to find, what to install): the peer libraries, each an optional GPU extra.
-PEERS = {
-    "flash-attn": ("flash_attn", "pip install flash-attn (a CUDA build), or the project's .[gpu] extra"),
-    "fla": ("fla", "pip install fla-core (pure Python), or the project's .[gpu] extra"),
-    "causal-conv1d": ("causal_conv1d", "pip install causal-conv1d (a CUDA build), or the project's .[gpu] extra"),
-}
-
-
-def _device_type(device: str | torch.device | None) -> str:
-    if device is None or str(device) == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
-
-
-def device_type_of(device: str | None) -> str:
-    """The device type of a ``train.device`` value (auto, cpu, cuda, cuda:N): auto is CUDA when one is visible."""
-    return _device_type(device)
-
-
-# Set in tests only: train.fp8 runs on the CPU in torchao's emulation (its casts, the matmul in high precision).
-FP8_EMULATE_ENV = "HYBRIDTRON_FP8_EMULATE"
-
-
-def fp8_emulated() -> bool:
-    return os.environ.get(FP8_EMULATE_ENV) == "1"
-
-
-def fp8_unavailable_reason(recipe: str, device_type: str, *, here: bool = True) -> str | None:
-    """None when ``train.fp8=recipe`` (train/parallel/fp8.py) can run on ``device_type`` devices, else why not.
-    ``here=False``: a cluster's GPU, taken as one with FP8 tensor cores."""
-    if not installed("torchao"):
-        return f"train.fp8={recipe} needs torchao: pip install 'hybridtron[fp8]' (or set train.fp8=none)"
-    if device_type == "cpu":
-        if fp8_emulated():
-            return None
-        return (f"train.fp8={recipe} needs a GPU with FP8 tensor cores (sm_89 or newer); on the CPU it runs only in "
-                f"torchao's emulation, for tests ({FP8_EMULATE_ENV}=1): set train.fp8=none")
-    if device_type != "cuda":
-        return f"train.fp8={recipe} runs on CUDA GPUs, not on {device_type!r}: set train.fp8=none"
-    if here and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 9):
-            return (f"train.fp8={recipe} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, "
-                    f"Blackwell); this GPU, {torch.cuda.get_device_name()}, is sm_{major}{minor}: set train.fp8=none")
-    return None
-
-
-def triton_unavailable_reason(device: str | torch.device | None = None, *, here: bool = True) -> str | None:
-    """None when our Triton kernels can run on ``device`` (None/"auto": where a run would go), else why not.
-    ``here=False``: a device of that type on another machine (a cluster's node), whose GPU is taken as present."""
-    if not triton_installed():
-        return "triton is not installed (pip install triton, or the project's .[dev] / .[gpu] extras)"
-    dev = _device_type(device)
-    if dev == "cuda":
-        if here and not torch.cuda.is_available():
-            return "no CUDA device is visible"
-        return None
-    if dev == "cpu":
-        if not interpreter_requested():
-            return ("Triton kernels need a CUDA GPU; on the CPU they run only under Triton's interpreter: start the "
-                    "process with TRITON_INTERPRET=1 in the environment (set before triton is imported)")
-        return None
-    return f"Triton kernels run on CUDA (or on the CPU under TRITON_INTERPRET=1), not on {dev!r}"
-
-
-def peer_unavailable_reason(backend: str, device: str | torch.device | None = None, *, here: bool = True
-                            ) -> str | None:
-    """None when the peer library behind ``backend`` (PEERS) can run on ``device``, else why not: each runs on
-    CUDA GPUs only (fla's Triton kernels do not run under Triton's interpreter either). ``here``: as for Triton;
-    what is installed here is taken as installed there."""
-    module, how = PEERS[backend]
-    if _device_type(device) != "cuda":
-        return f"{backend} runs on CUDA GPUs only"
-    if here and not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    if not installed(module):
-        return f"the {module} package is not installed ({how})"
-    return None
-
-
-def flash_attn_unavailable_reason(device: str | torch.device | None = None) -> str | None:
-    return peer_unavailable_reason("flash-attn", device)
-
-
-def flex_unavailable_reason(device: str | torch.device | None = None) -> str | None:
-    """flex_attention ships with torch >= 2.5. Its backward runs on CUDA only (torch 2.13 refuses it on the CPU):
-    the adapter refuses a CPU call that needs gradients; a CPU forward (evaluation) runs."""
-    if not installed("torch.nn.attention.flex_attention"):
-        return f"torch {torch.__version__} has no flex_attention (torch >= 2.5 has)"
-    if _device_type(device) not in ("cuda", "cpu"):
-        return f"flex_attention runs on CUDA (forward also on the CPU), not on {_device_type(device)!r}"
-    return None
-
-
-def unavailable_reason(backend: str, device: str | torch.device | None = None, *, here: bool = True) -> str | None:
-    """None when ``backend`` can run on ``device``, else a sentence saying why not. ``here=False``: a device of that
-    type on another machine (a cluster's node): a GPU taken as present there, what is installed here as installed
-    there."""
-    if backend in ("reference", "sdpa"):
-        return None  # pure torch: wherever torch runs
-    if backend == "triton":
-        return triton_unavailable_reason(device, here=here)
-    if backend == "flex":
-        return flex_unavailable_reason(device)
-    if backend in PEERS:
-        return peer_unavailable_reason(backend, device, here=here)
-    raise BackendError(f"unknown kernel backend {backend!r}; choose one of {list(CHOICES)}")
-
-
-def check_choice(op: str, requested: str) -> None:
-    """Static checks (no device): the op exists and implements the requested backend."""
-    if op not in AUTO_ORDER:
-        raise BackendError(f"unknown fused op {op!r}; the ops are {list(OPS)}")
-    if requested not in CHOICES:
-        raise BackendError(f"model.kernels.{op}={requested!r} is not a backend; choose one of {list(CHOICES)}")
-    if requested != "auto" and requested not in AUTO_ORDER[op]:
-        raise BackendError(
-            f"model.kernels.{op}={requested}: {requested} does not implement {op}; choose one of "
-            f"{['auto', *AUTO_ORDER[op]]}"
-        )
+def _device_type(device: str | torch.device | None) -> str:  # resolve's seam (a test sees CPU tensors as CUDA)
+    return rules.device_type_of(device)
 
 
 def resolve(op: str, requested: str = "auto", device: str | torch.device | None = None) -> str:
@@ -237,36 +90,6 @@ def resolve(op: str, requested: str = "auto", device: str | torch.device | None 
             f"{resolve(op, 'auto', dev)}) or reference"
         )
     return requested
-
-
-def admissible(op: str, requested: str, device_type: str, sizes: Mapping, *, here: bool = True) -> tuple[str, ...]:
-    """The backends that may run ``op`` for a model of ``sizes`` (kernels/limits.py) on ``device_type``, refused
-    before anything is built: BackendError naming the field and what to choose instead.
-
-    An explicit backend must run on the device (``here``: this machine's; else one of that type elsewhere, see
-    `unavailable_reason`) and take the sizes. ``auto`` takes, on CUDA, the backends of AUTO_ORDER that run there and
-    take the sizes (kernels/tune.py measures among them), the reference last; when every kernel that runs there
-    refuses the sizes it is refused too, rather than running the pure-torch formula on a GPU unasked (the
-    reference stays a choice: ``model.kernels.<op>=reference``). Elsewhere ``auto`` is the reference."""
-    check_choice(op, requested)
-    if requested != "auto":
-        if (why := unavailable_reason(requested, device_type, here=here)) is not None:
-            raise BackendError(f"model.kernels.{op}={requested} cannot run on {device_type}: {why}. Choose "
-                               f"model.kernels.{op}=auto or reference")
-        why = limits.refusal(op, requested, sizes)
-        if why is not None:
-            raise BackendError(f"model.kernels.{op}={requested}: {why}; change that, or choose model.kernels.{op}="
-                               f"auto or reference")
-        return (requested,)
-    if _device_type(device_type) != "cuda":
-        return ("reference",)
-    runs = [b for b in AUTO_ORDER[op] if b != "reference" and unavailable_reason(b, device_type, here=here) is None]
-    refused = {b: why for b in runs if (why := limits.refusal(op, b, sizes)) is not None}
-    if runs and len(refused) == len(runs):
-        raise BackendError(
-            f"model.kernels.{op}=auto on {device_type}: no kernel takes this model ({'; '.join(refused.values())}); "
-            f"change that, or choose model.kernels.{op}=reference to run the pure-torch formula on purpose")
-    return (*(b for b in runs if b not in refused), "reference")
 
 
 _resolved: dict[tuple[str, str, str], str] = {}
@@ -295,9 +118,9 @@ def _constant_under_compile(fn):
     return fn
 
 
-# kernels/tune.py, set when it is imported (kernels/__init__ imports it): an object with ``measures_on(device_type)``
-# and ``choose(op, shape, device_type)``. The tuner builds on this module, so this module asks it through this slot
-# rather than importing it back.
+# kernels/tune.py, set when it is imported (hybridtron.model imports it, for its ops): an object with
+# ``measures_on(device_type)`` and ``choose(op, shape, device_type)``. The tuner builds on this module, so this module
+# asks it through this slot rather than importing it back.
 _tuner = None
 
 
@@ -349,7 +172,7 @@ def pick_for(op: str, requested: str, *tensors: torch.Tensor | None, shape: tupl
 def clear_cache() -> None:
     """Forget resolved backends (tests that change TRITON_INTERPRET or what is installed)."""
     _resolved.clear()
-    for fn in (triton_installed, installed):
+    for fn in (rules.triton_installed, rules.installed, rules._flex_attention_found):
         getattr(fn, "cache_clear", lambda: None)()  # (a test may have replaced them)
 
 

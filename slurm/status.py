@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from hybridtron.configs import ConfigError
+from hybridtron.train.checkpoint_names import latest_checkpoint
 from hybridtron.train.run_dir import LAST_STOP
 
 from .submit import JOBS_FILE
@@ -104,8 +105,6 @@ def tail_metrics(run_dir: Path) -> tuple[dict | None, dict | None]:
 
 
 def collect(run_dir: Path) -> dict:
-    from hybridtron.train.checkpoint import CheckpointManager
-
     run_dir = Path(run_dir).resolve()
     if not run_dir.is_dir():
         raise ConfigError(f"no run directory {run_dir}; give the --run-dir that hybridtron submit printed")
@@ -126,7 +125,7 @@ def collect(run_dir: Path) -> dict:
     out["loss"] = last.get("loss") if last else None
     out["val_loss"] = last_val.get("val_loss") if last_val else None
     out["val_step"] = last_val.get("step") if last_val else None
-    latest = CheckpointManager(run_dir).latest(warn=False)
+    latest = latest_checkpoint(run_dir)
     out["checkpoint"] = str(latest) if latest else None
     try:
         out["last_stop"] = json.loads((run_dir / LAST_STOP).read_text())

@@ -142,11 +142,20 @@ def _imports_torch(module: str) -> bool:
 
 
 def test_the_layout_rules_and_kernel_limits_need_no_torch():
-    """The layout is arithmetic on the config (issue 29.5): neither it nor the kernels' size limits import torch
-    (the device questions go through kernels/backend.py's functions)."""
+    """The layout is arithmetic on the config (issue 29.5): neither it nor the kernels' size limits import torch,
+    and the backend rules it asks (kernels/rules.py) import it only inside the one function that asks torch whether a
+    GPU is visible (issue 39: the command line checks a config without torch). tests/test_cli_import_cost.py runs
+    the commands and looks at sys.modules; this is the same rule read from the source."""
     assert not _imports_torch("hybridtron.train.parallel.layout")
     assert not _imports_torch("hybridtron.kernels.limits")
     assert _imports_torch("hybridtron.kernels.backend")  # the checker sees an import where there is one
+    rules = _modules()["hybridtron.kernels.rules"]
+    tree = ast.parse(rules.read_text())
+    top = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    top += [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom) and not n.level]
+    assert not any(m == "torch" or m.startswith("torch.") for m in top), top
     graph = import_graph()
     assert graph["hybridtron.kernels.limits"] == set()
-    assert graph["hybridtron.train.parallel.layout"] == {"hybridtron.configs", "hybridtron.kernels.backend"}
+    assert graph["hybridtron.kernels.rules"] == {"hybridtron.kernels.limits"}
+    assert graph["hybridtron.kernels"] == set()  # the package imports nothing: kernels/__init__.py
+    assert graph["hybridtron.train.parallel.layout"] == {"hybridtron.configs", "hybridtron.kernels.rules"}

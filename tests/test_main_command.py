@@ -34,11 +34,14 @@ def test_run_sh_train_twice_resumes_then_eval_and_sample(tmp_path, small_data_di
             "--train.eval_batches", "2", "--train.exit_interval", "6", "--checkpoint.every", "6"]
     out1 = _run([str(REPO / "run.sh"), "train", *args], tmp_path, env)
     assert "stopped at step 6/12 (exit_interval)" in out1
+    assert "run the same command again to resume" in out1 and "to train on" not in out1
     for line in ("run directory:", "metrics:", "tensorboard:", "checkpoint:", "data+tokenizer:"):
         assert line in out1
     assert (data / "tokenizer").is_dir()
     out2 = _run([str(REPO / "run.sh"), "train", *args], tmp_path, env)
     assert "resumed from" in out2 and "stopped at step 12/12 (max_steps)" in out2
+    # finished: a rerun would stop at once, so the line says how to train on (issue 39.4)
+    assert "to train on, run the same command with --train.max_steps N, N > 12: it resumes from step_00000012" in out2
     # not a terminal: plain progress lines for log files instead of a redrawn bar
     assert "step 10/12  loss" in out2 and "\r" not in out2
 

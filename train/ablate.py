@@ -24,11 +24,8 @@ import yaml
 from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 
-from .parallel.layout import Layout
-from .parallel.mesh import launch_world
-from .recipe import train_run
+from .parallel.layout import Layout, check_run, launch_world
 from .run_lock import hold_run_dir
-from .step import AUX_NAMES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 SHARED_ONLY = ("data.", "train.max_steps", "train.seed")
@@ -88,6 +85,8 @@ def load_variants(args) -> list[tuple[str, list[tuple[str, str]]]]:
 
 def summarize(run_dir: Path, model) -> dict:
     """The numbers of one finished variant, read from its metrics.jsonl."""
+    from .step import AUX_NAMES  # (imports torch: after the runs)
+
     by_step: dict[int, dict] = {}
     with open(run_dir / "metrics.jsonl") as f:
         for line in f:
@@ -127,6 +126,8 @@ def _loss(r: dict, key: str) -> str:
 
 def write_table(out: Path, preset: str, shared: list[tuple[str, str]], results: dict[str, dict],
                 overrides: dict[str, list]) -> None:
+    from .step import AUX_NAMES  # (imports torch: after the runs)
+
     aux = [k for k in AUX_NAMES.values() if any(f"final_{k}" in r for r in results.values())]
     aux_note = "".join(f"{k}: {AUX_DOC[k]}; " for k in aux)
     lines = [
@@ -216,6 +217,8 @@ def _mean_curve(curves: list[list]) -> tuple[list, list]:
 def aggregate(per_seed: dict[int, dict]) -> dict:
     """One variant's runs over seeds: means (and standard deviations) of the final numbers, mean curves with
     the seeds' min-max band, mean accuracy per length and attention sink per layer; each seed's own results."""
+    from .step import AUX_NAMES  # (imports torch: after the runs)
+
     runs = list(per_seed.values())
     first = runs[0]
     out = {"seeds": {str(k): {key: v for key, v in r.items() if not key.endswith("_curve")}
@@ -252,19 +255,26 @@ def run_ablation(args, log, probe=None) -> dict[str, dict] | None:
         raise ConfigError("--seeds and --train.seed both set the seed; give one of them")
     configs: dict[str, dict[int | None, JobConfig]] = {}
     world = launch_world()[2]
-    for name, pairs in variants:  # every config and its layout checked before the first step of the first variant
-        try:
-            configs[name] = {s: load_config(preset, shared + pairs + ([("train.seed", str(s))] if s is not None else []))
-                             for s in (seeds or [None])}
-            for cfg in configs[name].values():
-                Layout.from_config(cfg, world)
-        except ConfigError as e:
-            raise ConfigError(f"variant {name!r}: {e}") from None
+    # Every config and its layout checked before the first step of the first variant: torch-free first (check_run,
+    # where the device does not decide), then with the device in hand (what each variant's run checks again), so
+    # that a refusal only this machine's GPU can give (its FP8 support) does not wait for an earlier variant's run.
+    for check in (check_run, Layout.from_config):
+        for name, pairs in variants:
+            try:
+                configs[name] = configs.get(name) or {
+                    s: load_config(preset, shared + pairs + ([("train.seed", str(s))] if s is not None else []))
+                    for s in (seeds or [None])}
+                for cfg in configs[name].values():
+                    check(cfg, world)
+            except ConfigError as e:
+                raise ConfigError(f"variant {name!r}: {e}") from None
     out = Path(args.run_dir) if args.run_dir else Path("runs") / f"ablate_{Path(preset).stem}"
     # The ablation directory's own lock: a second ablation into it is refused at once, not after it has resumed
     # the variants the first one finished. Each variant's train_run locks its own directory besides. Under
     # torchrun only rank 0 locks here; if it is refused, torchrun stops the other ranks. The lock creates the
     # directory, and removes it again if it ends holding nothing (an ablation stopped on bad input).
+    from .recipe import train_run  # (torch and the trainer: the configs are good)
+
     with hold_run_dir(out, is_main=os.environ.get("RANK", "0") == "0",
                       what=f"--run-dir {out} (an ablation)"):
         out.mkdir(parents=True, exist_ok=True)  # the other ranks of a multi-process ablation

@@ -29,7 +29,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import time
@@ -56,11 +55,12 @@ from hybridtron.atomic import (
     write_text_atomic,
 )
 
+from . import checkpoint_names
+from .checkpoint_names import LATEST, STEP_RE
+from .errors import CheckpointError, DiskFullError
 from .model_order import canonical_name, canonical_state_dicts, to_row_order
 from .parallel.mesh import launch_world
 
-STEP_RE = re.compile(r"^step_(\d{8})$")
-LATEST = "latest"
 MANIFEST = "manifest.json"
 SHARDED = "dcp"  # torch.distributed.checkpoint directory of a multi-process run: model + optimizer shards
 DEEPSPEED, DEEPSPEED_TAG = "deepspeed", "state"  # a DeepSpeed engine's checkpoint directory and its one tag
@@ -78,14 +78,6 @@ LOW_SPACE_BYTES = 64 << 20
 TEST_WRITE_DELAY = "HYBRIDTRON_TEST_CHECKPOINT_WRITE_DELAY"
 
 _warned: set[tuple[str, ...]] = set()  # warnings already printed in this process (latest() runs twice per resume)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or does not fit the model being trained."""
-
-
-class DiskFullError(CheckpointError):
-    """No space left on the device while writing a checkpoint; nothing of it was kept."""
 
 
 def _warn_once(key: tuple[str, ...], msg: str) -> None:
@@ -276,26 +268,18 @@ class CheckpointManager:
 
     # ---- discovery -------------------------------------------------------------------------
     def complete(self) -> list[Path]:
-        if not self.dir.is_dir():
-            return []
-        return sorted(p for p in self.dir.iterdir() if p.is_dir() and STEP_RE.match(p.name))
+        return checkpoint_names.complete(self.dir)
 
     def latest(self, warn: bool = True) -> Path | None:
         """The checkpoint named by ``latest``; if the pointer names a directory that is not there, the newest
         complete one, with a warning naming both (once per process)."""
-        ptr = self.dir / LATEST
-        named = None
-        if ptr.is_file():
-            named = ptr.read_text(errors="replace").strip()
-            cand = self.dir / named
-            if STEP_RE.match(named) and cand.is_dir():
-                return cand
-        done = self.complete()
+        found, named = checkpoint_names.latest(self.dir)
         if named is not None and warn:
+            ptr = self.dir / LATEST
             _warn_once(("latest", str(ptr), named), f"{ptr} names {named!r}, which is not a checkpoint directory "
-                       f"here; " + (f"using the newest complete checkpoint, {done[-1].name}" if done
+                       f"here; " + (f"using the newest complete checkpoint, {found.name}" if found is not None
                                     else "no complete checkpoint is left: starting from step 0"))
-        return done[-1] if done else None
+        return found
 
     def clean_partial(self, log: Callable[[str], object] | None = None) -> list[Path]:
         """Remove what writes killed midway left in the run directory and its checkpoints/, and say so in one line

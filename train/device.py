@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from hybridtron.configs import TrainConfig
+from hybridtron.configs import ConfigError, TrainConfig
 
 
 def select_device(cfg: TrainConfig) -> torch.device:
@@ -18,7 +18,8 @@ def select_device(cfg: TrainConfig) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(cfg.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"train.device={cfg.device!r} but no CUDA device is visible; use train.device=cpu or auto")
+        # a ConfigError (exit 2, one line): a RuntimeError here reached the user as a traceback
+        raise ConfigError(f"train.device={cfg.device!r} but no CUDA device is visible; use train.device=cpu or auto")
     return dev
 
 

@@ -179,5 +179,8 @@ def _report(cfg: JobConfig, run_dir: Path, mesh: Mesh, result: FitResult, prepar
     log(f"data+tokenizer: {prepared.out_dir.resolve()}")
     if result.state.step < t.max_steps:
         log("run the same command again to resume")
+    else:  # run again as it is, it resumes at its last step and stops at once: say what trains on
+        start = f"from {result.last_checkpoint.name}" if result.last_checkpoint else "from step 0 (no checkpoint was saved)"
+        log(f"to train on, run the same command with --train.max_steps N, N > {t.max_steps}: it resumes {start}")
 
 

@@ -2,7 +2,8 @@
 may continue with it (the same model, the same data, the same tokenizer).
 
 Every command that reads or writes a run directory resolves it here; the SLURM submitter uses the same checks
-before it submits anything.
+before it submits anything. Nothing here imports torch: the command line resolves and checks a config with it
+before any heavy import.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hybridtron.configs.base import from_dict
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.data_pipeline.data_dir import data_dir, default_data_dir, resolve_out_dir
 
-from .checkpoint import CheckpointManager, verify_manifest
+from .checkpoint_names import latest_checkpoint
 from .run_lock import LOCK_FILE
 
 DEFAULT_PRESET = "tiny"
@@ -194,7 +195,7 @@ def read_saved_config(run_dir: Path) -> dict | None:
     saved = run_dir / "config.yaml"
     if not saved.is_file():
         return None
-    ckpt = CheckpointManager(run_dir).latest(warn=False)
+    ckpt = latest_checkpoint(run_dir)
     fix = (f"copy {ckpt / 'config.yaml'} (the latest checkpoint's copy) over it" if ckpt is not None
            else "delete it (no checkpoint was saved yet)")
     try:
@@ -261,6 +262,8 @@ def check_resume_tokenizer(ckpt: Path | None, tokenizer, tokenizer_dir: Path) ->
     one of the same size: continuing would train on differently tokenized data."""
     if ckpt is None or not (ckpt / "tokenizer").is_dir():
         return
+    from .checkpoint import verify_manifest  # imports torch: a run's, after the config is checked
+
     verify_manifest(ckpt, only=("tokenizer",))
     old = load_tokenizer(ckpt / "tokenizer").fingerprint
     if old != tokenizer.fingerprint:

@@ -25,6 +25,7 @@ from . import kernel_choice
 from . import step as step_mod
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
 from .device import autocast_context
+from .errors import NonFiniteLossError
 from .grad_dump import GradDump
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
 from .model_hooks import after_step, before_step
@@ -37,10 +38,6 @@ from .run_dir import STOP_REQUEST
 from .schedule import Plan, resume_plan, warmup_note
 from .spike import SpikeGuard
 from .step import whole
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the run stops before writing a checkpoint."""
 
 
 class LossSpikeError(NonFiniteLossError):

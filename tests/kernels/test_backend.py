@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.kernels import backend
+from hybridtron.kernels import backend, rules
 from hybridtron.kernels.backend import BackendError, resolve
 from hybridtron.train.parallel.layout import Layout
 
@@ -23,7 +23,7 @@ def test_triton_on_cpu_needs_the_interpreter(no_interpreter, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if backend.triton_installed():
         assert resolve("norm", "triton", "cpu") == "triton"
-    monkeypatch.setattr(backend, "triton_installed", lambda: False)
+    monkeypatch.setattr(rules, "triton_installed", lambda: False)
     with pytest.raises(BackendError, match="triton is not installed"):
         resolve("rotary", "triton", "cpu")
 
@@ -42,15 +42,15 @@ def test_flash_attn_refused_on_cpu_and_for_other_ops(no_interpreter):
 def test_auto_on_cuda_without_a_measurement_takes_the_first_runnable(no_interpreter, monkeypatch):
     """Where no shape class is measured (ops without peers, decoding calls, a compile trace): AUTO_ORDER, ours first."""
     monkeypatch.setattr(backend.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(backend, "triton_installed", lambda: True)
+    monkeypatch.setattr(rules, "triton_installed", lambda: True)
     installed = {"flash_attn": False, "fla": False}
-    monkeypatch.setattr(backend, "installed", lambda m: installed.get(m, True))
+    monkeypatch.setattr(rules, "installed", lambda m: installed.get(m, True))
     assert resolve("norm", "auto", "cuda") == "triton"
     assert resolve("attention", "auto", "cuda") == "triton"
     installed["flash_attn"] = True
     assert resolve("attention", "auto", "cuda") == "triton"  # ours takes every dtype and head dim the peers refuse
     assert resolve("attention", "flash-attn", "cuda") == "flash-attn"
-    monkeypatch.setattr(backend, "triton_installed", lambda: False)
+    monkeypatch.setattr(rules, "triton_installed", lambda: False)
     assert resolve("attention", "auto", "cuda") == "sdpa"  # torch's, wherever torch runs
     assert resolve("delta_rule", "auto", "cuda") == "reference"  # fla not installed
     installed["fla"] = True
@@ -82,3 +82,17 @@ def test_resume_may_change_kernels_but_not_the_model(tmp_path, no_interpreter):
     check_resume_compatible(load_config("tiny", [("model.kernels.norm", "reference")]), tmp_path)
     with pytest.raises(ConfigError, match="model.d_model"):
         check_resume_compatible(load_config("tiny", [("model.d_model", "64")]), tmp_path)
+
+
+def test_the_model_registers_the_tuner_and_the_rules_need_neither():
+    """kernels/__init__ imports nothing (issue 39): the layout's rules load without torch, and the tuner that decides
+    auto on CUDA is registered by importing the model, whose ops it measures (it was kernels/__init__'s import)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import hybridtron.kernels.rules, hybridtron.kernels.limits; "
+            "print('torch' in sys.modules, 'hybridtron.kernels.tune' in sys.modules); "
+            "import hybridtron.model; from hybridtron.kernels import backend; print(backend._tuner.__name__)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["False", "False", "hybridtron.kernels.tune"], res.stdout

@@ -16,7 +16,7 @@ pytest.importorskip("torchao")
 
 from hybridtron.cli import main  # noqa: E402
 from hybridtron.configs import ConfigError, load_config  # noqa: E402
-from hybridtron.kernels import backend  # noqa: E402
+from hybridtron.kernels import backend, rules  # noqa: E402
 from hybridtron.model import GatedLM  # noqa: E402
 from hybridtron.train.metrics import read_metrics  # noqa: E402
 from hybridtron.train.parallel import fp8  # noqa: E402
@@ -137,7 +137,7 @@ def test_refused_on_a_gpu_before_sm89(monkeypatch):
 
 
 def test_refused_without_torchao(monkeypatch, emulate):
-    monkeypatch.setattr(backend, "installed", lambda name: name != "torchao")
+    monkeypatch.setattr(rules, "installed", lambda name: name != "torchao")
     assert "pip install 'hybridtron[fp8]'" in _refusal(load_config("tiny", [("train.fp8", "tensorwise")]))
 
 

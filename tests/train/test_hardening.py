@@ -132,7 +132,7 @@ def test_debug_flag_and_env_show_the_traceback_and_bugs_always_do(run_copy, smal
     def bug(*_a, **_k):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr("hybridtron.cli.train_run", bug)
+    monkeypatch.setattr("hybridtron.train.recipe.train_run", bug)  # cmd_train imports it when it runs
     with pytest.raises(ZeroDivisionError):
         main(cli_args(small_data_dir, run_copy, FAST))
 

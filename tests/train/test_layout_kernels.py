@@ -8,16 +8,16 @@ import pytest
 
 from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
-from hybridtron.kernels import backend, limits
-from hybridtron.train.parallel.layout import Layout, check_kernels, target_layout
+from hybridtron.kernels import backend, limits, rules
+from hybridtron.train.parallel.layout import Layout, check_kernels, check_run, target_layout
 
 
 @pytest.fixture
 def peers(monkeypatch):
     """Which peer libraries 'are installed' (triton is, as on every GPU node): a dict the test fills."""
     present = {"flash_attn": False, "fla": False, "causal_conv1d": False}
-    monkeypatch.setattr(backend, "installed", lambda module: present.get(module, True))
-    monkeypatch.setattr(backend, "triton_installed", lambda: True)
+    monkeypatch.setattr(rules, "installed", lambda module: present.get(module, True))
+    monkeypatch.setattr(rules, "triton_installed", lambda: True)
     backend.clear_cache()
     yield present
     backend.clear_cache()
@@ -150,8 +150,34 @@ def test_device_rules_of_the_layout(monkeypatch):
         Layout.from_config(load_config("tiny", [("parallel.backend", "nccl")]), 2, "cpu")
     assert Layout.from_config(load_config("tiny", [("parallel.backend", "nccl")]), 2, "cuda", here=False).dp == 2
     moe = [("model.moe.n_experts", "4"), ("model.moe.backend", "megablocks")]
-    monkeypatch.setattr(backend, "installed", lambda module: module != "grouped_gemm")
+    monkeypatch.setattr(rules, "installed", lambda module: module != "grouped_gemm")
     with pytest.raises(ConfigError, match="model.moe.backend=megablocks needs megablocks and its grouped_gemm"):
         target_layout(load_config("tiny", moe), 1)
-    monkeypatch.setattr(backend, "installed", lambda module: True)
+    monkeypatch.setattr(rules, "installed", lambda module: True)
     target_layout(load_config("tiny", moe), 1)
+
+
+def test_check_run_asks_torch_only_where_the_device_decides(monkeypatch, no_interpreter):
+    """train.device=auto is CUDA when torch sees a device; the command line's check (check_run) answers from both
+    devices without asking, and asks only when their answers differ (issue 39)."""
+    asked = []
+    monkeypatch.setattr(rules, "cuda_visible", lambda: asked.append("asked") or False)  # this machine: no GPU
+    check_run(hybrid(), 1)  # valid on either device
+    cfg = load_config("tiny", [("model.kernels.cross_entropy", "flash-attn")])
+    with pytest.raises(ConfigError) as refused:  # refused on either device, in the same words
+        check_run(cfg, 1)
+    assert asked == []
+    with pytest.raises(ConfigError) as full:
+        Layout.from_config(cfg, 1)  # the run's own check, with the device asked
+    assert str(refused.value) == str(full.value) and "(train.device=auto)" in str(refused.value)
+    nccl = load_config("tiny", [("parallel.backend", "nccl")])  # two processes on nccl: CUDA only
+    with pytest.raises(ConfigError, match="parallel.backend=nccl needs CUDA devices"):
+        check_run(nccl, 2)
+    assert asked  # the two devices answered differently: torch was asked which one this is
+    monkeypatch.setattr(rules, "cuda_visible", lambda: True)  # a GPU here: the same config runs
+    check_run(nccl, 2)
+    # an explicit device is taken as given: the CPU refuses Triton without the interpreter, without asking torch
+    monkeypatch.setattr(rules, "cuda_visible", lambda: pytest.fail("torch was asked"))
+    with pytest.raises(ConfigError, match=r"model.kernels.norm=triton cannot run on cpu.*\(train.device=cpu\)"):
+        check_run(load_config("tiny", [("model.kernels.norm", "triton"), ("train.device", "cpu")]), 1)
+    check_run(load_config("tiny", [("model.kernels.norm", "triton"), ("train.device", "cuda")]), 1)

@@ -5,22 +5,40 @@
 change. Every rule that ties the layout to the rest of the job lives here, and nowhere else: the world size and
 the degrees (dp x tp x pp x cp), which engine composes with what, what each strategy needs of the model and the
 batch, and which fused-kernel backend can run the model on the target device -- the kernels' own limits, asked of
-kernels/backend.py for the backend ``auto`` would take there (an explicit backend is checked as given). The
+kernels/rules.py for the backend ``auto`` would take there (an explicit backend is checked as given). The
 config sections check their own fields only (configs/); the process group and the device mesh are built from the
 answer afterwards (mesh.py), as torchtitan's ParallelDims validates before it builds its mesh.
 
-The rules are arithmetic on the config: no torch here, no device, no process group. Who calls it: a run
-(``Mesh.setup``, before the process group is created), ``hybridtron submit`` (before sbatch; the target is a
-cluster's GPU, not this machine's), ``hybridtron plan`` (each candidate layout), and, for the kernel rules alone,
-the commands that load a checkpoint to run it here (``check_kernels``).
+The rules are arithmetic on the config: no torch here, no device, no process group (the world size is read from
+the launcher's environment, `launch_world`). Who calls it: the command line, before it imports torch (`check_run`:
+a run here, `target_layout`: ``hybridtron submit`` and ``plan``, whose target is a cluster's GPU, not this
+machine's), a run again (``Mesh.setup``, before the process group is created, with its device in hand), ``plan``
+(each candidate layout), and, for the kernel rules alone, the commands that load a checkpoint to run it here
+(``check_kernels``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
 
 from hybridtron.configs import ConfigError, JobConfig
-from hybridtron.kernels import backend
+from hybridtron.kernels import rules
+
+
+def launch_world() -> tuple[int, int, int]:
+    """(rank, local_rank, world_size) from the launcher's environment; (0, 0, 1) for a plain process."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", str(rank)))
+    except ValueError as e:
+        raise ConfigError(f"RANK / WORLD_SIZE / LOCAL_RANK in the environment are not integers ({e}); launch "
+                          f"with torchrun, or unset them for one process") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} in the environment do not fit; launch with torchrun")
+    return rank, local, world
 
 
 @dataclass(frozen=True)
@@ -38,12 +56,15 @@ class Layout:
     device_type: str = "cpu"  # what the kernel rules were checked for: "cuda" or "cpu"
 
     @classmethod
-    def from_config(cls, cfg: JobConfig, world: int, device_type: str | None = None, *, here: bool = True) -> Layout:
+    def from_config(cls, cfg: JobConfig, world: int, device_type: str | None = None, *, here: bool = True,
+                    gpu_seen: bool = False) -> Layout:
         """Check every layout and kernel rule of ``cfg`` on ``world`` processes whose devices are of ``device_type``
         ("cuda" or "cpu"; None: train.device, auto meaning CUDA when this machine sees one). ``here``: those devices
         are this machine's (a run); False: a cluster's (submit, plan), where a GPU is taken as present and what is
-        installed here as installed there. ConfigError, one line, at the first rule broken."""
-        device_type = backend.device_type_of(cfg.train.device if device_type is None else device_type)
+        installed here as installed there. ``gpu_seen``: this machine's CUDA device is taken as present without
+        asking torch (`check_run`), and its FP8 capability is left to the run's own check. ConfigError, one line, at
+        the first rule broken."""
+        device_type = rules.device_type_of(cfg.train.device if device_type is None else device_type)
         check_engine(cfg)
         check_async_checkpoint(cfg)
         check_sparse_attention(cfg)
@@ -65,15 +86,56 @@ class Layout:
         if p.tp > 1:
             check_tensor_parallel(cfg, dp)
         check_self_guided(cfg, dp)
-        check_fp8(cfg, device_type, here=here)
-        check_kernels(cfg, device_type, here=here)
+        check_fp8(cfg, device_type, here=here and not gpu_seen)
+        check_kernels(cfg, device_type, here=here, gpu_seen=gpu_seen)
         return cls(world, dp, p.tp, p.pp, p.cp, p.ep, dp if p.dp_shard == -1 else p.dp_shard, device_type)
+
+
+def check_run(cfg: JobConfig, world: int) -> None:
+    """Every layout and kernel rule of a run of ``cfg`` on ``world`` processes of this machine, asking torch only
+    where the answer turns on it: the command line checks a run this way before it imports torch (~2 s of CPU), and
+    Mesh.setup checks it again with the device in hand.
+
+    train.device=auto is CUDA when torch sees a device. So auto is checked for both device types, CUDA taken as
+    present (as auto would find it): when both give the same answer (valid, or the same refusal), no torch is
+    needed; only when they differ is torch asked which this machine has, and the run is checked for that device.
+    An explicit cuda device is taken as present too: its absence is the device selection's to report, and what a
+    present GPU decides itself (its FP8 capability) is Mesh.setup's check."""
+    if cfg.train.device != "auto":
+        Layout.from_config(cfg, world, rules.device_type_of(cfg.train.device), gpu_seen=True)
+        return
+    answers = []
+    for device_type in ("cpu", "cuda"):
+        try:
+            Layout.from_config(cfg, world, device_type, gpu_seen=True)
+            answers.append(None)
+        except ConfigError as e:
+            answers.append(str(e))
+    if answers[0] == answers[1]:
+        if answers[0] is not None:
+            raise ConfigError(answers[0])
+        return
+    Layout.from_config(cfg, world)  # the devices answer differently: torch says which one this machine has
 
 
 def target_layout(cfg: JobConfig, world: int) -> Layout:
     """The layout of a job planned or submitted from here for a cluster: its GPUs (the CPU when train.device says
     so), taken as present, with what is installed here taken as installed there."""
     return Layout.from_config(cfg, world, "cpu" if cfg.train.device == "cpu" else "cuda", here=False)
+
+
+def check_plan_layout(cfg: JobConfig, world: int, zero_stages: tuple[int, ...] = (0, 2, 3)) -> None:
+    """``hybridtron plan``'s refusal, torch-free: it tabulates every ZeRO stage whose `target_layout` holds on
+    ``world`` GPUs and is refused only when none does, with the first stage's reason (train/plan/table.py's
+    plan_table, which imports torch to count the model: this says it before)."""
+    refusals = []
+    for z in zero_stages:
+        try:
+            target_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=z)), world)
+            return
+        except ConfigError as e:
+            refusals.append(e)
+    raise refusals[0]
 
 
 def data_parallel_size(cfg: JobConfig, world: int) -> int:
@@ -309,7 +371,7 @@ def check_fp8(cfg: JobConfig, device_type: str, *, here: bool = True) -> None:
     if p.offload != "none":
         raise ConfigError(f"train.fp8={recipe} with parallel.offload={p.offload} is not tested together (torchao's FP8 "
                           f"weight casts on host-held shards); set train.fp8=none or parallel.offload=none")
-    if (why := backend.fp8_unavailable_reason(recipe, device_type, here=here)) is not None:
+    if (why := rules.fp8_unavailable_reason(recipe, device_type, here=here)) is not None:
         raise ConfigError(why)
 
 
@@ -344,7 +406,7 @@ def kernel_sizes(cfg: JobConfig, device_type: str) -> dict[str, dict]:
     m = cfg.model
     dtype = "fp32" if cfg.train.dtype == "fp32" or (cfg.train.dtype == "auto" and device_type != "cuda") else "bf16"
     types = m.layer_types()
-    sizes: dict[str, dict] = {op: {} for op in backend.OPS}
+    sizes: dict[str, dict] = {op: {} for op in rules.OPS}
     if "A" in types:
         sizes["attention"] = {"head_dim": m.resolved_head_dim(), "dtype": dtype}
     if "L" in types:
@@ -355,18 +417,20 @@ def kernel_sizes(cfg: JobConfig, device_type: str) -> dict[str, dict]:
     return sizes
 
 
-def check_kernels(cfg: JobConfig, device_type: str | None = None, *, here: bool = True) -> None:
+def check_kernels(cfg: JobConfig, device_type: str | None = None, *, here: bool = True, gpu_seen: bool = False
+                  ) -> None:
     """Every ``model.kernels`` choice against the device (``device_type``; None: train.device) and the model's
     sizes: an explicit backend must run there and take the model; ``auto`` must have a kernel that takes it on
-    CUDA (or be asked for the reference by name). ConfigError naming the op, the field and what to choose."""
-    device_type = backend.device_type_of(cfg.train.device if device_type is None else device_type)
+    CUDA (or be asked for the reference by name). ``here`` and ``gpu_seen`` as in `Layout.from_config`. ConfigError
+    naming the op, the field and what to choose."""
+    device_type = rules.device_type_of(cfg.train.device if device_type is None else device_type)
     moe = cfg.model.moe
-    if moe.n_experts and moe.backend == "megablocks" and not backend.installed("grouped_gemm"):
+    if moe.n_experts and moe.backend == "megablocks" and not rules.installed("grouped_gemm"):
         raise ConfigError("model.moe.backend=megablocks needs megablocks and its grouped_gemm kernels, which build on "
                           "CUDA machines only (pip install 'hybridtron[gpu]'); use model.moe.backend=native elsewhere")
     for op, sizes in kernel_sizes(cfg, device_type).items():
         try:
-            backend.admissible(op, getattr(cfg.model.kernels, op), device_type, sizes, here=here)
-        except backend.BackendError as e:
+            rules.admissible(op, getattr(cfg.model.kernels, op), device_type, sizes, here=here and not gpu_seen)
+        except rules.BackendError as e:
             raise ConfigError(f"{e} (train.device={cfg.train.device})" if here else str(e)) from None
 

@@ -11,29 +11,14 @@ the project touches global process-group state.
 from __future__ import annotations
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from hybridtron.configs import ConfigError, JobConfig
+from hybridtron.configs import JobConfig
 
-from .layout import Layout
-
-
-def launch_world() -> tuple[int, int, int]:
-    """(rank, local_rank, world_size) from the launcher's environment; (0, 0, 1) for a plain process."""
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", str(rank)))
-    except ValueError as e:
-        raise ConfigError(f"RANK / WORLD_SIZE / LOCAL_RANK in the environment are not integers ({e}); launch "
-                          f"with torchrun, or unset them for one process") from None
-    if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"RANK={rank} and WORLD_SIZE={world} in the environment do not fit; launch with torchrun")
-    return rank, local, world
+from .layout import Layout, launch_world
 
 
 @dataclass
