@@ -3,11 +3,9 @@
 Each entry below was seen on a `hybridtron` command's stderr (2026-11-28, torch 2.13 CPU, transformers 5.24, torchao
 0.18, fla-core 0.6) and says nothing the user can act on. Only these exact messages are dropped: any other warning
 of the same libraries still shows. ``quiet_dependencies`` runs first thing in the CLI's ``main``, before torch is
-imported (kineto reads its log level when torch loads). No torch here.
+imported. No torch here. (kineto's ``STAGE:`` / ``USDT:`` lines during a profiled range are written by C++ straight to
+the file descriptor: train/profile.py filters them there.)
 
-- kineto (torch's profiler) prints ``STAGE:`` and ``USDT: ... profiler_start`` / ``profiler_stop`` info lines on
-  every traced range (``train.profile.steps``): its log level defaults to errors only (``KINETO_LOG_LEVEL=3``; a
-  value the user set is kept).
 - torchao (the ``dev`` and ``fp8`` extras; transformers imports it whenever it is installed) tries to load compiled
   extensions built for CUDA torch (``_C_mxfp8``, ``_C_cutlass_90a``) and logs ``Failed to load ...`` on a CPU
   build; ``train.fp8`` does not use them. Its import also registers two Enums with torch's pytree, which torch 2.13
@@ -19,7 +17,6 @@ imported (kineto reads its log level when torch loads). No torch here.
 from __future__ import annotations
 
 import logging
-import os
 
 # logger name -> substrings: a record of that logger whose message holds one of them is dropped
 DROPPED: dict[str, tuple[str, ...]] = {
@@ -43,8 +40,7 @@ class _Drop(logging.Filter):
 
 
 def quiet_dependencies() -> None:
-    """Drop the messages listed in DROPPED and default kineto to errors only (idempotent)."""
-    os.environ.setdefault("KINETO_LOG_LEVEL", "3")
+    """Drop the messages listed in DROPPED (idempotent)."""
     for name, needles in DROPPED.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):

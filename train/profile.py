@@ -19,6 +19,10 @@ A resumed run past ``last`` traces nothing; one resumed inside the range traces 
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -30,6 +34,34 @@ from hybridtron.configs.job import ProfileConfig
 MEMORY_VIEWER = "https://pytorch.org/memory_viz"
 # Allocation events the allocator keeps (a ring: the newest win); each is a few KB with its stack.
 MAX_MEMORY_EVENTS = 100_000
+
+
+# kineto (torch's profiler) writes these to the process's stderr at every transition of a trace (start, each
+# stage, stop), at a level above its errors (its USDT level), so KINETO_LOG_LEVEL cannot drop them without dropping
+# the errors too (seen with torch 2.13: "USDT:2026-11-28 03:41:26 5037:5037 SyncActivityProfilerHandler.cpp:52]
+# profiler_start").
+KINETO_MARKER = re.compile(rb"^(STAGE|USDT):\S+ \S+ \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def without_kineto_markers():
+    """Around the profiler's calls: file descriptor 2 goes to a scratch file, whose lines come back to stderr
+    afterwards, kineto's marker lines (KINETO_MARKER) left out. What anything else writes there meanwhile, errors
+    included, is shown, only later."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as scratch:
+        os.dup2(scratch.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            scratch.seek(0)
+            kept = b"".join(ln for ln in scratch.read().splitlines(keepends=True) if not KINETO_MARKER.match(ln))
+            if kept:
+                os.write(2, kept)
 
 
 def memory_supported(device: torch.device) -> bool:
@@ -78,7 +110,8 @@ class StepProfiler:
         """Around step ``step``'s work: starts what begins there; an out-of-memory error while the allocator's
         history is recorded dumps a snapshot and is raised again naming it."""
         if self.prof is not None:
-            self.prof.step()  # the previous step's window ends here (it holds that step's whole loop iteration)
+            with without_kineto_markers():
+                self.prof.step()  # the previous step's window ends here (it holds that step's whole loop iteration)
         elif self.trace and step == self.begin - self.warmup:
             self._start_trace()
         self.current = step
@@ -99,7 +132,8 @@ class StepProfiler:
         is written."""
         if self.prof is not None and step == self.last:
             prof, self.prof = self.prof, None
-            prof.stop()  # writes the trace (_write_trace)
+            with without_kineto_markers():
+                prof.stop()  # writes the trace (_write_trace)
         if self.recording and not self.memory_whole_run and step == self.last:
             self._dump_memory(f"steps{self.begin}-{self.last}", " (one per rank)")
 
@@ -107,7 +141,8 @@ class StepProfiler:
         """The run ended (or failed) with something still running: write what was recorded."""
         if self.prof is not None:
             prof, self.prof = self.prof, None
-            prof.stop()  # writes the trace of the steps from begin to the current one, if any
+            with without_kineto_markers():
+                prof.stop()  # writes the trace of the steps from begin to the current one, if any
         if self.recording:
             record_memory(False)
             self.recording = False
@@ -121,7 +156,8 @@ class StepProfiler:
             schedule = torch.profiler.schedule(wait=0, warmup=self.warmup, active=self.last - self.begin + 1, repeat=1)
         self.prof = torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=self._write_trace,
                                            record_shapes=True, profile_memory=True)
-        self.prof.start()
+        with without_kineto_markers():
+            self.prof.start()
 
     def _write_trace(self, prof: torch.profiler.profile) -> None:
         if self.current < self.begin:

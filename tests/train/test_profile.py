@@ -146,3 +146,23 @@ def test_out_of_memory_dumps_a_snapshot_and_names_it(small_data_dir, cli_args, t
     assert lines[1:] == [f"memory snapshot at this out-of-memory error: {snap}; open it at "
                          f"https://pytorch.org/memory_viz"]
     assert fake.events == [("record", True, None), ("dump", 2), ("record", False, 2)]  # the whole run recorded
+
+
+def test_kineto_markers_are_dropped_and_everything_else_kept(capfd):
+    """kineto's STAGE:/USDT: lines, written by C++ to file descriptor 2 at each trace transition, are left out;
+    what else reaches the descriptor meanwhile comes back, in order."""
+    import os
+
+    with profile_mod.without_kineto_markers():
+        os.write(2, b"USDT:2026-11-28 03:41:26 5037:5037 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"an error of someone else\n")
+        os.write(2, b"STAGE:2026-11-28 03:42:01 5192:5192 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n")
+        os.write(2, b"USDT: a line of ours that only looks alike\n")
+    assert capfd.readouterr().err == "an error of someone else\nUSDT: a line of ours that only looks alike\n"
+
+
+def test_a_traced_run_prints_no_kineto_markers(small_data_dir, cli_args, tmp_path, capfd):
+    assert main(cli_args(small_data_dir, tmp_path / "run", ["--train.max_steps", "3", "--train.profile.steps",
+                                                             "[2, 3]", "--train.eval_every", "0"])) == 0
+    err = capfd.readouterr().err
+    assert "USDT:" not in err and "STAGE:" not in err, err
