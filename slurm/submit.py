@@ -344,7 +344,8 @@ def submit(args, out=print) -> list[str]:
     job, script, config_yaml = build_job(args)
     if args.dry_run:
         out(script)
-        check_partition(args.partition, args.nodes, note=lambda msg: print(msg, file=sys.stderr))  # stdout: the script
+        # stdout: the script alone; the note on stderr, as our line
+        check_partition(args.partition, args.nodes, note=lambda msg: print(f"hybridtron submit: {msg}", file=sys.stderr))
         return []
     slurm_binary("sbatch")
     check_partition(args.partition, args.nodes, note=out)

@@ -286,11 +286,14 @@ class TestAsUsersRunIt:
         """docs/*.md's commands: those a CPU runs, run (small settings appended); those for GPUs checked by
         `submit --dry-run` for the same cluster shape."""
         ran, checked = [], []
+        on_front_page = [step for kind, step in page_steps(README.read_text()) if kind == "bash"]
         for page in sorted(DOCS.glob("*.md")):
             for kind, step in page_steps(page.read_text()):
                 where = f"{page.name}: {step if kind == 'python' else shlex.join(step)}"
-                if kind == "python":
-                    ran.append(where)  # docs/export.md's custom-code load: test_every_preset_... runs it
+                if kind == "python" or step in on_front_page:
+                    # docs/export.md's loads: the preset and peer-kernel tests run them; the front page's commands:
+                    # test_readme_commands_in_order
+                    ran.append(where)
                     continue
                 step = [{"RUN": "runs/e2e_tiny", "/shared/runs/d1b": "runs/e2e_dryrun"}.get(a, a)
                         for a in _without_optional(step)]
@@ -327,12 +330,12 @@ class TestAsUsersRunIt:
 
 def _without_optional(argv: list[str]) -> list[str]:
     """A synopsis without its optional groups (`[--account A --qos Q]`), which are there to be read."""
-    out, depth = [], 0
+    out, inside = [], False
     for a in argv:
-        depth += a.startswith("[")
-        if not depth:
+        inside = inside or a.startswith("[-")
+        if not inside:
             out.append(a)
-        depth -= a.endswith("]") and depth > 0
+        inside = inside and not a.endswith("]")
     return out
 
 
