@@ -169,7 +169,7 @@ def compile_only(arch: str, sink: dict, label: list):
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from hybridtron.kernels import backend, triton_utils
+    from hybridtron.kernels import backend, rules, triton_utils
 
     cap = int(re.match(r"\d+", arch).group(0))
     target = GPUTarget("cuda", cap, 32)
@@ -209,6 +209,7 @@ def compile_only(arch: str, sink: dict, label: list):
     patched = [(m, "check_interpreted") for m in _kernel_modules() if hasattr(m, "check_interpreted")]
     saved = [(m, n, getattr(m, n)) for m, n in patched]
     saved += [(backend, n, getattr(backend, n)) for n in ("triton_unavailable_reason", "check_interpreted")]
+    saved += [(rules, "triton_unavailable_reason", rules.triton_unavailable_reason)]  # where resolve asks it
     saved += [(triton_utils, "interpreted", triton_utils.interpreted)]
     previous = driver._active  # None until a real driver was looked up (none exists without a GPU)
     driver.set_active(_StandInDriver(target))
@@ -218,6 +219,7 @@ def compile_only(arch: str, sink: dict, label: list):
             setattr(m, n, lambda *a, **k: None)
         backend.check_interpreted = lambda *a, **k: None
         backend.triton_unavailable_reason = lambda device=None, **_: None  # the switch picks triton for CPU tensors
+        rules.triton_unavailable_reason = backend.triton_unavailable_reason
         triton_utils.interpreted = lambda device: False  # and the launchers choose as on the GPU
         yield
     finally:

@@ -295,8 +295,10 @@ class TestAsUsersRunIt:
                     # test_readme_commands_in_order
                     ran.append(where)
                     continue
-                step = [{"RUN": "runs/e2e_tiny", "/shared/runs/d1b": "runs/e2e_dryrun"}.get(a, a)
-                        for a in _without_optional(step)]
+                # RUN: a trained run; the cluster's shared directory: a dry run's, or for `status` a trained run
+                # (a dry run makes no directory for status to read)
+                shared = "runs/e2e_tiny" if subcommand(step) == "status" else "runs/e2e_dryrun"
+                step = [{"RUN": "runs/e2e_tiny", "/shared/runs/d1b": shared}.get(a, a) for a in _without_optional(step)]
                 if "runs/e2e_tiny" in step:
                     user.ensure_run("tiny")
                 gpus = _gpu_shape(step)
