@@ -44,12 +44,13 @@ micro-batches; ranks of one stage differ only by their shard, and a stage alike 
 layers, place and schedule actions (GPipe's middle stages) takes its plan.
 
 Not every layer is traced (``reduced.py``): layers of one kind hold the same memory, so each rank is traced with
-the first two and last two layers of each of its stages, and once more with one layer of each kind between them
-added; the peak, place by place in the step, is extrapolated to the real count of each kind. The traces run one
-micro-batch on top of the gradients of an earlier one (a step's second micro-batch, which holds at least what
-its first does), and a pipeline's first step one micro-batch per stage. ``exact=True`` (``plan_table``,
-``plan_ranks``) traces every layer as described above: the reference the extrapolation is tested against
-(``tests/train/test_plan_reduced.py``: equal to the byte, or within 64 bytes: a few scalars). ``--measure`` runs
+the first two and last three layers of each of its stages, and once more with one layer of each kind that
+repeats between them; the peak, place by place in the step, is extrapolated to the real count of each kind. The
+traces run one micro-batch on top of the gradients of an earlier one (a step's second micro-batch, which holds at
+least what its first does), and a pipeline's first step one micro-batch per stage. ``exact=True``
+(``plan_table``, ``plan_ranks``, ``compare``) traces every layer as described above: the reference the
+extrapolation is tested against (``tests/train/test_plan_reduced.py``: equal to the byte, or within 64 bytes: a
+few scalars). ``--measure`` runs
 the same two steps on real
 tensors in the job's real layout (under torchrun, every rank; a pipeline through torch's real schedule) and
 prints the prediction beside the measured peak of the rank the plan found heaviest: the check that the plan is

@@ -51,12 +51,14 @@ from .memory import (
     with_zero_stage,
 )
 
-# Layers of each stage traced at its ends: the last (top of the backward, where a step usually peaks) and the
-# first (end of the backward, where it peaks when the gradients are made there: one micro-batch, recomputation),
-# each with the neighbour whose leftovers it runs beside (FSDP2's prefetched weights and reduce-scatter buffers).
-# One at the first end planned 9.8% too much for a 6-layer tiny_moe (bf16, every block recomputed, one micro-batch,
-# ZeRO-2: 9.32 against 8.49 MB).
-HEAD, TAIL = 2, 2
+# Layers of each stage traced at its ends, with the neighbours whose leftovers they run beside (FSDP2's prefetch
+# of the next block's weights in the backward, a reduce-scatter buffer waiting for the next block's): the last
+# three (the top of the backward, where a step usually peaks, and the layer whose backward prefetches a middle
+# layer's weights: with two, hybrid_moe's ZeRO-3 plan on 64 nodes was 30 MB low, the middle layer traced for its
+# attention layers prefetching their weights where the whole model prefetches a Gated DeltaNet layer's) and the
+# first two (the end of the backward, where a step peaks when the gradients are made there: one micro-batch, every
+# block recomputed; with one, a 6-layer tiny_moe so planned under ZeRO-2 came out 9.8% high, 9.32 for 8.49 MB).
+HEAD, TAIL = 2, 3
 
 
 def _signature(block: torch.nn.Module) -> tuple:
@@ -137,8 +139,9 @@ def _combine(base: dict, held: dict, plus: dict, count: dict) -> dict:
             + sum(n * (plus[e][k] - v + held[e].get(k, 0.0)) for e, n in count.items()) for k, v in base.items()}
 
 
-def _extrapolate(ready, extras: list[int], count: dict[int, int]) -> dict:
-    """The rank's memory by plan category from its tracked steps (``plan_rank``'s docstring)."""
+def _extrapolate(ready, extras: list[int], count: dict[int, int], note=None) -> dict:
+    """The rank's memory by plan category from its tracked steps (``plan_rank``'s docstring). ``note``: called
+    with the number of the step traced next (progress)."""
     cfg, mesh = ready.cfg, ready.mesh
     # Where the gradients stay from step to step (``ready_rank``'s ``quick``), a step with one more layer ends its
     # backward where the base does: every layer's weights, gradients and optimizer state (the left-out ones
@@ -146,7 +149,9 @@ def _extrapolate(ready, extras: list[int], count: dict[int, int]) -> dict:
     # (of every parameter) after it hold the same, so they run in the base step only: a third of a step's CPU.
     base_only = ready.pipeline is None and not ready.zero_grad
     places = {}
-    for e in [None, *extras]:
+    for n, e in enumerate([None, *extras]):
+        if note is not None:
+            note(f"step {n + 1}/{len(extras) + 1}")
         tracker = tracked_step(ready, left_out=[x for x in extras if x != e], places=True,
                                update=e is None or not base_only)
         places[e] = {place: categories(snap, cfg, mesh) for place, snap in tracker.segments.items()}
@@ -170,10 +175,11 @@ def _extrapolate(ready, extras: list[int], count: dict[int, int]) -> dict:
 
 
 def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: str = "gpu",
-              kinds: list[int] | None = None) -> tuple[dict[int, dict], dict | None]:
+              kinds: list[int] | None = None, note=None) -> tuple[dict[int, dict], dict | None]:
     """``step_peak``'s result ({"memory", "facts"}) for ``rank`` of a ``world``-process job at each of
     ``zero_stages`` (those the layout accepts), from its reduced traces (module docstring): {zero stage: result};
     and every pp rank's pipeline actions (None outside a pipeline). ``kinds``: ``layer_kinds``'s, when known.
+    ``note``: called with what is traced next (the ZeRO stage, the build or which step: progress).
 
     The base and the one-layer-more traces share one build and first step: the rank is built with every extra
     layer, and each tracked step leaves out the extra layers it is not about (``memory.tracked_step``), whose
@@ -199,6 +205,9 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
     with fake_world(with_zero_stage(cfg, zero_stages[0]), world, rank) as mesh, fake_modes(cfg, kernels):
         for zs in (b for b in builds if b):
             cz = with_zero_stage(cfg, zs[0])
+            stage_names = " and ".join(f"ZeRO-{z}" for z in zs)
+            if note is not None:
+                note(f"{stage_names}: building the rank and its first step")
             ready = ready_rank(cz, dataclasses.replace(mesh, zero_stage=zs[0]), True, torch.device("cpu"),
                                quick=True, like=red.like)
             if ready.pipeline is not None:
@@ -210,7 +219,8 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
                             block.set_reshard_after_forward(z == 3, recurse=False)
                     ready = dataclasses.replace(ready, cfg=with_zero_stage(ready.cfg, z),
                                                 mesh=dataclasses.replace(mesh, zero_stage=z))
-                out[z] = {"memory": _extrapolate(ready, extras, count), "facts": ready.facts}
+                said = None if note is None else (lambda what, z=z: note(f"ZeRO-{z}: tracing {what}"))
+                out[z] = {"memory": _extrapolate(ready, extras, count, said), "facts": ready.facts}
     return out, orders
 
 
@@ -247,15 +257,17 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
                 out[z][rank] = copy.deepcopy(out[z][seen[key]])
                 out[z][rank]["facts"]["stages"] = stage_ids(cfg, world, rank)
             continue
+        which = f"pipeline stage {n + 1}/{len(ranks)} (rank {rank})" if len(ranks) > 1 else "rank 0"
         if note is not None:
-            note(f"pipeline stage {n + 1}/{len(ranks)} (rank {rank})" if len(ranks) > 1 else "rank 0")
+            note(which)
         if exact:
             for z in zero_stages:
                 cz = with_zero_stage(cfg, z)
                 with fake_world(cz, world, rank) as mesh:
                     out[z][rank] = step_peak(cz, mesh, fake=True, kernels=kernels)
             continue
-        results, orders = plan_rank(cfg, world, rank, zero_stages, kernels, kinds)
+        results, orders = plan_rank(cfg, world, rank, zero_stages, kernels, kinds,
+                                    None if note is None else (lambda what, which=which: note(f"{which}, {what}")))
         for z in zero_stages:
             out[z][rank] = results[z]
         if orders is not None:
