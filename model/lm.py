@@ -180,7 +180,8 @@ class GatedLM(nn.Module):
         # Documents travel as ids: the fused kernels take their bounds, and only the reference attention
         # builds a (T x T) mask, in the layer that needs it.
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, None, doc_ids, None if cache is None else cache.layers[i])
+            if layer is not None:  # None: a layer this model was built without (a pipeline cut, the planner)
+                h = layer(h, cos, sin, None, doc_ids, None if cache is None else cache.layers[i])
         if cache is not None:
             cache.pos = start + T
         out = self.output(h, labels)

@@ -40,7 +40,18 @@ Where fake tensors cannot follow the real run, this is what the plan assumes ins
   ``gradient_as_bucket_view`` its buckets are the gradients, so the replicated model holds what the plain one does.
 
 Every pipeline stage is planned (the first rank of each): stages differ in layers, embeddings and in-flight
-micro-batches; ranks of one stage differ only by their shard. ``--measure`` runs the same two steps on real
+micro-batches; ranks of one stage differ only by their shard, and a stage alike to one planned before in its
+layers, place and schedule actions (GPipe's middle stages) takes its plan.
+
+Not every layer is traced (``reduced.py``): layers of one kind hold the same memory, so each rank is traced with
+the first two and last three layers of each of its stages, and once more with one layer of each kind that
+repeats between them; the peak, place by place in the step, is extrapolated to the real count of each kind. The
+traces run one micro-batch on top of the gradients of an earlier one (a step's second micro-batch, which holds at
+least what its first does), and a pipeline's first step one micro-batch per stage. ``exact=True``
+(``plan_table``, ``plan_ranks``, ``compare``) traces every layer as described above: the reference the
+extrapolation is tested against (``tests/train/test_plan_reduced.py``: equal to the byte, or within 64 bytes: a
+few scalars). ``--measure`` runs
+the same two steps on real
 tensors in the job's real layout (under torchrun, every rank; a pipeline through torch's real schedule) and
 prints the prediction beside the measured peak of the rank the plan found heaviest: the check that the plan is
 right.
@@ -92,6 +103,7 @@ of the rank's tp shard:
 from .collectives import CollectiveBytes
 from .comm import comm_bytes
 from .memory import GIB, _KnownValues, build_rank, fake_world, gpu_kernels, simulate, step_peak
+from .reduced import layer_kinds, plan_rank, plan_ranks
 from .step_time import Hardware, step_time
 from .table import (
     compare,
@@ -106,5 +118,6 @@ from .table import (
 )
 
 __all__ = ["GIB", "CollectiveBytes", "Hardware", "_KnownValues", "build_rank", "comm_bytes", "compare", "fake_world",
-           "format_comparison", "format_table", "gather_measurements", "gpu_kernels", "measure", "n_params", "plan_table",
-           "release_distributed_state", "simulate", "step_peak", "step_time", "with_zero_stage"]
+           "format_comparison", "format_table", "gather_measurements", "gpu_kernels", "layer_kinds", "measure",
+           "n_params", "plan_rank", "plan_ranks", "plan_table", "release_distributed_state", "simulate", "step_peak",
+           "step_time", "with_zero_stage"]

@@ -11,7 +11,8 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -33,6 +34,10 @@ CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
     "ACT": "activations", "TEMP": "activations", "INP": "activations", "OTH": "activations",
 }
 DIMS = ("dp", "tp", "pp", "ep", "cp")
+
+
+def with_zero_stage(cfg: JobConfig, zero_stage: int) -> JobConfig:
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=zero_stage))
 
 
 def _compute_dtype(cfg: JobConfig) -> torch.dtype | None:
@@ -74,6 +79,9 @@ class _KnownValues(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 
+        device = _fake_device(func, args)
+        if device is not None:
+            return device
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor unwraps to its local tensors first, which come back here
@@ -147,6 +155,17 @@ class _KnownValues(TorchDispatchMode):
         return out if out.device == device else out.to(device)
 
 
+def _fake_device(func, args) -> torch.device | None:
+    """A fake tensor's device, as the fake tensor itself answers ``prim.device`` (FakeTensor.__torch_dispatch__), for
+    the Python modes above it to return at once: C++ code asks a tensor's device often (502 of the 856 ops one
+    dense_1b layer added to a step under ZeRO-3), and each question went through every mode."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if func is torch.ops.prim.device.default and len(args) == 1 and isinstance(args[0], FakeTensor):
+        return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+    return None
+
+
 def _own_fake_mode_for_dtensor_shapes():
     """DTensor computes each op's output shape on fake tensors of the global shape, in the active fake mode when
     there is one. In the fake run that is the plan's own, and the trackers would count those whole-size tensors as
@@ -156,6 +175,45 @@ def _own_fake_mode_for_dtensor_shapes():
     import torch.distributed.tensor._sharding_prop as sharding_prop
 
     return mock.patch.object(sharding_prop, "detect_fake_mode", lambda *_args, **_kwargs: None)
+
+
+class _LazyChunks:
+    """``torch.chunk(tensor, n, dim)`` padded to ``n`` pieces with empty tensors (FSDP2's ``_chunk_with_empty``),
+    each piece made when it is read. FSDP2 reads two of them per parameter (its rank's and the first, for the padded
+    size), but ``torch.chunk`` makes all ``n``: on fake tensors over 512 ranks that was 0.26 s per parameter, most of
+    the plan of dense_1b on 64 nodes (6.5 of 9.6 s CPU for a one-layer rank under the profiler)."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int):
+        self.tensor, self.n, self.dim = tensor, n, dim
+        self.size = tensor.size(dim)
+        self.step = -(-self.size // n)  # torch.chunk's piece length: ceil(size / n)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        i = i + self.n if i < 0 else i
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        if self.size == 0:  # torch.chunk of an empty dimension: n empty views
+            return self.tensor.narrow(self.dim, 0, 0)
+        start = i * self.step
+        if start < self.size:
+            return self.tensor.narrow(self.dim, start, min(self.step, self.size - start))
+        return self[0].new_empty(0)  # as _chunk_with_empty pads
+
+    def __iter__(self):
+        return (self[i] for i in range(self.n))
+
+
+def _cheap_fsdp_chunks():
+    from unittest import mock
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    return mock.patch.object(_fsdp_param, "_chunk_with_empty", _LazyChunks)
 
 
 def gpu_backend(op: str, requested: str) -> str:
@@ -227,21 +285,36 @@ def fake_world(cfg: JobConfig, world: int, rank: int):
                 os.environ[k] = v
 
 
-def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp: torch.dtype | None):
+def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp: torch.dtype | None,
+               like: dict[int, int] | None = None):
     """(model, pipeline or None, optimizer, the modules that run forward, ``rank_facts``) of ``mesh``'s rank,
     built as train/recipe.py builds them, in its order. ZeRO-0 stays unwrapped (module docstring); ``amp``:
-    the autocast dtype FSDP's mixed precision follows."""
+    the autocast dtype FSDP's mixed precision follows. ``like`` (the planner's reduced rank, ``train/plan/reduced.py``):
+    every layer of the rank -> the layer of its kind built for it; only those are built, the others are None, as a
+    pipeline cut leaves them, and the built ones keep their indices (and so their kinds: the mixer, the feed-forward
+    and whether they recompute are chosen by index)."""
     from hybridtron.model import GatedLM
 
     from ..optim import build_optimizer
     from ..parallel.parallelize import apply_data_parallel, parallelize
 
     torch.manual_seed(cfg.train.seed)
-    with torch.device(device):
-        model = GatedLM(cfg.model, vocab)
+    keep = None if like is None else set(like.values())
+    if keep is None:
+        with torch.device(device):
+            model = GatedLM(cfg.model, vocab)
+            model.init_weights()
+    else:  # built on the meta device and cut first: the dropped layers cost nothing (0.26 s for dense_1b on fakes)
+        with _disable_current_modes(), torch.device("meta"):  # plain meta tensors, not the fake mode's
+            model = GatedLM(cfg.model, vocab)
+        for i in range(len(model.layers)):
+            if i not in keep:
+                model.layers._modules[str(i)] = None
+        # to_empty's empty_like would read the meta tensors, which the fake mode refuses; a fresh tensor of each shape
+        model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
         model.init_weights()
     pipeline = parallelize(model, cfg, mesh, device, amp, data_parallel=False)  # the trainer's order, up to DP
-    facts = rank_facts(cfg, model, pipeline)  # before FSDP shards what data parallelism exchanges
+    facts = rank_facts(cfg, model, pipeline, like)  # before FSDP shards what data parallelism exchanges
     roots = pipeline.stages if pipeline is not None else [model]
     if mesh.zero_stage >= 2:
         apply_data_parallel(model, mesh, amp, cfg.parallel.mixed_precision,
@@ -251,17 +324,39 @@ def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp
     return model, pipeline, build_optimizer(model, cfg.train), roots, facts
 
 
+@dataclasses.dataclass(frozen=True)
+class _Action:
+    """A pipeline action as torch's schedules name them (``_Action``'s stage_index and computation_type.value)."""
+
+    stage_index: int
+    kind: str
+
+    @property
+    def computation_type(self):
+        return self
+
+    @property
+    def value(self) -> str:
+        return self.kind
+
+
 class ReplayedSchedule:
     """The configured torch schedule for one pipeline rank, run on fake tensors in this process: its own action
     order (``pipeline_order``) replayed on the rank's stage modules (see the module docstring). Forwards and
     backwards of one stage pair up first in, first out, as every torch schedule orders them."""
 
-    def __init__(self, pipeline, device: torch.device):
+    def __init__(self, pipeline, device: torch.device, warm: bool = False):
         self.pipeline, self.device = pipeline, device
-        self.order = [a for a in pipeline.schedule.pipeline_order[pipeline.mesh.pp_rank] if a is not None]
+        # every pp rank's actions (None: an idle slot), for the planner to tell which ranks act alike
+        self.orders = {r: [a for a in order if a is not None] for r, order in pipeline.schedule.pipeline_order.items()}
+        self.order = self.orders[pipeline.mesh.pp_rank]
         self.n_stages, self.n_micro = len(pipeline.ranges), pipeline.n_micro
         self.modules = dict(zip(pipeline.stage_ids, pipeline.stages, strict=True))
         self.recv: dict[tuple[str, int, int], torch.Tensor] = {}  # torch's per-micro-batch receive buffers
+        # ``warm``: the next step is a first step that only leaves behind what later steps find (``ready_rank``'s
+        # ``quick``): one micro-batch forward and backward through each of the rank's stages, every receive buffer
+        # allocated, FSDP's gradients reduced and resharded as after a last micro-batch
+        self.warm = warm
 
     def _buffer(self, kind: str, stage: int, mb: int, like: torch.Tensor) -> torch.Tensor:
         """The receive buffer ``kind`` ("act" or "grad") of ``stage`` for micro-batch ``mb``; ``like``: a (B, T)
@@ -287,7 +382,19 @@ class ReplayedSchedule:
         held = {s: [] for s in self.modules}
         started = {s: 0 for s in self.modules}
         backwards = {s: 0 for s in self.modules}
-        for action in self.order:
+        order, n_last = self.order, self.n_micro
+        if self.warm:
+            self.warm = False
+            for s in self.modules:
+                for m in range(self.n_micro):
+                    if s > 0:
+                        self._buffer("act", s, m, kw[m]["labels"])
+                    if s < self.n_stages - 1:
+                        self._buffer("grad", s, m, kw[m]["labels"])
+            order = [_Action(s, "F") for s in sorted(self.modules)] + [_Action(s, "B") for s in sorted(self.modules,
+                                                                                                      reverse=True)]
+            n_last = 1
+        for action in order:
             s, kind = action.stage_index, action.computation_type.value
             module = self.modules[s]
             if kind == "F":
@@ -307,7 +414,7 @@ class ReplayedSchedule:
                 m, out = held[s].pop(0)
                 backwards[s] += 1
                 if isinstance(module, FSDPModule):  # as torch's stages: reduce after the last micro-batch only
-                    last = backwards[s] == self.n_micro
+                    last = backwards[s] == n_last
                     module.set_is_last_backward(last)
                     module.set_reshard_after_backward(last)
                     module.set_requires_gradient_sync(last)
@@ -330,9 +437,29 @@ def _batches(cfg: JobConfig, vocab: int, n: int, device: torch.device):
         yield batch
 
 
-def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n_micro: int, vocab: int) -> None:
+@contextlib.contextmanager
+def _state_only():
+    """AdamW's step creating its state (``_init_group``) but updating nothing: the update's dozen ops per
+    parameter change values only, which fake tensors do not have (a third of the optimizer's CPU time in the
+    plan). The step counters stay 0, a tensor each all the same."""
+    from unittest import mock
+
+    import torch.optim.adam as adam
+
+    with contextlib.ExitStack() as stack:
+        for name in ("_single_tensor_adam", "_multi_tensor_adam", "_fused_adam"):
+            if hasattr(adam, name):
+                stack.enter_context(mock.patch.object(adam, name, lambda *args, **kwargs: None))
+        yield
+
+
+def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n_micro: int, vocab: int,
+                zero_grad: bool = True, update: bool = True, clip_also=()) -> None:
     """One optimizer step over ``n_micro`` micro-batches, as train/step.py's ``run_torch`` and ``run_pipeline``
-    take it (every micro-batch fully labelled, so no loss weights; without the scalars they log)."""
+    take it (every micro-batch fully labelled, so no loss weights; without the scalars they log). ``zero_grad``
+    False leaves the gradients for the next step to accumulate into (``ready_rank``'s ``quick``); ``update``
+    False stops after the backward (no clipping, no optimizer step); ``clip_also``: parameters outside ``model``
+    whose gradients are clipped with its own (layers left out of a step, ``tracked_step``)."""
     from ..parallel.expert_parallel import sync_expert_grads
 
     if pipeline is not None:
@@ -351,31 +478,123 @@ def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n
                 loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])
             (loss / n_micro).backward()
         sync_expert_grads(model, mesh)
-        clip_grad_norm(model.parameters(), cfg.train.grad_clip)
+        if not update:
+            return
+        clip_grad_norm([*model.parameters(), *clip_also], cfg.train.grad_clip)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if zero_grad:
+        optimizer.zero_grad(set_to_none=True)
 
 
-def _tracker(roots: list[nn.Module], model, optimizer, pipeline):
+class _PeakOnly:
+    """torch's trackers update, after every op, the peak of every module they have seen (a loop over all of them:
+    half the CPU time of a 4-layer dense_1b step under the profiler); the plan reads the rank's peak alone. A fake
+    tensor's device is answered at once (``_fake_device``: no memory changes).
+
+    With ``blocks`` ({layer index: block}) set, the peak is also kept per place of the step (``segments``): (phase,
+    pass, layer, inside) where pass is "fw", "bw" (recomputation included) or "opt", phase counts the changes of
+    pass (a pipeline's forwards and backwards of micro-batches, the gradient clipping after the backward), layer is
+    the one of ``blocks`` running (inside True) or the last that ran in the phase (inside False: the embedding
+    before any, the loss after the last, the collectives between two; None before any)."""
+
+    blocks: dict[int, nn.Module] | None = None
+    segments: dict[tuple, dict] = {}
+    _phase, _pass, _last = 0, None, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        device = _fake_device(func, args)
+        return device if device is not None else super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _update_peak_stats(self, peak_state) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)
+            if self.blocks is not None:
+                place = self._place()
+                seg = self.segments.get(place)
+                if seg is None or seg[_TOTAL_KEY] < snap[_TOTAL_KEY]:
+                    self.segments[place] = dict(snap)
+
+    def _place(self) -> tuple:
+        mods = self._mod_tracker
+        where = "opt" if self._in_opt else "bw" if mods.is_bw else "fw"
+        if where != self._pass:
+            self._phase, self._pass, self._last = self._phase + 1, where, None
+        running = [i for i, b in self.blocks.items() if mods._known_modules.get(b) in mods.parents]
+        if not running:
+            return self._phase, where, self._last, False
+        # One block runs at a time, but a block whose inputs' gradients are not all computed stays among the
+        # tracker's parents after its backward (seen with MoE layers): the latest is the lowest in backward.
+        self._last = min(running) if where == "bw" else max(running)
+        return self._phase, where, self._last, True
+
+
+def _tracker(roots: list[nn.Module], model, optimizer, pipeline, detached: list[nn.Module] = ()):
     """torch's memory tracker for the rank, told of what already exists: weights, optimizer state and (pipeline)
     the receive buffers of the first step, which later steps reuse. FSDP2's own tracker when FSDP wraps the
-    roots (it tells sharded from gathered weights), else the plain one."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    roots (it tells sharded from gathered weights), else the plain one. ``detached``: layers left out of this step
+    (``tracked_step``), whose weights, gradients and optimizer state it counts all the same."""
     from torch.distributed.fsdp import FSDPModule
 
     buffers = _receive_buffers(pipeline) if pipeline is not None else []
     if isinstance(roots[0], FSDPModule):
-        tracker = FSDPMemTracker(roots[0], optimizer)
+        tracker = _FSDPMemTracker(roots[0], optimizer)
         if len(roots) > 1:  # several stages per rank: the tracker walks the modules of all (it takes one root)
             tracker._root_mod = nn.ModuleList(roots)
+        tracker.detached = detached
+        managed = {id(fp.sharded_param) for m in [*roots, *detached] for sub in m.modules()
+                   if isinstance(sub, FSDPModule) and (group := sub._get_fsdp_state()._fsdp_param_group)
+                   for fp in group.fsdp_params}
+        tracker.unmanaged = [p for m in [*roots, *detached] for p in m.parameters() if id(p) not in managed]
         tracker.track_inputs(buffers)
         return tracker
     tracker = _MemTracker()
-    tracker.track_external(model, optimizer, *buffers)
+    tracker.track_external(model, *detached, optimizer, *buffers)
     return tracker
 
 
-class _MemTracker(MemTracker):
+class _FSDPMemTracker(_PeakOnly, FSDPMemTracker):
+    """FSDP2's tracker, which also counts the shards of ``detached`` blocks (left out of the step: no hooks, as
+    they do not run; FSDP's root still calls their post-backward, which finds no gradient and does nothing), and
+    the parameters FSDP2 does not manage (``unmanaged``: expert parallel's experts, ``ignored_params``) with their
+    gradients, which torch's tracker sees neither (before, an ep2 rank of tiny_moe under ZeRO-2 missed its 1.2 MB
+    of expert weights, and its expert gradients counted as activations, or not at all once they existed before the
+    step). Their types are the FSDP tracker's that map to weights and gradients and stay on the GPU under
+    ``parallel.offload`` (BUFFER, UNSHARDED_GRAD): FSDP2 does not offload what it ignores."""
+
+    detached: list[nn.Module] = []
+    unmanaged: list[nn.Parameter] = []
+
+    def _register_module_and_optimizer_hooks(self) -> None:
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+        from torch.distributed.fsdp import FSDPModule
+
+        super()._register_module_and_optimizer_hooks()
+        for block in self.detached:
+            for m in block.modules():
+                if isinstance(m, FSDPModule) and (group := m._get_fsdp_state()._fsdp_param_group):
+                    self._instrument_fsdp_sharded_params_grads(group)
+            for buffer in block.buffers():
+                self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
+
+        def grad_hook(p):
+            self._update_and_maybe_create_winfos(p.grad, _FSDPRefType.UNSHARDED_GRAD)
+
+        self._unmanaged_hooks = []
+        for p in self.unmanaged:
+            self._update_and_maybe_create_winfos(p, _FSDPRefType.BUFFER)
+            if p.grad is not None:
+                grad_hook(p)
+            self._unmanaged_hooks.append(p.register_post_accumulate_grad_hook(grad_hook))
+
+    def _deregister_module_and_optimizer_hooks(self) -> None:
+        super()._deregister_module_and_optimizer_hooks()
+        for handle in self._unmanaged_hooks:
+            handle.remove()
+
+
+class _MemTracker(_PeakOnly, MemTracker):
     """torch's plain tracker, which hooks the gradient of every parameter of a module when the module first runs.
     Tensor-parallel layers that run on their parameters' local shards (``train/parallel/tensor_parallel.py``) lend their
     submodules those shards, non-leaf views, as parameters for the call: their gradients reach the DTensor
@@ -400,23 +619,28 @@ def _receive_buffers(pipeline) -> list[torch.Tensor]:
     return [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
 
 
-def rank_facts(cfg: JobConfig, model, pipeline) -> dict:
+def rank_facts(cfg: JobConfig, model, pipeline, like: dict[int, int] | None = None) -> dict:
     """What the communication of the rank depends on: its parameters (without the ep-sharded experts, and those)
-    and the layers and pipeline stages it holds."""
+    and the layers and pipeline stages it holds. ``like`` (the planner's reduced rank, ``train/plan/reduced.py``):
+    every layer of the rank -> a layer of its kind that ``model`` holds (itself, where it holds it)."""
     from ..parallel.expert_parallel import expert_params
 
     def local(p):
         return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
 
     experts = {id(p) for p in expert_params(model)}
-    layers = [i for i, block in enumerate(model.layers) if block is not None]
+    present = {i: block for i, block in enumerate(model.layers) if block is not None}
+    like = like or {i: i for i in present}
+    layers = sorted(like)
+    per_layer = {i: (sum(local(p) for p in block.parameters() if id(p) not in experts),
+                     sum(local(p) for p in block.parameters() if id(p) in experts)) for i, block in present.items()}
     types = cfg.model.layer_types()
     stages = pipeline.stage_ids if pipeline is not None else [0]
     n_stages = len(pipeline.ranges) if pipeline is not None else 1
-    in_layers = {id(p) for block in model.layers if block is not None for p in block.parameters()}
-    return {"params": sum(local(p) for p in model.parameters() if id(p) not in experts),
-            "root_params": sum(local(p) for p in model.parameters() if id(p) not in experts | in_layers),
-            "expert_params": sum(local(p) for p in model.parameters() if id(p) in experts),
+    in_layers = {id(p) for block in present.values() for p in block.parameters()}
+    root = sum(local(p) for p in model.parameters() if id(p) not in experts | in_layers)
+    return {"params": root + sum(per_layer[like[i]][0] for i in layers), "root_params": root,
+            "expert_params": sum(per_layer[like[i]][1] for i in layers),
             "layers": len(layers), "attention_layers": sum(types[i] == "A" for i in layers),
             "delta_layers": sum(types[i] == "L" for i in layers),
             "moe_layers": sum(cfg.model.moe.is_moe_layer(i) for i in layers) if cfg.model.moe.n_experts else 0,
@@ -424,36 +648,103 @@ def rank_facts(cfg: JobConfig, model, pipeline) -> dict:
             "embedding": 0 in stages, "head": n_stages - 1 in stages}
 
 
-def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | None = None, kernels: str = "gpu") -> dict:
-    """Peak bytes of ``mesh``'s rank over a training step that has optimizer state (the second), by plan category,
-    and its ``rank_facts``. ``fake``: on fake tensors (over a fake process group); else real, on ``device``
-    (default CPU), in the process group already set up. On CUDA the allocator's own peak is added as
-    ``cuda_max_allocated``. ``kernels``: on fake tensors, the fused ops' backends of a GPU run (``gpu_kernels``) or
-    of a CPU one ("cpu": the references, to compare with a real step on the CPU)."""
-    device = device or torch.device("cpu")
+@contextlib.contextmanager
+def fake_modes(cfg: JobConfig, kernels: str = "gpu"):
+    """Fake tensors (with the values a shape needs, ``_KnownValues``), DTensor's shape rules kept apart, and the
+    fused ops' backends of a GPU run (``kernels="gpu"``) or of a CPU one ("cpu")."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with contextlib.ExitStack() as stack:
+        fake_mode = stack.enter_context(FakeTensorMode())
+        stack.enter_context(_KnownValues(fake_mode))
+        stack.enter_context(_own_fake_mode_for_dtensor_shapes())
+        stack.enter_context(_cheap_fsdp_chunks())
+        if kernels == "gpu":
+            stack.enter_context(gpu_kernels(cfg))
+        yield
+
+
+@dataclasses.dataclass
+class ReadyRank:
+    """A rank built and through its first step (its optimizer state exists), ready for ``tracked_step``."""
+
+    cfg: JobConfig
+    mesh: Mesh
+    device: torch.device
+    vocab: int
+    amp: torch.dtype | None
+    model: nn.Module
+    pipeline: object
+    optimizer: torch.optim.Optimizer
+    roots: list[nn.Module]
+    facts: dict
+    n_micro: int  # micro-batches a tracked step runs
+    zero_grad: bool  # whether a step ends by dropping its gradients (not under ``quick``)
+
+
+def ready_rank(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device, quick: bool = False,
+               like: dict[int, int] | None = None) -> ReadyRank:
+    """``mesh``'s rank built (``build_rank``; with ``like``, the layers it maps to only) and through
+    its first step. Step 1 creates the optimizer state (and, in a pipeline, torch's stages learn their shapes from
+    it, by an autograd.grad that torch's module tracker cannot follow); the tracked step after it is the steady
+    state. A non-pipeline step runs two micro-batches: the second already holds the accumulated gradients beside a
+    micro-batch's activations, so later ones change nothing. A pipeline step runs them all: how many are in flight
+    is what its schedule decides. ``quick`` (several micro-batches): outside a pipeline, the first step leaves its
+    gradients and a tracked step runs one micro-batch, which accumulates into them as the second micro-batch of a
+    step does, and leaves them for the next (the first micro-batch of a step, which starts without gradients,
+    holds no more than the second at any point); in a pipeline the first step runs one micro-batch per stage
+    (``ReplayedSchedule``'s ``warm``), not the whole schedule twice (torch's shape warm-up, then the step).
+    ``tests/train/test_plan_reduced.py`` compares both with the step as it was.
+
+    On fake tensors ``train.compile`` is off: torch.compile falls back to the eager blocks there (dense_1b planned
+    the same 40.02 GiB either way) after tracing them in vain, 0.5 s of CPU per block and step."""
+    if fake and cfg.train.compile:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
     amp = _compute_dtype(cfg)  # the GPUs' autocast, applied to the CPU run alike (module docstring)
-    with contextlib.ExitStack() as stack:
-        if fake:
-            from torch._subclasses.fake_tensor import FakeTensorMode
+    model, pipeline, optimizer, roots, facts = build_rank(cfg, mesh, device, vocab, amp, like)
+    if fake and pipeline is not None:
+        pipeline.schedule = ReplayedSchedule(pipeline, device, warm=quick)
+        pipeline._warm = pipeline._warm or quick  # torch's stages learn their shapes first; the replay need not
+    accum = cfg.train.grad_accum_steps
+    n_micro = accum if pipeline is not None else min(accum, 2)
+    first_only = quick  # (a first step's update changes no memory)
+    quick = quick and pipeline is None and accum > 1
+    with _state_only() if first_only and fake else contextlib.nullcontext():
+        _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, 1 if pipeline is None else n_micro, vocab,
+                    zero_grad=not quick)
+    return ReadyRank(cfg, mesh, device, vocab, amp, model, pipeline, optimizer, roots, facts,
+                     1 if quick else n_micro, not quick)
 
-            fake_mode = stack.enter_context(FakeTensorMode())
-            stack.enter_context(_KnownValues(fake_mode))
-            stack.enter_context(_own_fake_mode_for_dtensor_shapes())
-            if kernels == "gpu":
-                stack.enter_context(gpu_kernels(cfg))
-        model, pipeline, optimizer, roots, facts = build_rank(cfg, mesh, device, vocab, amp)
-        if fake and pipeline is not None:
-            pipeline.schedule = ReplayedSchedule(pipeline, device)
-        # Step 1 creates the optimizer state (and, in a pipeline, torch's stages learn their shapes from it, by an
-        # autograd.grad that torch's module tracker cannot follow); step 2, tracked, is the steady state. A
-        # non-pipeline step runs two micro-batches: the second already holds the accumulated gradients beside a
-        # micro-batch's activations, so later ones change nothing. A pipeline step runs them all: how many are in
-        # flight is what its schedule decides.
-        accum = cfg.train.grad_accum_steps
-        n_micro = accum if pipeline is not None else min(accum, 2)
-        _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, 1 if pipeline is None else n_micro, vocab)
-        tracker = _tracker(roots, model, optimizer, pipeline)
+
+@contextlib.contextmanager
+def _left_out(rank: ReadyRank, layers):
+    """The blocks of ``layers`` taken out of the model (and of the pipeline's stages) for a while: absent, as a
+    pipeline cut leaves a layer, so a step neither runs nor gathers them. Yields them."""
+    model, stages = rank.model, rank.pipeline.stages if rank.pipeline is not None else []
+    blocks = {i: model.layers[i] for i in layers}
+    lists = [model.layers] + [stage.layers for stage in stages]
+    held = [(lst, str(i)) for lst in lists for i in blocks if lst._modules.get(str(i)) is not None]
+    for lst, name in held:
+        lst._modules[name] = None
+    try:
+        yield list(blocks.values())
+    finally:
+        for lst, name in held:
+            lst._modules[name] = blocks[int(name)]
+
+
+def tracked_step(rank: ReadyRank, left_out=(), counted=None, places: bool = False, update: bool = True):
+    """One training step of ``rank`` under the memory tracker, the layers ``left_out`` absent from it (their
+    weights, gradients and optimizer state counted, unchanged; their gradients clipped with the others'); returns
+    the tracker. ``counted``: a context the step runs in (``CollectiveBytes``). ``places``: keep the peak of every
+    place of the step too (``_PeakOnly``). ``update`` False: no clipping or optimizer step (``_train_step``)."""
+    with _left_out(rank, left_out) as detached:
+        tracker = _tracker(rank.roots, rank.model, rank.optimizer, rank.pipeline, detached)
+        if places:
+            tracker.blocks = {i: b for i, b in enumerate(rank.model.layers) if b is not None}
+            tracker.segments = {}
+        roots = rank.roots
 
         # The trackers follow one call per module: a step calls the model (or a stage) once per micro-batch, so
         # each call starts the statistics of its modules afresh (those of a rank's other pipeline stages are still
@@ -465,46 +756,93 @@ def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | Non
                     tracker.memory_tracking.pop(m, None)
 
         handle = nn.modules.module.register_module_forward_pre_hook(fresh_module_stats)
-        on_gpu = device.type == "cuda" and torch.cuda.is_available()  # not fake CUDA tensors on a CPU (tests)
-        if on_gpu:
-            torch.cuda.reset_peak_memory_stats(device)
-        # ZeRO-0 over several data ranks: the memory is the plain model's, as planned; a real run replicates it (DDP),
-        # whose all-reduce is counted over one more step, after DDP wraps the model.
-        ddp_after = not fake and mesh.zero_stage == 0 and mesh.data_ranks > 1 and pipeline is None
-        counted = CollectiveBytes() if not fake else contextlib.nullcontext()
         try:
-            with tracker, (contextlib.nullcontext() if ddp_after else counted):
-                _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, n_micro, vocab)
+            with tracker, counted or contextlib.nullcontext():
+                _train_step(rank.cfg, rank.model, rank.optimizer, rank.mesh, rank.pipeline, rank.device, rank.amp,
+                            rank.n_micro, rank.vocab, zero_grad=rank.zero_grad, update=update,
+                            clip_also=[p for block in detached for p in block.parameters()])
         finally:
             handle.remove()
-        if ddp_after:
-            from ..parallel.parallelize import apply_data_parallel
+    return tracker
 
-            apply_data_parallel(model, mesh, amp, cfg.parallel.mixed_precision)
-            with counted:
-                _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, n_micro, vocab)
-        snap = tracker.get_tracker_snapshot("peak")
-    per_dev = snap[device] if device in snap else next(iter(snap.values()))
+
+def categories(by_type: dict, cfg: JobConfig, mesh: Mesh) -> dict:
+    """Bytes by torch's tracker types (``_RefType`` or their names) -> bytes by plan category, with "total" (the
+    tracker's own, else the sum) and, under ``parallel.offload=cpu``, "host" (what FSDP2 keeps in host memory,
+    outside the GPU's peak)."""
     out = {"weights": 0.0, "gathered": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
     host = {"SHARDED_PARAM": 0.0, "SHARDED_GRAD": 0.0, "OPT": 0.0}  # parallel.offload=cpu: FSDP2 keeps these there
-    for key, val in per_dev.items():
+    total = None
+    for key, val in by_type.items():
         name = getattr(key, "name", key)
         if name == "Total":
-            out["total"] = float(val)
+            total = float(val)
         elif name in CATEGORIES:
             out[CATEGORIES[name]] += float(val)
             if name in host:
                 host[name] += float(val)
+    out["total"] = sum(out.values()) if total is None else total
     if cfg.parallel.offload == "cpu" and mesh.zero_stage >= 2:  # the shards and the optimizer live in host memory
         for name, val in host.items():  # (present all step long: their peaks are their size at the total's peak)
             out[CATEGORIES[name]] -= val
             out["total"] -= val
         out["host"] = sum(host.values())
+    return out
+
+
+def peak_by_type(tracker, device: torch.device) -> dict:
+    """The tracker's peak snapshot of ``device`` (bytes by tracker type, and "Total")."""
+    snap = tracker.get_tracker_snapshot("peak")
+    return snap[device] if device in snap else next(iter(snap.values()))
+
+
+def held_by(tracker, module: nn.Module, optimizer) -> dict:
+    """Bytes by tracker type of the storages of ``module``'s parameters, their gradients and optimizer state, and
+    its buffers, as ``tracker`` counted them (each storage once: FSDP2's gradients of a block share one)."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    tensors = [t for p in module.parameters() for t in (p, p.grad, *optimizer.state.get(p, {}).values())
+               if isinstance(t, torch.Tensor)] + list(module.buffers())
+    out, seen = {}, set()
+    for t in tensors:
+        for st in get_untyped_storages(t):
+            winfo = tracker._WINFO.get(st, (None, None))[0]
+            if winfo is not None and id(winfo) not in seen:
+                seen.add(id(winfo))
+                out[winfo.reftype] = out.get(winfo.reftype, 0) + winfo.mem_consumed
+    return out
+
+
+def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | None = None, kernels: str = "gpu",
+              quick: bool = False) -> dict:
+    """Peak bytes of ``mesh``'s rank over a training step that has optimizer state (the second), by plan category,
+    and its ``rank_facts``. ``fake``: on fake tensors (over a fake process group); else real, on ``device``
+    (default CPU), in the process group already set up. On CUDA the allocator's own peak is added as
+    ``cuda_max_allocated``. ``kernels``: on fake tensors, the fused ops' backends of a GPU run (``gpu_kernels``) or
+    of a CPU one ("cpu": the references, to compare with a real step on the CPU). ``quick``: ``ready_rank``'s."""
+    device = device or torch.device("cpu")
+    with fake_modes(cfg, kernels) if fake else contextlib.nullcontext():
+        rank = ready_rank(cfg, mesh, fake, device, quick)
+        on_gpu = device.type == "cuda" and torch.cuda.is_available()  # not fake CUDA tensors on a CPU (tests)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        # ZeRO-0 over several data ranks: the memory is the plain model's, as planned; a real run replicates it (DDP),
+        # whose all-reduce is counted over one more step, after DDP wraps the model.
+        ddp_after = not fake and mesh.zero_stage == 0 and mesh.data_ranks > 1 and rank.pipeline is None
+        counted = CollectiveBytes() if not fake else None
+        tracker = tracked_step(rank, counted=None if ddp_after else counted)
+        if ddp_after:
+            from ..parallel.parallelize import apply_data_parallel
+
+            apply_data_parallel(rank.model, mesh, rank.amp, cfg.parallel.mixed_precision)
+            with counted:
+                _train_step(cfg, rank.model, rank.optimizer, mesh, None, device, rank.amp, rank.n_micro, rank.vocab)
+    out = categories(peak_by_type(tracker, device), cfg, mesh)
     if not fake:  # what this rank's collectives sent in the step, by op
         out["comm_sent"] = dict(counted.sent)
     if on_gpu:
         out["cuda_max_allocated"] = float(torch.cuda.max_memory_allocated(device))
-    return {"memory": out, "facts": facts}
+    return {"memory": out, "facts": rank.facts}
 
 
 def planned_ranks(cfg: JobConfig, world: int) -> list[int]:

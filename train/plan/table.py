@@ -13,7 +13,9 @@ from hybridtron.configs import ConfigError, JobConfig
 from ..parallel.layout import target_layout
 from ..parallel.mesh import Mesh
 from .comm import _checkpointing_label, comm_bytes
-from .memory import DIMS, GIB, _compute_dtype, simulate, step_peak
+from .memory import DIMS, GIB, _compute_dtype, step_peak, with_zero_stage
+from .progress import Progress
+from .reduced import plan_ranks
 from .step_time import Hardware, step_time
 
 
@@ -26,15 +28,14 @@ def n_params(cfg: JobConfig) -> int:
     return model.num_params()
 
 
-def with_zero_stage(cfg: JobConfig, zero_stage: int) -> JobConfig:
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=zero_stage))
-
-
-def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 3), hw: Hardware | None = None
-               ) -> list[dict]:
+def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 3), hw: Hardware | None = None,
+               exact: bool = False) -> list[dict]:
     """One row per ZeRO stage the layout accepts (one row when nothing is data parallel): the heaviest planned
     rank's memory by category (GiB), whether it fits, GB it sends per step in every dimension (and in all), and
-    every planned rank's peak (pipeline stages). A stage the layout refuses is a row with its reason."""
+    every planned rank's peak (pipeline stages). A stage the layout refuses is a row with its reason. The memory
+    of each rank is extrapolated from reduced traces (``reduced.py``); ``exact``: from a trace of every layer
+    (minutes for a 1B model, the reference the extrapolation is tested against). A plan that takes more than 3 s
+    says on stderr what it is planning (``Progress``)."""
     refusals, layouts = {}, {}
     for z in stages:
         try:
@@ -42,28 +43,31 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
             dp = layouts[z].dp  # the same for every stage the layout accepts
         except ConfigError as e:
             refusals[z] = e
-    if len(refusals) == len(stages):
-        raise refusals[stages[0]]
+    if len(refusals) == len(stages):  # the most sharded stage's reason: ZeRO-0's is often only that it replicates
+        raise refusals[stages[-1]]
     if dp * cfg.parallel.cp == 1:  # nothing to shard over: every ZeRO stage is the same layout
         stages, refusals = (cfg.parallel.zero_stage,), {}
     P = n_params(cfg)
-    rows = []
-    for z in stages:
-        if z in refusals:
-            rows.append({"zero_stage": z, "refused": str(refusals[z])})
-            continue
-        cz = with_zero_stage(cfg, z)
-        per_rank = simulate(cz, world)
-        rank = max(per_rank, key=lambda r: per_rank[r]["memory"]["total"])
-        mem, facts = per_rank[rank]["memory"], per_rank[rank]["facts"]
-        comm = comm_bytes(cz, world, facts)
-        time = step_time(cz, world, comm, hw or Hardware())
-        rows.append({"time": time, "zero_stage": z, "dp": dp, "dp_shard": (layouts.get(z) or target_layout(cz, world)).dp_shard, "params": P, "rank": rank,
-                     "stages": facts["stages"],
-                     **{k: v / GIB for k, v in mem.items()}, "fits": mem["total"] / GIB <= gpu_memory_gib,
-                     "comm_gb": {k: v / 1e9 for k, v in comm.items()}, "comm_gb_per_step": sum(comm.values()) / 1e9,
-                     "rank_peaks_gib": {r: v["memory"]["total"] / GIB for r, v in per_rank.items()}})
-    return rows
+    with Progress() as progress:
+        planned = plan_ranks(cfg, world, [z for z in stages if z not in refusals], exact=exact,
+                             note=lambda what: progress.note(f"planning {what} ..."))
+    return [_row(cfg, z, world, gpu_memory_gib, hw, P, dp, layouts, planned[z]) if z not in refusals else
+            {"zero_stage": z, "refused": str(refusals[z])} for z in stages]
+
+
+def _row(cfg: JobConfig, z: int, world: int, gpu_memory_gib: float, hw: Hardware | None, P: int, dp: int,
+         layouts: dict, per_rank: dict[int, dict]) -> dict:
+    """``plan_table``'s row of ZeRO stage ``z`` from its planned ranks (``per_rank``)."""
+    cz = with_zero_stage(cfg, z)
+    rank = max(per_rank, key=lambda r: per_rank[r]["memory"]["total"])
+    mem, facts = per_rank[rank]["memory"], per_rank[rank]["facts"]
+    comm = comm_bytes(cz, world, facts)
+    time = step_time(cz, world, comm, hw or Hardware())
+    return {"time": time, "zero_stage": z, "dp": dp, "dp_shard": (layouts.get(z) or target_layout(cz, world)).dp_shard, "params": P, "rank": rank,
+            "stages": facts["stages"],
+            **{k: v / GIB for k, v in mem.items()}, "fits": mem["total"] / GIB <= gpu_memory_gib,
+            "comm_gb": {k: v / 1e9 for k, v in comm.items()}, "comm_gb_per_step": sum(comm.values()) / 1e9,
+            "rank_peaks_gib": {r: v["memory"]["total"] / GIB for r, v in per_rank.items()}}
 
 
 def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: float) -> str:
@@ -146,12 +150,15 @@ def gather_measurements(mesh: Mesh, mine: dict) -> dict[int, dict]:
     return dict(enumerate(everyone))
 
 
-def compare(cfg: JobConfig, world: int, measured: dict[int, dict]) -> dict:
+def compare(cfg: JobConfig, world: int, measured: dict[int, dict], exact: bool = False) -> dict:
     """The prediction for the heaviest planned rank beside what that rank measured: on a GPU the allocator's own
     peak (torch.cuda.max_memory_allocated: every tensor of the real step, the trackers' blind spots included), on
-    the CPU the tracked peak of the real tensors."""
+    the CPU the tracked peak of the real tensors. The prediction is ``plan_table``'s (``exact``: every layer
+    traced)."""
     on_gpu = any("cuda_max_allocated" in m for m in measured.values())
-    predicted = simulate(cfg, world, kernels="gpu" if on_gpu else "cpu")  # the kernels the measured step ran
+    with Progress() as progress:  # the kernels the measured step ran
+        predicted = plan_ranks(cfg, world, kernels="gpu" if on_gpu else "cpu", exact=exact,
+                               note=lambda what: progress.note(f"predicting {what} ..."))[cfg.parallel.zero_stage]
     rank = max(predicted, key=lambda r: predicted[r]["memory"]["total"])
     pred, real = predicted[rank]["memory"], measured[rank]
 

@@ -1,0 +1,275 @@
+"""A planned rank's memory from reduced traces, extrapolated per layer kind: what makes ``hybridtron plan`` take
+seconds where tracing every layer took minutes (``memory.step_peak``, still the reference: ``exact=True``).
+
+Layers of one kind (``layer_kinds``: the same modules, parameter shapes and activation-checkpointing wrapper, so
+the same mixer, feed-forward and recomputation) hold the same weights, gradients, optimizer state and saved
+activations. Each pipeline stage of the rank (the whole model outside a pipeline) keeps its first ``HEAD`` and
+last ``TAIL`` layers, and between them every layer of a kind that occurs there once; of a kind that occurs more
+often its last layer is traced for all (``reduce``). The rank is traced once without those extra layers (the
+base) and once with each of them, and every place of the step (forward, backward, clipping and optimizer, in
+which layer: ``memory._PeakOnly``) is extrapolated on its own:
+
+    M(place) = M_base(place) + sum over extra layers e of n(e) x (M_e(place) - M_base(place))
+
+with n(e) the middle layers of e's kind in its stage; the rank's peak is the largest place, and its categories
+those of that place. Communication's parameter and layer counts come from the whole rank (``rank_facts``).
+
+Exact, and checked to the byte against the full trace by ``tests/train/test_plan_reduced.py`` (dense, hybrid,
+MoE, one micro-batch or several, bf16, recomputation of every block or every other, tp 2, two pipeline stages,
+ZeRO 0/2/3; within 64 bytes, a few scalars): the embedding, output layer, loss, receive buffers, the layers at
+the ends of each stage and every place outside the middle layers, where each middle layer holds what the traced
+one of its kind holds. Bounded: a place inside a middle layer (its own transients beside the others) counts every
+other middle layer at the most it holds at any place outside them. Not modelled: what a middle layer's neighbour
+leaves behind for it that differs by kind (FSDP2 prefetching the next block's weights, a reduce-scatter buffer
+waiting for the next) at places of the layers next to the middle, which are not where a step peaks in the
+tests' models or the presets.
+
+The steps are ``ready_rank``'s ``quick`` ones (one tracked micro-batch on the gradients of an earlier one, a
+pipeline's first step one micro-batch per stage), on one build per rank for the base and every extra layer
+(those a step leaves out still hold their weights, gradients and optimizer state, taken back out of the base),
+and, for ZeRO-2 and 3, on one build for both (``plan_rank``)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+
+import torch
+
+from hybridtron.configs import JobConfig
+
+from .memory import (
+    categories,
+    fake_modes,
+    fake_world,
+    held_by,
+    planned_ranks,
+    ready_rank,
+    step_peak,
+    tracked_step,
+    with_zero_stage,
+)
+
+# Layers of each stage traced at its ends, with the neighbours whose leftovers they run beside (FSDP2's prefetch
+# of the next block's weights in the backward, a reduce-scatter buffer waiting for the next block's): the last
+# three (the top of the backward, where a step usually peaks, and the layer whose backward prefetches a middle
+# layer's weights: with two, hybrid_moe's ZeRO-3 plan on 64 nodes was 30 MB low, the middle layer traced for its
+# attention layers prefetching their weights where the whole model prefetches a Gated DeltaNet layer's) and the
+# first two (the end of the backward, where a step peaks when the gradients are made there: one micro-batch, every
+# block recomputed; with one, a 6-layer tiny_moe so planned under ZeRO-2 came out 9.8% high, 9.32 for 8.49 MB).
+HEAD, TAIL = 2, 3
+
+
+def _signature(block: torch.nn.Module) -> tuple:
+    """What makes two layers hold the same memory: their modules (classes, names: the mixer, the feed-forward,
+    an activation-checkpointing wrapper) and their parameters' and buffers' shapes and dtypes."""
+    tensors = itertools.chain(block.named_parameters(), block.named_buffers())
+    return (tuple((name, type(m).__qualname__) for name, m in block.named_modules()),
+            tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+
+
+def layer_kinds(cfg: JobConfig, vocab: int) -> list[int]:
+    """One number per layer, equal for layers of one kind: the model built on the meta device (nothing allocated)
+    and wrapped for recomputation as ``parallelize`` wraps it (every k-th block under
+    ``train.activation_checkpointing_every``)."""
+    from hybridtron.model import GatedLM
+
+    from ..parallel.parallelize import apply_activation_checkpointing, checkpointing_mode
+
+    with torch.device("meta"):
+        model = GatedLM(cfg.model, vocab)
+    t = cfg.train
+    apply_activation_checkpointing(model, checkpointing_mode(t), t.activation_checkpointing_every)
+    seen: dict[tuple, int] = {}
+    return [seen.setdefault(_signature(block), len(seen)) for block in model.layers]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """The layers that stand for one rank: ``like`` maps every layer of the rank to the layer built for it (itself
+    at the ends of a stage, else the stage's ``extra`` layer of its kind), ``count`` how many middle layers of each
+    (stage, kind) the rank holds."""
+
+    like: dict[int, int]
+    extra: dict[tuple[int, int], int]
+    count: dict[tuple[int, int], int]
+
+
+def stage_ids(cfg: JobConfig, world: int, rank: int) -> list[int]:
+    """The pipeline stages ``rank`` runs (``pipeline.stage_ids``; Mesh.pp_rank: pp outermost); [0] without one."""
+    p = cfg.parallel
+    pp_rank = rank // (world // p.pp)
+    return [pp_rank + k * p.pp for k in range(p.pp_stages_per_rank)] if p.pp > 1 else [0]
+
+
+def rank_stages(cfg: JobConfig, world: int, rank: int, vocab: int) -> list[range]:
+    """The layer ranges of the pipeline stages ``rank`` holds (the whole model outside a pipeline)."""
+    if cfg.parallel.pp == 1:
+        return [range(cfg.model.n_layers)]
+    from ..parallel.pipeline import stage_ranges
+
+    ranges = stage_ranges(cfg, vocab)
+    return [ranges[s] for s in stage_ids(cfg, world, rank)]
+
+
+def reduce(stages: list[range], kinds: list[int]) -> Reduction:
+    """Each stage's first ``HEAD`` and last ``TAIL`` layers, and between them every layer of a kind that occurs
+    there once; of a kind that occurs more often, its last layer stands for all (the module docstring)."""
+    like, extra, count = {}, {}, {}
+    for s, layers in enumerate(stages):
+        layers = list(layers)
+        middle = layers[HEAD:-TAIL] if len(layers) > HEAD + TAIL else []
+        by_kind: dict[int, list[int]] = {}
+        for i in middle:
+            by_kind.setdefault(kinds[i], []).append(i)
+        like.update((i, i) for i in layers)
+        for kind, group in by_kind.items():
+            if len(group) > 1:
+                extra[(s, kind)], count[(s, kind)] = group[-1], len(group)
+                like.update((i, group[-1]) for i in group)
+    return Reduction(like, extra, count)
+
+
+def _combine(base: dict, held: dict, plus: dict, count: dict) -> dict:
+    """The extrapolated memory (bytes by plan category) at one place of the step, from its base value, the tracked
+    steps with one extra layer each (``plus``: layer -> value; ``held``: layer -> its weights, gradients and
+    optimizer state, counted in every tracked step) and the middle layers' counts (``count``: layer -> n)."""
+    return {k: v - sum(h.get(k, 0.0) for h in held.values())
+            + sum(n * (plus[e][k] - v + held[e].get(k, 0.0)) for e, n in count.items()) for k, v in base.items()}
+
+
+def _extrapolate(ready, extras: list[int], count: dict[int, int], note=None) -> dict:
+    """The rank's memory by plan category from its tracked steps (``plan_rank``'s docstring). ``note``: called
+    with the number of the step traced next (progress)."""
+    cfg, mesh = ready.cfg, ready.mesh
+    # Where the gradients stay from step to step (``ready_rank``'s ``quick``), a step with one more layer ends its
+    # backward where the base does: every layer's weights, gradients and optimizer state (the left-out ones
+    # counted), no activation; the clipping (of every layer's gradients, left out or not) and the optimizer step
+    # (of every parameter) after it hold the same, so they run in the base step only: a third of a step's CPU.
+    base_only = ready.pipeline is None and not ready.zero_grad
+    places = {}
+    for n, e in enumerate([None, *extras]):
+        if note is not None:
+            note(f"step {n + 1}/{len(extras) + 1}")
+        tracker = tracked_step(ready, left_out=[x for x in extras if x != e], places=True,
+                               update=e is None or not base_only)
+        places[e] = {place: categories(snap, cfg, mesh) for place, snap in tracker.segments.items()}
+        if e is None:
+            held = {x: categories(held_by(tracker, ready.model.layers[x], ready.optimizer), cfg, mesh) for x in extras}
+    base, plus = places.pop(None), places
+    for e in extras:  # the places after the backward, as in the base
+        last = max(place[0] for place in plus[e])
+        plus[e].update((place, v) for place, v in base.items() if place[0] > last and base_only)
+    candidates = [_combine(v, held, {e: plus[e][place] for e in extras}, count) for place, v in base.items()]
+    # a layer of each middle kind where it holds the most, outside the middle layers (the same for the others)
+    most = {x: max(base, key=lambda p, x=x: plus[x][p]["total"] - base[p]["total"]) for x in extras}
+    others = {x: {k: plus[x][most[x]][k] - base[most[x]][k] + held[x].get(k, 0.0) for k in base[most[x]]}
+              for x in extras}
+    for e in extras:  # places inside the middle layer e: the others at their most
+        for place, v in plus[e].items():
+            if place[2] == e:
+                candidates.append({k: v[k] - sum(held[x].get(k, 0.0) for x in extras if x != e)
+                                   + sum((n - (x == e)) * others[x][k] for x, n in count.items()) for k in v})
+    return max(candidates, key=lambda m: m["total"])
+
+
+def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: str = "gpu",
+              kinds: list[int] | None = None, note=None) -> tuple[dict[int, dict], dict | None]:
+    """``step_peak``'s result ({"memory", "facts"}) for ``rank`` of a ``world``-process job at each of
+    ``zero_stages`` (those the layout accepts), from its reduced traces (module docstring): {zero stage: result};
+    and every pp rank's pipeline actions (None outside a pipeline). ``kinds``: ``layer_kinds``'s, when known.
+    ``note``: called with what is traced next (the ZeRO stage, the build or which step: progress).
+
+    The base and the one-layer-more traces share one build and first step: the rank is built with every extra
+    layer, and each tracked step leaves out the extra layers it is not about (``memory.tracked_step``), whose
+    weights, gradients and optimizer state the tracker still counts; those (``held_by``) are taken back out of
+    the base, and each added layer's are its own. The ZeRO stages share one fake world (process groups, device
+    mesh and DTensor's cache of sharding rules: 25 ms per op it has not seen), and ZeRO-2 and 3 one build too:
+    they differ only in whether FSDP2 frees a block's gathered weights after its forward
+    (``set_reshard_after_forward``, what ``apply_data_parallel`` sets from the stage).
+
+    The peak is extrapolated place by place (``memory._PeakOnly``: the forward, backward or optimizer step, in
+    which layer), then the largest taken: the traces can peak at different places (with every other block
+    recomputed, the base at the loss's backward and the base with one more plain layer in the last layer's), and
+    so can the whole rank. A place inside a middle layer is one layer running beside the others: it is bounded by
+    counting every other middle layer at the most it holds at any place outside the middle."""
+    from torch.distributed.fsdp import FSDPModule
+
+    vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
+    red = reduce(rank_stages(cfg, world, rank, vocab), kinds or layer_kinds(cfg, vocab))
+    extras = sorted(set(red.extra.values()))
+    count = {red.extra[key]: n for key, n in red.count.items()}  # each extra layer stands for its kind alone
+    builds = [[z] for z in zero_stages if z == 0] + [[z for z in zero_stages if z != 0]]
+    out, orders = {}, None
+    with fake_world(with_zero_stage(cfg, zero_stages[0]), world, rank) as mesh, fake_modes(cfg, kernels):
+        for zs in (b for b in builds if b):
+            cz = with_zero_stage(cfg, zs[0])
+            stage_names = " and ".join(f"ZeRO-{z}" for z in zs)
+            if note is not None:
+                note(f"{stage_names}: building the rank and its first step")
+            ready = ready_rank(cz, dataclasses.replace(mesh, zero_stage=zs[0]), True, torch.device("cpu"),
+                               quick=True, like=red.like)
+            if ready.pipeline is not None:
+                orders = ready.pipeline.schedule.orders
+            for z in zs:
+                if z != zs[0]:  # the other FSDP stage on the same build
+                    for block in ready.model.layers:
+                        if isinstance(block, FSDPModule):
+                            block.set_reshard_after_forward(z == 3, recurse=False)
+                    ready = dataclasses.replace(ready, cfg=with_zero_stage(ready.cfg, z),
+                                                mesh=dataclasses.replace(mesh, zero_stage=z))
+                said = None if note is None else (lambda what, z=z: note(f"ZeRO-{z}: tracing {what}"))
+                out[z] = {"memory": _extrapolate(ready, extras, count, said), "facts": ready.facts}
+    return out, orders
+
+
+def _signature_of_rank(cfg: JobConfig, world: int, rank: int, vocab: int, kinds: list[int], orders) -> tuple:
+    """What a rank's plan depends on beyond its shard: each of its stages' place (first, last) and layer kinds,
+    and its schedule's actions (``orders``: pp rank -> actions) with its stages numbered locally. Two pipeline
+    stages alike in all of it hold the same memory (GPipe's middle stages of one layer count, say)."""
+    p = cfg.parallel
+    n_stages, ids = p.pp * p.pp_stages_per_rank, stage_ids(cfg, world, rank)
+    pp_rank = ids[0]
+    stages = rank_stages(cfg, world, rank, vocab)
+    actions = tuple((ids.index(a.stage_index), a.computation_type.value) for a in orders[pp_rank])
+    return (tuple((s == 0, s == n_stages - 1, tuple(kinds[i] for i in r)) for s, r in zip(ids, stages, strict=True)),
+            actions)
+
+
+def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu", exact: bool = False,
+               note=None) -> dict[int, dict[int, dict]]:
+    """Every planned rank of ``cfg`` on ``world`` processes (the first of each pipeline stage: the others differ
+    by their shard only) at each of ``zero_stages`` (default the config's; those the layout accepts):
+    {zero stage: {rank: result}}. A pipeline stage alike in everything to one planned before
+    (``_signature_of_rank``) takes its result. ``exact``: every layer traced (``memory.step_peak``, the reference
+    the extrapolation is tested against). ``note``: called with what is planned next (progress)."""
+    zero_stages = tuple(zero_stages or (cfg.parallel.zero_stage,))
+    ranks = planned_ranks(cfg, world)
+    vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
+    kinds = layer_kinds(cfg, vocab)
+    out = {z: {} for z in zero_stages}
+    seen, orders = {}, None
+    for n, rank in enumerate(ranks):
+        key = _signature_of_rank(cfg, world, rank, vocab, kinds, orders) if orders is not None else None
+        if key in seen:  # the same plan: its own stage ids for the communication
+            for z in zero_stages:
+                out[z][rank] = copy.deepcopy(out[z][seen[key]])
+                out[z][rank]["facts"]["stages"] = stage_ids(cfg, world, rank)
+            continue
+        which = f"pipeline stage {n + 1}/{len(ranks)} (rank {rank})" if len(ranks) > 1 else "rank 0"
+        if note is not None:
+            note(which)
+        if exact:
+            for z in zero_stages:
+                cz = with_zero_stage(cfg, z)
+                with fake_world(cz, world, rank) as mesh:
+                    out[z][rank] = step_peak(cz, mesh, fake=True, kernels=kernels)
+            continue
+        results, orders = plan_rank(cfg, world, rank, zero_stages, kernels, kinds,
+                                    None if note is None else (lambda what, which=which: note(f"{which}, {what}")))
+        for z in zero_stages:
+            out[z][rank] = results[z]
+        if orders is not None:
+            seen[_signature_of_rank(cfg, world, rank, vocab, kinds, orders)] = rank
+    return out
