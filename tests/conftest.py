@@ -42,7 +42,7 @@ else:
 LONG_FIRST = ("test_user_commands.py", "train/test_data_parallel.py", "train/test_context_parallel.py",
               "kernels/test_model_kernels.py", "slurm/test_cluster.py", "model/test_state_tracking.py", "train/test_pipeline.py",
               "train/test_tensor_parallel.py", "train/test_expert_parallel.py", "train/test_composed_parallel.py",
-              "train/test_plan.py", "train/test_hsdp.py", "bench/test_bench_train.py")
+              "train/test_plan.py", "train/test_plan_reduced.py", "train/test_hsdp.py", "bench/test_bench_train.py")
 
 
 def pytest_collection_modifyitems(config, items):
