@@ -314,20 +314,27 @@ class TestAsUsersRunIt:
 
     def test_export_with_the_peer_kernels_installed(self, user):
         """A CPU machine where fla-core and torchao are installed (a login node with the gpu extras, or .venv-dev):
-        export and its logit check take transformers' torch paths, and stderr stays clean."""
+        every preset's export and its logit check take transformers' torch paths, docs/export.md's loading works
+        on each, and stderr stays clean."""
         dev = Path(sys.executable).parent
         env = {"PATH": os.pathsep.join([str(dev), user.env["PATH"]])}
         p = subprocess.run([sys.executable, "-c", "import fla, torchao, triton"], capture_output=True, text=True)
         assert p.returncode == 0, f"the dev environment lacks a peer kernel package: {p.stderr[-500:]}"
-        run_dir = user.ensure_run("tiny_hybrid")  # Gated DeltaNet: what transformers would bind fla's kernels into
-        user.run([str(dev / "hybridtron"), "export", run_dir, "--out", "export/e2e_peers"],
-                 "export tiny_hybrid with fla-core installed", extra_env=env)
-        # and the loading snippet there, with docs/export.md's line that hides the two packages from transformers
+        # every preset: the Gated DeltaNet ones are what transformers would bind fla's kernels into, the custom-code
+        # ones run our own modelling code beside the installed packages
         hide = next(body for lang, body in fenced_blocks((DOCS / "export.md").read_text())
                     if lang == "python" and 'sys.modules["fla"]' in body)
-        snippet = loading_snippet(user.root / "export/e2e_peers", custom_code=False)
-        user.run(hide + snippet, "the loading snippet with fla-core installed, as docs/export.md says",
-                 python=True, extra_env=env, interpreter=sys.executable, allowed=(TORCHAO,))
+        snippets = [hide]
+        for preset in TINY_PRESETS:
+            out = user.root / f"export/e2e_peers_{preset}"
+            user.run([str(dev / "hybridtron"), "export", user.ensure_run(preset), "--out", str(out)],
+                     f"export {preset} with fla-core and torchao installed", extra_env=env)
+            custom = bool(json.loads((out / "hybridtron_export.json").read_text())["custom_code"])
+            snippets.append(f"print('== {preset}')\n" + loading_snippet(out, custom))
+        # and the loading snippet on each, with docs/export.md's line that hides the two packages from transformers
+        p = user.run("\n".join(snippets), "the loading snippet with fla-core installed, as docs/export.md says",
+                     python=True, extra_env=env, interpreter=sys.executable, allowed=(TORCHAO,))
+        assert [block.splitlines()[0] for block in p.stdout.split("== ")[1:]] == list(TINY_PRESETS), p.stdout
 
 
 def _without_optional(argv: list[str]) -> list[str]:

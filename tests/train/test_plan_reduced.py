@@ -31,8 +31,8 @@ CASES = {  # name: (preset, overrides, world, ZeRO stages): every kind and every
                                                    ("train.activation_checkpointing_every", "2"),
                                                    ("train.grad_accum_steps", "1")], 4, (0, 3)),
     "tp2": ("tiny", [("parallel.tp", "2")], 4, (3,)),
-    # two pipeline stages (the output layer weighs on the last), 4 micro-batches, 2 in flight on stage 0
-    "pp2_1f1b": ("tiny", [("parallel.pp", "2"), ("model.n_layers", "18"), ("train.grad_accum_steps", "4"),
+    # two pipeline stages (the output layer weighs on the last), 2 micro-batches, both in flight on stage 0 under 1F1B
+    "pp2_1f1b": ("tiny", [("parallel.pp", "2"), ("model.n_layers", "18"), ("train.grad_accum_steps", "2"),
                           ("parallel.pp_schedule", "1f1b")], 4, (3,)),
 }
 # Bytes by which a plan may differ from the full trace: 64, sixteen fp32 scalars. Measured 2026-11-28: every case
