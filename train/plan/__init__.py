@@ -50,9 +50,7 @@ traces run one micro-batch on top of the gradients of an earlier one (a step's s
 least what its first does), and a pipeline's first step one micro-batch per stage. ``exact=True``
 (``plan_table``, ``plan_ranks``, ``compare``) traces every layer as described above: the reference the
 extrapolation is tested against (``tests/train/test_plan_reduced.py``: equal to the byte, or within 64 bytes: a
-few scalars). ``--measure`` runs
-the same two steps on real
-tensors in the job's real layout (under torchrun, every rank; a pipeline through torch's real schedule) and
+few scalars). ``--measure`` runs the same two steps on real tensors in the job's real layout (under torchrun, every rank; a pipeline through torch's real schedule) and
 prints the prediction beside the measured peak of the rank the plan found heaviest: the check that the plan is
 right.
 

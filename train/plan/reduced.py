@@ -46,7 +46,7 @@ from .memory import (
     held_by,
     planned_ranks,
     ready_rank,
-    step_peak,
+    simulate,
     tracked_step,
     with_zero_stage,
 )
@@ -245,6 +245,10 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
     (``_signature_of_rank``) takes its result. ``exact``: every layer traced (``memory.step_peak``, the reference
     the extrapolation is tested against). ``note``: called with what is planned next (progress)."""
     zero_stages = tuple(zero_stages or (cfg.parallel.zero_stage,))
+    if exact:
+        if note is not None:
+            note("every rank, every layer traced")
+        return {z: simulate(with_zero_stage(cfg, z), world, kernels) for z in zero_stages}
     ranks = planned_ranks(cfg, world)
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
     kinds = layer_kinds(cfg, vocab)
@@ -260,12 +264,6 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
         which = f"pipeline stage {n + 1}/{len(ranks)} (rank {rank})" if len(ranks) > 1 else "rank 0"
         if note is not None:
             note(which)
-        if exact:
-            for z in zero_stages:
-                cz = with_zero_stage(cfg, z)
-                with fake_world(cz, world, rank) as mesh:
-                    out[z][rank] = step_peak(cz, mesh, fake=True, kernels=kernels)
-            continue
         results, orders = plan_rank(cfg, world, rank, zero_stages, kernels, kinds,
                                     None if note is None else (lambda what, which=which: note(f"{which}, {what}")))
         for z in zero_stages:
