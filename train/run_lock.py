@@ -7,6 +7,11 @@ again. Readers (``eval``, ``sample``, ``export``, ``status``) never take it. Aft
 is (host, pid, start time, SLURM job) into the file, through the locked descriptor: replacing the file by a rename
 would move the lock to an inode nobody else opens. A process that is refused reads that to name the holder.
 
+The descriptor does not outlive the holder in its children: ``flock`` belongs to the open file description, which a
+forked child (a data-loader or tokenizer worker) shares, so a child that outlived its killed parent kept the run
+locked until it exited. Each child closes its copy at once (``os.register_at_fork``); an exec'd one never gets it
+(``O_CLOEXEC``). The parent's lock is untouched: it holds its own descriptor.
+
 Where the file system cannot lock (``flock`` fails with ENOLCK, ENOSYS, EOPNOTSUPP or EINVAL: NFS without a lock
 service, Lustre mounted ``noflock``), the run goes on unlocked after one warning line; docs/architecture.md says
 what each file system guarantees.
@@ -36,6 +41,23 @@ UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 def _warn(msg: str) -> None:
     print(f"[hybridtron] {msg}", file=sys.stderr, flush=True)
+
+
+_held: set[RunLock] = set()  # the locks this process holds: what a forked child must let go of
+
+
+def _close_in_child() -> None:
+    for lock in list(_held):
+        if lock.fd is not None:
+            try:
+                os.close(lock.fd)
+            except OSError:
+                pass
+            lock.fd = None  # the child's release() then touches nothing: the lock file is the parent's
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunDirBusy(ConfigError):
@@ -95,6 +117,7 @@ class RunLock:
             os.close(fd)
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.fd = fd
+        _held.add(self)
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         who = {"host": socket.gethostname(), "pid": os.getpid(), "started": now,
                "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
@@ -114,6 +137,7 @@ class RunLock:
                 self._remove_created()
         except OSError:
             pass
+        _held.discard(self)
         os.close(self.fd)
         self.fd = None
 

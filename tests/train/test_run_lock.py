@@ -5,6 +5,7 @@ data is prepared; the kernel drops the lock when the holder dies, so a kill -9 l
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -171,3 +172,36 @@ def test_a_file_system_without_locks_warns_once_and_goes_on(small_data_dir, cli_
     monkeypatch.setattr(fcntl, "flock", broken)  # any other failure is not a file system without locks
     with pytest.raises(OSError), run_lock.hold_run_dir(tmp_path / "other"):
         pass
+
+
+FORK_AND_HOLD = """import multiprocessing, sys, time
+from hybridtron.train.run_lock import RunLock
+lock = RunLock(sys.argv[1])
+assert lock.acquire() is None
+worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))  # a data or tokenizer worker
+worker.start()
+print(worker.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_worker_does_not_keep_a_killed_holders_lock(tmp_path):
+    """flock belongs to the open file description a forked child shares: a worker that outlived its killed parent
+    (rank 0 killed with kill -9 while preparing data) kept the run locked until it exited."""
+    run = tmp_path / "run"
+    parent = subprocess.Popen([sys.executable, "-c", FORK_AND_HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        worker = int(parent.stdout.readline())
+        assert run_lock.RunLock(run).acquire() is not None, "the parent does not hold the lock"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        os.kill(worker, 0)  # the worker lives on (now init's child)
+        lock = run_lock.RunLock(run)
+        assert lock.acquire() is None, "the killed holder's forked worker still holds the run directory's lock"
+        lock.release()
+    finally:
+        _stop(parent)
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
