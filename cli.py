@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from hybridtron.configs import ConfigError, check_overrides, parse_overrides
@@ -491,6 +492,65 @@ def _peer_lost(e: BaseException) -> bool:
     return isinstance(e, getattr(dist, "DistNetworkError", ())) or any(s in text for s in PEER_LOST)
 
 
+# Where a process of a multi-process job that stops on its own error (a full disk, a bad input) leaves its line, in
+# the job's rendezvous store: the others then fail in a collective, knowing only that the connection is gone.
+FAILURE_KEY = "hybridtron/failure"
+STORE_TIMEOUT_S = 5.0  # a store that no longer answers (its host is gone) costs at most this
+
+
+def _default_store():
+    """The process group's store while the group exists (a failed run leaves it up: Mesh.close), else None."""
+    dist = sys.modules.get("torch.distributed")  # never imported here: a process that has none has no group
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    import datetime
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+    return store
+
+
+def _leave_for_the_others(text: str) -> None:
+    """Record this process's cause for the others; the first process to stop keeps its line. Best effort: the
+    process is ending on its own error, and a store that is gone changes nothing about that."""
+    try:
+        store = _default_store()
+        if store is not None:
+            store.compare_set(FAILURE_KEY, "", text)
+    except Exception:  # noqa: BLE001 (any failure of a dying job's store: the line printed already says it all)
+        pass
+
+
+def _left_by_another() -> str | None:
+    """What another process recorded before it stopped, or None. Not waited for: it records before it exits, and
+    its exit is what broke this process's collective; torchrun stops this process moments later."""
+    try:
+        store = _default_store()
+        if store is not None and store.check([FAILURE_KEY]):
+            return store.get(FAILURE_KEY).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 (the store went with the process that hosted it: the generic line then)
+        pass
+    return None
+
+
+def _tell_launcher(line: str, cause: bool = True) -> None:
+    """torchrun ends its output with a summary of the failed workers, each with a "traceback :" field read from the
+    file named by TORCHELASTIC_ERROR_FILE (without one: a link to its docs). Our line goes there, so that the
+    summary's last entry, the root cause, reads as our line did. torchrun takes for the root cause the smallest
+    timestamp (whole seconds; a tie goes to the worker it lists first): a line that only points at another
+    process's (``cause`` False) is dated a second later, so that the one it points at is the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    from hybridtron.atomic import write_text_atomic
+
+    stamp = int(time.time()) + (0 if cause else 1)
+    try:  # the format torchrun reads (torch.distributed.elastic.multiprocessing.errors.ProcessFailure)
+        write_text_atomic(Path(path), json.dumps({"message": line, "timestamp": stamp}))
+    except OSError:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand and return its exit code:
 
@@ -517,44 +577,51 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = 0, 1  # reported by the subcommand itself
     if world > 1:
         args.command = f"{args.command} (rank {rank}/{world})"
+
+    def fail(code: int, text: str, cause: bool = True) -> int:
+        """Print our one line; in a multi-process job, also leave it for the other processes and the launcher.
+        ``cause``: the line says why the job stops, rather than pointing at another process's line."""
+        line = f"hybridtron {args.command}: {text}"
+        print(line, file=sys.stderr)
+        if cause and world > 1:
+            _leave_for_the_others(f"rank {rank} stopped: {text.removeprefix('error: ')}")
+        _tell_launcher(line, cause)
+        return code
+
     try:
         _check_flags(args)
         return args.func(args)
     except DiskFullError as e:
         if debug:
             raise
-        print(f"hybridtron {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return 4
+        return fail(4, f"error: {_one_line(e)}")
     except (ConfigError, DataError, CheckpointError) as e:
         if debug:
             raise
-        print(f"hybridtron {args.command}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+        return fail(2, f"error: {_one_line(e)}", cause=not getattr(e, "relayed", False))
     except NonFiniteLossError as e:
         if debug:
             raise
-        print(f"hybridtron {args.command}: training diverged: {_one_line(e)}", file=sys.stderr)
-        return 3
+        return fail(3, f"training diverged: {_one_line(e)}")
     except RuntimeError as e:
         if debug or world == 1 or not _peer_lost(e):
             raise
-        print(f"hybridtron {args.command}: error: lost the connection to another process of the job "
-              f"({_one_line(e)[:160]}); that process stopped first (the launcher's summary names it and its exit "
-              f"code): fix its cause, then run the same command to resume from the last complete checkpoint",
-              file=sys.stderr)
-        return 5
+        first = _left_by_another()
+        if first:  # that process's own line: the cause, where "lost the connection" only says it is gone
+            return fail(5, f"error: {first}", cause=False)
+        return fail(5, f"error: lost the connection to another process of the job ({_one_line(e)[:160]}); that "
+                    f"process stopped first (the launcher's summary names it and its exit code): fix its cause, "
+                    f"then run the same command to resume from the last complete checkpoint", cause=False)
     except OSError as e:
         if debug:
             raise
         where = e.filename or "a file"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            print(f"hybridtron {args.command}: error: no space left on device writing {where}; free space there, "
-                  f"then run the same command again", file=sys.stderr)
-            return 4
+            return fail(4, f"error: no space left on device writing {where}; free space there, then run the same "
+                        f"command again")
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            print(f"hybridtron {args.command}: error: {(e.strerror or 'permission denied').lower()}: {where}; fix its permissions or choose "
-                  f"another path", file=sys.stderr)
-            return 2
+            return fail(2, f"error: {(e.strerror or 'permission denied').lower()}: {where}; fix its permissions or "
+                        f"choose another path")
         raise
 
 

@@ -61,7 +61,12 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunDirBusy(ConfigError):
-    """Another process trains into this run directory (exit 2: a refused state)."""
+    """Another process trains into this run directory (exit 2: a refused state). ``relayed``: this rank learned it
+    from rank 0, whose own line names the holder."""
+
+    def __init__(self, msg: str, relayed: bool = False):
+        super().__init__(msg)
+        self.relayed = relayed
 
 
 def describe_holder(text: str) -> str:
@@ -162,7 +167,7 @@ def hold_run_dir(run_dir: Path, is_main: bool = True, agree: Callable[[bool], bo
             refused = agree(refused)
         if refused and holder is None:
             raise RunDirBusy(f"{what} is in use by another training process (rank 0's line names it); wait for it to "
-                             f"end, or choose another --run-dir")
+                             f"end, or choose another --run-dir", relayed=True)
         if refused:
             raise RunDirBusy(f"{what} is in use by another training process ({holder}); wait for it to end or stop "
                              f"it, or choose another --run-dir (a crashed holder releases it by itself)")

@@ -190,3 +190,35 @@ def test_full_disk_under_a_run_file_names_it(name, where, small_data_dir, small_
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"hybridtron train: error: no space left on device writing "
                                                    f"{run / name};"), err
+
+
+@pytest.mark.slow  # two processes under torchrun
+def test_the_other_ranks_name_rank_0s_full_disk(own_mounts, small_data_dir, small_argv, tmp_path):
+    """Rank 0 alone writes the logs: when its write fails, the others used to end with "lost the connection to
+    another process" (their collective broke as rank 0 exited). Rank 0 leaves its line in the rendezvous store
+    first, and they print that cause."""
+    run = tmp_path / "run"
+    run.mkdir()
+    mnt, keep = tmp_path / "fs", tmp_path / "left"
+    mnt.mkdir()
+    keep.mkdir()
+    (run / "tensorboard").symlink_to(mnt)  # TensorBoard's events on a 4 KiB tmpfs: a dozen steps fit
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MNT": str(mnt), "KEEP": str(keep), "SIZE": "4k", "SETUP": ""}
+    for k in ("HYBRIDTRON_DEBUG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    argv = small_argv(small_data_dir, run, [*FLAT, "--train.max_steps", "100"])
+    cmd = [*own_mounts, "sh", "-c", IN_NAMESPACE, "sh", sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node=2", "-m", "hybridtron.cli", *argv]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    lines = res.stderr.splitlines()
+    out = res.stdout[-2000:] + res.stderr[-4000:]
+    rank0 = [ln for ln in lines if ln.startswith("hybridtron train (rank 0/2): error: ")]
+    rank1 = [ln for ln in lines if ln.startswith("hybridtron train (rank 1/2): error: ")]
+    assert res.returncode != 0 and len(rank0) == 1 and len(rank1) == 1, out
+    cause = rank0[0].removeprefix("hybridtron train (rank 0/2): error: ")
+    assert cause.startswith(f"no space left on device writing {run / 'tensorboard' / 'events.out.tfevents.'}"), out
+    assert rank1[0] == f"hybridtron train (rank 1/2): error: rank 0 stopped: {cause}", out
+    # torchrun's summary: rank 0's exit 4 and line as the root cause (rank 1, stopped by torchrun's SIGTERM as it
+    # exited, may be listed with -15)
+    root = res.stderr.rsplit("Root Cause (first observed failure):", 1)[1]
+    assert "exitcode  : 4" in root and f"traceback : {rank0[0]}" in root, out

@@ -123,11 +123,19 @@ def test_every_rank_of_a_refused_job_exits_2(small_data_dir, cli_args, tmp_path)
         os.killpg(job.pid, signal.SIGKILL) if job.poll() is None else None
         job.wait()
         _stop(holder)
-    assert job.returncode != 0
-    rank0 = [ln for ln in out.splitlines() if "hybridtron train (rank 0/2): error:" in ln]
-    rank1 = [ln for ln in out.splitlines() if "hybridtron train (rank 1/2): error:" in ln]
+    assert job.returncode != 0  # torchrun's 1, whatever its workers' codes: scripts see the failure
+    lines = out.splitlines()
+    rank0 = [ln for ln in lines if ln.startswith("hybridtron train (rank 0/2): error:")]
+    rank1 = [ln for ln in lines if ln.startswith("hybridtron train (rank 1/2): error:")]
     assert len(rank0) == 1 and f"pid {holder.pid}" in rank0[0], out[-3000:]
     assert len(rank1) == 1 and "is in use by another training process" in rank1[0], out[-3000:]
+    assert lines[0] in (rank0[0], rank1[0]), out[:3000]  # what the user reads first is ours
+    # torchrun then prints its ChildFailedError traceback and a summary of the workers; the summary ends with the
+    # root cause, whose "traceback :" field is the line rank 0 left in torchrun's error file, naming the holder
+    # (rank 1's points at rank 0's line and is dated later, so it is not taken for the root cause).
+    root = out.rsplit("Root Cause (first observed failure):", 1)[1].splitlines()
+    assert "rank      : 0 (local_rank: 0)" in out.rsplit("Root Cause", 1)[1], out[-3000:]
+    assert [ln.strip() for ln in root if ln.strip()][-2:] == [f"traceback : {rank0[0]}", "=" * 60], out[-3000:]
     # torchrun stops the other rank once the first has exited (its summary may list that one as SIGTERM'd)
     assert "exitcode  : 2" in out and "[rank0]: Traceback" not in out and "[rank1]: Traceback" not in out, out[-3000:]
     assert not fresh_data.exists() and sorted(os.listdir(run)) == [".lock"]
