@@ -155,9 +155,13 @@ def _publishing(path: Path):
     try:
         yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        # A write or fsync that fails (ENOSPC on a full disk) names no file, and the scratch name is gone: name the
+        # file the caller asked for, so the one line the command prints says where.
+        if isinstance(e, OSError) and (e.filename is None or os.fspath(e.filename) == os.fspath(tmp)):
+            e.filename = os.fspath(path)
         raise
     fsync_dir(path.parent)
 

@@ -189,15 +189,17 @@ def cmd_sample(args) -> int:
 
 
 def cmd_export(args) -> int:
+    from .train.checkpoint_pins import pinned
     from .train.hf.export import export, resolve_checkpoint
 
     check_output_dir(Path(args.out), f"--out {args.out}", empty=True)  # first: a mistyped --out costs nothing
     if not Path(args.path).exists():
         raise CheckpointError(f"{args.path} does not exist; pass a run directory (its latest checkpoint is exported) "
                               f"or a checkpoint directory RUN_DIR/checkpoints/step_N")
-    ckpt = resolve_checkpoint(Path(args.path))
-    _log(f"exporting {ckpt} -> {args.out}")
-    export(ckpt, Path(args.out), max_shard_size=args.max_shard_size, check=not args.no_check, log=_log)
+    # Pinned while read: a run still training prunes its old checkpoints (checkpoint.keep_last), not this one.
+    with pinned(lambda: resolve_checkpoint(Path(args.path))) as ckpt:
+        _log(f"exporting {ckpt} -> {args.out}")
+        export(ckpt, Path(args.out), max_shard_size=args.max_shard_size, check=not args.no_check, log=_log)
     _log(f"Hugging Face model: {Path(args.out).resolve()} (AutoModelForCausalLM.from_pretrained)")
     return 0
 
@@ -617,8 +619,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         where = e.filename or "a file"
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return fail(4, f"error: no space left on device writing {where}; free space there, then run the same "
-                        f"command again")
+            # a copy's error (shutil's sendfile) names its source first and the file it was writing second
+            written = next((os.fsdecode(n) for n in (e.filename2, e.filename)
+                            if isinstance(n, (str, bytes, os.PathLike)) and os.fspath(n)), None)
+            return fail(4, f"error: no space left on device writing {written or 'a file'}; free space "
+                        f"{f'in {Path(written).parent}' if written else 'there'}, then run the same command again")
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             return fail(2, f"error: {(e.strerror or 'permission denied').lower()}: {where}; fix its permissions or "
                         f"choose another path")

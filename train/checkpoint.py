@@ -57,6 +57,7 @@ from hybridtron.atomic import (
 
 from . import checkpoint_names
 from .checkpoint_names import LATEST, STEP_RE
+from .checkpoint_pins import prune
 from .errors import CheckpointError, DiskFullError
 from .model_order import canonical_name, canonical_state_dicts, to_row_order
 from .parallel.mesh import launch_world
@@ -541,9 +542,9 @@ class CheckpointManager:
         self._prune()
 
     def _prune(self) -> None:
-        done = self.complete()
-        for old in done[: max(len(done) - self.keep_last, 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+        """Keep the last ``keep_last`` checkpoints, and any older one an export is reading (train/checkpoint_pins.py:
+        it goes at a later save, once the export is done)."""
+        prune(self.dir, self.complete(), self.keep_last)
 
     # ---- load ------------------------------------------------------------------------------
     @staticmethod

@@ -38,6 +38,7 @@ directory and renamed into place at the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -46,12 +47,13 @@ from pathlib import Path
 
 import torch
 
-from hybridtron.atomic import reclaim_scratch, scratch_name
+from hybridtron.atomic import new_dirs_removed_on_failure, reclaim_scratch, scratch_name
 from hybridtron.configs import ConfigError, JobConfig, ModelConfig, load_config
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.model import GatedLM, fold_scale_vectors
 
-from ..checkpoint import honour_umask
+from ..checkpoint import _is_disk_full, honour_umask
+from ..errors import DiskFullError
 
 PARITY_TOLERANCE = 1e-4  # max |logit difference| in float32 that the export accepts
 
@@ -410,6 +412,40 @@ def drop_remote_code_copy(cls: type) -> None:
         shutil.rmtree(named, ignore_errors=True)
 
 
+class _Phase:
+    """Which file of the export a failed write was writing. Its error often does not say: safetensors' names no file,
+    and Python's ``write`` of an open file raises ENOSPC without its name. That file is then the one that appeared or
+    changed in the scratch directory since the step began (a writer creates its file before it writes), else the
+    step's ``default``."""
+
+    def __init__(self, tmp: Path, default: str):
+        self.tmp, self.default, self.before = tmp, default, {}
+
+    def _files(self) -> dict[Path, tuple[int, int]]:
+        out = {}
+        with contextlib.suppress(OSError):  # (not made yet)
+            for p in self.tmp.rglob("*"):
+                with contextlib.suppress(OSError):
+                    st = p.stat()
+                    out[p] = (st.st_mtime_ns, st.st_size)
+        return out
+
+    def start(self, default: str) -> None:
+        self.default, self.before = default, self._files()
+
+    def failed(self, e: BaseException, out: Path) -> Path:
+        """The file that was being written, named as it would be in ``out`` when in the export."""
+        for name in (getattr(e, "filename2", None), getattr(e, "filename", None)):  # a copy's destination is 2nd
+            if isinstance(name, (str, os.PathLike)) and name:
+                p = Path(os.fsdecode(name))
+                return out / p.relative_to(self.tmp) if p.is_relative_to(self.tmp) else p
+        now = self._files()
+        changed = [p for p, st in now.items() if self.before.get(p) != st and p.is_file()]
+        if changed:
+            return out / max(changed, key=lambda p: now[p]).relative_to(self.tmp)
+        return out / (self.default or "")
+
+
 def export(ckpt: Path, out: Path, *, max_shard_size: str = "5GB", check: bool = True, log=print) -> ExportReport:
     """Write the Hugging Face directory ``out`` for checkpoint directory ``ckpt`` (see the module docstring)."""
     if out.exists() and any(out.iterdir()):
@@ -452,40 +488,56 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     hf_model.load_state_dict(hf_state, strict=True, assign=True)
     if plain_cfg.tie_embeddings:
         hf_model.tie_weights()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    reclaim_scratch(out.parent, log=log)  # an export killed midway left its whole directory there
     tmp = scratch_name(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()  # our log lines say what is written and checked
-    try:
-        hf_model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        for f in tmp.glob("*.safetensors"):
-            honour_umask(f)
-        if custom:
-            from .export_custom import FILES, HERE
+    phase = _Phase(tmp, "model.safetensors")  # what is being written, for a full disk's message
+    # A failed export leaves no --out behind (it is made by the final rename), nor the parents it made for it (once
+    # the finally below has removed tmp from the innermost)
+    with new_dirs_removed_on_failure(out.parent):
+        bars = transformers.utils.logging.is_progress_bar_enabled()
+        transformers.utils.logging.disable_progress_bar()  # our log lines say what is written and checked
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            reclaim_scratch(out.parent, log=log)  # an export killed midway left its whole directory there
+            shutil.rmtree(tmp, ignore_errors=True)
+            hf_model.save_pretrained(tmp, max_shard_size=max_shard_size)
+            for f in tmp.glob("*.safetensors"):
+                honour_umask(f)
+            if custom:
+                from .export_custom import FILES, HERE
 
-            for name in FILES:
-                shutil.copyfile(HERE / name, tmp / name)
-        export_tokenizer(tokenizer_dir, tmp)
-        report = ExportReport(target, ARCHITECTURES[target], model.num_params(), folded, why=target_reason(model.cfg, target),
-                              custom_code=custom_features(model.cfg))  # [] for every native target
-        if check:
-            measured = parity(model, tmp, model.vocab_size, trust_remote_code=custom)
-            report.max_logit_diff, report.experts_chosen = measured["max_logit_diff"], measured["experts_chosen"]
-            if not report.max_logit_diff <= PARITY_TOLERANCE:
-                raise ExportError(f"exported model differs from the checkpoint: max |logit difference| "
-                                  f"{report.max_logit_diff:.2e} > {PARITY_TOLERANCE:.0e}; nothing was written to {out}")
-        (tmp / "hybridtron_export.json").write_text(json.dumps(
-            {"source": source, "target": target, "custom_code": report.custom_code, "folded": folded,
-             "max_logit_diff": report.max_logit_diff, "experts_chosen": report.experts_chosen}, indent=1))
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
+                for name in FILES:
+                    phase.start(name)
+                    shutil.copyfile(HERE / name, tmp / name)
+            phase.start("tokenizer.json")
+            export_tokenizer(tokenizer_dir, tmp)
+            phase.start("")
+            report = ExportReport(target, ARCHITECTURES[target], model.num_params(), folded,
+                                  why=target_reason(model.cfg, target),
+                                  custom_code=custom_features(model.cfg))  # [] for every native target
+            if check:
+                measured = parity(model, tmp, model.vocab_size, trust_remote_code=custom)
+                report.max_logit_diff, report.experts_chosen = measured["max_logit_diff"], measured["experts_chosen"]
+                if not report.max_logit_diff <= PARITY_TOLERANCE:
+                    raise ExportError(f"exported model differs from the checkpoint: max |logit difference| "
+                                      f"{report.max_logit_diff:.2e} > {PARITY_TOLERANCE:.0e}; nothing was written to {out}")
+            phase.start("hybridtron_export.json")
+            (tmp / "hybridtron_export.json").write_text(json.dumps(
+                {"source": source, "target": target, "custom_code": report.custom_code, "folded": folded,
+                 "max_logit_diff": report.max_logit_diff, "experts_chosen": report.experts_chosen}, indent=1))
+            if out.exists():
+                out.rmdir()
+            os.replace(tmp, out)
+        except Exception as e:
+            if not _is_disk_full(e, out.parent if out.parent.exists() else None):
+                raise
+            file = phase.failed(e, out)
+            where = out.parent if file.is_relative_to(out) else file.parent  # the export's files go to out's parent
+            raise DiskFullError(f"no space left on device writing {file}; the partial export was removed: free space "
+                                f"in {where}, then run the same command again") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if bars:
+                transformers.utils.logging.enable_progress_bar()
     report.out_dir = out
     for line in report.lines():
         log(line)
