@@ -2,8 +2,8 @@
 
 Everything that can be judged on the login node is judged before anything is written or submitted: the config
 (with its overrides), its parallel layout against nodes x processes per node, a resumed run directory's model
-and data, the data sources, the time limit against the warning, and (through ``sinfo``) the partition and its
-node count. What only SLURM can judge (an account, a QOS, GPUs it does not have) comes back as ``sbatch``'s
+and data, whether another process trains into it (its lock), the data sources, the time limit against the
+warning, and (through ``sinfo``) the partition and its node count. What only SLURM can judge (an account, a QOS, GPUs it does not have) comes back as ``sbatch``'s
 own reason, in one line.
 
 The job trains the config exactly as validated: it is written to ``RUN_DIR/slurm/submit-<stamp>.yaml`` and the
@@ -31,6 +31,7 @@ TEMPLATE = Path(__file__).with_name("template.sbatch")
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 JOBS_FILE = "jobs.jsonl"  # RUN_DIR/slurm/jobs.jsonl: one line per submitted job, read by `hybridtron status`
 DEFAULT_WARNING_S = 300
+DEFAULT_MAX_RESTARTS = 3
 SLURM_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 
 
@@ -62,6 +63,9 @@ def add_arguments(sp) -> None:
     g.add_argument("--warning-seconds", type=int, default=DEFAULT_WARNING_S,
                    help=f"SIGUSR1 this long before the time limit: checkpoint, then requeue (default "
                         f"{DEFAULT_WARNING_S}; at least one step plus one checkpoint)")
+    g.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS, metavar="N",
+                   help=f"after a failure (a process or node killed, a hang) train again from the latest checkpoint "
+                        f"in the same allocation, at most N times per job (default {DEFAULT_MAX_RESTARTS}; 0: never)")
     g.add_argument("--chain", type=int, default=1, metavar="N",
                    help="submit N jobs, each starting when the previous one ends (afterany), each resuming the run")
     g.add_argument("--dependency", default=None, help="sbatch --dependency of the (first) job, e.g. afterok:123")
@@ -106,6 +110,8 @@ def check_numbers(args) -> int:
     if args.cpus_per_node is not None and args.cpus_per_node < nproc:
         raise ConfigError(f"--cpus-per-node {args.cpus_per_node} is fewer than the {nproc} processes per node; "
                           f"give each at least one CPU")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} must be 0 (no restart after a failure) or more")
     if args.warning_seconds < 1:
         raise ConfigError(f"--warning-seconds {args.warning_seconds} must be positive (time for one step and a "
                           f"checkpoint before the time limit)")
@@ -161,6 +167,25 @@ def check_resume(cfg, run_dir: Path) -> None:
     if not probe.model.vocab_size:  # derived from the tokenizer at the start of training; compare the run's
         probe.model.vocab_size = (saved.get("model") or {}).get("vocab_size", 0)
     check_resume_compatible(probe, run_dir)
+
+
+def check_run_lock(run_dir: Path, dependency: str | None, dry_run: bool, note) -> None:
+    """A run directory another process trains into is refused now, not after the queue wait when the job starts
+    (and is refused by the lock at once). A job that waits for another (``--dependency``, the holder's job say)
+    may start after the holder ends, and a dry run submits nothing: for those a note says it."""
+    from hybridtron.train.run_lock import probe_holder
+
+    holder = probe_holder(run_dir)
+    if holder is None:
+        return
+    job = re.search(r"SLURM job (\S+)", holder)
+    busy = f"--run-dir {run_dir} is in use by another training process ({holder})"
+    if dependency or dry_run:
+        note(f"note: {busy}; " + (f"the job waits for --dependency {dependency}, and is refused when it starts if "
+                                  f"that process still trains" if dependency else "without --dry-run this submission would be refused"))
+        return
+    raise ConfigError(f"{busy}; wait for it to end or stop it, submit with --dependency "
+                      f"afterany:{job[1] if job else 'JOB'} to start after it, or choose another --run-dir")
 
 
 def check_path(path: Path, what: str) -> None:
@@ -319,6 +344,7 @@ def build_job(args) -> tuple[Job, str, str]:
         "torchrun_q": shlex.quote(torchrun_path(container)),
         "srun_options": "".join(shlex.quote(o) + " " for o in srun),
         "warning_seconds": str(args.warning_seconds),
+        "max_restarts": str(args.max_restarts),
     }
     job.values = values
     return job, render(template, values, str(template_path)), cfg.to_yaml()
@@ -342,6 +368,8 @@ def submit(args, out=print) -> list[str]:
     """Validate, render, and (unless --dry-run) write the script and config into the run directory and sbatch
     it ``--chain`` times; returns the job ids."""
     job, script, config_yaml = build_job(args)
+    check_run_lock(job.run_dir, args.dependency, args.dry_run,
+                   note=lambda msg: print(f"hybridtron submit: {msg}", file=sys.stderr))
     if args.dry_run:
         out(script)
         # stdout: the script alone; the note on stderr, as our line
@@ -378,10 +406,10 @@ def command_line(args, resubmit: bool = False) -> str:
     (absolute run directory, from the same working directory, without chain or dependency)."""
     parts = ["hybridtron", "submit"]
     skip = {"chain", "dependency"} if resubmit else set()
-    defaults = {"warning_seconds": DEFAULT_WARNING_S, "chain": 1}
+    defaults = {"warning_seconds": DEFAULT_WARNING_S, "chain": 1, "max_restarts": DEFAULT_MAX_RESTARTS}
     for dest in ("config", "run_dir", "nodes", "gpus_per_node", "nproc_per_node", "cpus_per_node", "partition", "time",
                  "account", "qos", "constraint", "job_name", "container_image", "container_mounts", "warning_seconds",
-                 "chain", "dependency", "template"):
+                 "max_restarts", "chain", "dependency", "template"):
         value = getattr(args, dest, None)
         if value is not None and dest not in skip and defaults.get(dest) != value:
             if dest == "run_dir" and resubmit:

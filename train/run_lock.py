@@ -151,6 +151,26 @@ class RunLock:
         self._created = []
 
 
+def probe_holder(run_dir: Path | str) -> str | None:
+    """The holder's description when another process holds ``run_dir``'s lock; None when it is free, has no lock
+    file, or the file system cannot tell. Creates and changes nothing (`hybridtron submit --dry-run` asks too): a
+    shared ``flock`` on the existing file, which any holder's exclusive one refuses, released at once. For those
+    few microseconds a run starting in the same directory would be refused."""
+    try:
+        fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file: never trained into, so nobody holds it; unreadable: the job will judge
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return describe_holder(os.pread(fd, 4096, 0).decode("utf-8", "replace"))
+    except OSError:  # a file system that cannot lock: nothing to learn here
+        return None
+    finally:
+        os.close(fd)  # (also drops the shared lock)
+    return None
+
+
 @contextmanager
 def hold_run_dir(run_dir: Path, is_main: bool = True, agree: Callable[[bool], bool] | None = None,
                  warn: Callable[[str], None] = _warn, what: str | None = None) -> Iterator[RunLock | None]:
