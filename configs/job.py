@@ -217,6 +217,16 @@ class TrainConfig:
     # layout whatever the parallel one: a parallel run's gradients can then be compared with one process's.
     dump_grads: list[str] = field(default_factory=list)
     profile: ProfileConfig = field(default_factory=ProfileConfig)  # traces and memory snapshots of chosen steps
+    # Hang watch (train/watchdog.py): after the first step, a rank whose phase (data, forward, backward, optimizer,
+    # checkpoint, eval) has not moved for this many seconds while no other rank moves either names the ranks that
+    # did not arrive and exits with code 6 (the SLURM job restarts from the latest checkpoint); the process groups'
+    # timeout drops to it plus 60 s. Above the longest step, checkpoint write and evaluation; 0 = off (torch's
+    # 30-minute collective timeout only). 600 s: a hung 1,024-GPU job loses 10 minutes, not 30.
+    hang_timeout_s: float = 600.0
+    # A rank whose work per step (its step time less its waits for the others) exceeds the median rank's by this
+    # share, or that was not running for this share of its step time, is named as a straggler at each log step (in
+    # the log, metrics.jsonl and `hybridtron status`). 0 = do not look.
+    straggler_margin: float = 0.2
 
     def validate(self) -> None:
         for name in ("max_steps", "micro_batch_size", "grad_accum_steps", "eval_batches", "log_every"):
@@ -256,6 +266,10 @@ class TrainConfig:
         if not all(isinstance(n, str) and n for n in names) or len(set(names)) < len(names):
             raise ConfigError(f"train.dump_grads={self.dump_grads!r} must be distinct parameter names "
                               f"(e.g. [embed_tokens.weight, layers.0.mlp.down_proj.weight])")
+        if not (self.hang_timeout_s == 0 or 1 <= self.hang_timeout_s < float("inf")):
+            raise ConfigError(f"train.hang_timeout_s={self.hang_timeout_s} must be >= 1 second (0 = no hang watch)")
+        if not 0 <= self.straggler_margin:
+            raise ConfigError(f"train.straggler_margin={self.straggler_margin} must be >= 0 (0 = do not look)")
         self.profile.validate(self.max_steps)
 
 

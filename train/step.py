@@ -26,6 +26,7 @@ from hybridtron.data_pipeline.synthetic import IGNORE as IGNORE_INDEX  # a posit
 
 from .device import autocast_context, step_weight_casts
 from .parallel.context_parallel import local_piece
+from .watchdog import phase
 
 
 def micro_batches(loader, accum: int, mesh) -> list[dict]:
@@ -121,8 +122,10 @@ def run_torch(model, batches: list[dict], weights: list[float | None], *, device
             for m in hsdp:
                 m.set_requires_all_reduce(i == accum - 1, recurse=False)
             b = _to(cpu_batch, device, doc_mask)
+            phase("forward")
             with autocast_context(device, amp_dtype):
                 loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"], **_weight(c, device))
+            phase("backward")
             (loss / accum).backward()
             loss_sum += whole(loss.detach()).float()
             _add(aux_sums, aux_terms(model))
@@ -140,6 +143,7 @@ def run_pipeline(pipeline, batches: list[dict], weights: list[float | None], *, 
                 for p, c in zip(batches, weights, strict=True)]
         b["loss_weight"] = torch.cat(rows)
     b = {k: v.to(device, non_blocking=True) for k, v in b.items()}
+    phase("forward/backward")  # the schedule interleaves both over the stages
     with autocast_context(device, amp_dtype):
         return pipeline.step(b)
 
@@ -155,7 +159,9 @@ def run_deepspeed(engine, batches: list[dict], weights: list[float | None], *, d
     aux_sums: dict[str, torch.Tensor] = {}
     for i, (cpu_batch, c) in enumerate(zip(batches, weights, strict=True)):
         b = _to(cpu_batch, device, doc_mask)
+        phase("forward")
         loss = engine(b["input_ids"], b.get("doc_ids"), labels=b["labels"], **_weight(c, device))
+        phase("backward")
         engine.backward(loss)  # scaled by 1/accum inside
         loss_sum += loss.detach().float()
         _add(aux_sums, aux_terms(engine.module))

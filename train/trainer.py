@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from hybridtron.configs import ConfigError, JobConfig, load_config
 
-from . import kernel_choice
+from . import kernel_choice, watchdog
 from . import step as step_mod
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
 from .device import autocast_context
@@ -186,6 +186,7 @@ class Trainer:
             return self.plan
 
     def save(self) -> Path:
+        watchdog.phase("checkpoint")
         self.state.consumed_samples = self.train_loader.state_dict()["consumed_samples"]
         self.state.extra["schedule"] = self.plan.to_dict()
         self.state.extra["spike_guard"] = self.spike.state_dict()
@@ -202,6 +203,7 @@ class Trainer:
         for group in self.optimizer.param_groups:  # with DeepSpeed: its optimizer's groups, our schedule
             group["lr"] = lr
         batches = step_mod.micro_batches(self.train_loader, t.grad_accum_steps, self.mesh)
+        watchdog.phase("token count")  # an all-reduce: a rank still reading its batches is behind the others
         weights = step_mod.loss_weights(batches, self.mesh)  # each micro-batch's share of the global batch's tokens
         run = dict(device=self.device, doc_mask=self.cfg.model.doc_mask)
         aux = None  # the auxiliary losses in the loss, by kind (a pipeline's stages hold them apart: not split)
@@ -233,6 +235,7 @@ class Trainer:
     def _update(self, loss: float) -> tuple[float, bool]:
         """After the backward: the gradient hooks, clipping by the global norm, the loss-spike guard and (if all is
         finite) the optimizer step. Returns (grad_norm, finite)."""
+        watchdog.phase("optimizer")
         if self.engine is None:
             sync_expert_grads(self.model, self.mesh)
         for hook in self.grad_hooks:  # e.g. train.dump_grads: the reduced, unclipped gradients
@@ -269,6 +272,22 @@ class Trainer:
             self._hsdp = [m for m in self.model.modules() if hasattr(m, "set_requires_all_reduce")] if hybrid else []
         return self._hsdp
 
+    def _latest_name(self) -> str | None:
+        latest = self.ckpt.latest()
+        return latest.name if latest is not None else None
+
+    def _rank_times(self, watch, step: int, last_log: int | None, rec: dict, log) -> None:
+        """At a log step: publish this rank's step times; rank 0 adds every rank's split (median and slowest) over
+        the last window to ``rec`` and names the stragglers (train.straggler_margin), in the log too."""
+        watch.publish_times(step)
+        if not self.mesh.is_main or last_log is None or (got := watch.rank_times(last_log)) is None:
+            return
+        first, times = got
+        rec["rank_times"] = watchdog.split_summary(times)
+        if found := watchdog.find_stragglers(times, self.cfg.train.straggler_margin):
+            rec["stragglers"] = found
+            log(watchdog.straggler_line(found, first, last_log))
+
     def fit(self, log=print) -> FitResult:
         t, cfg = self.cfg.train, self.cfg
         resumed_from = self.resume_if_possible(log)
@@ -291,11 +310,16 @@ class Trainer:
         last_ckpt, val_loss, stopped_by = resumed_from, None, "max_steps"
         # train.profile: traces and memory snapshots of chosen steps; None (and no cost) when off
         prof = StepProfiler.for_run(t.profile, self.run_dir, self.mesh.rank, self.device, self.state.step, log)
+        # train.hang_timeout_s: every rank's step and phase where the others can read them, a hang named and ended
+        watch = watchdog.watch_for(cfg, self.run_dir, self.mesh, checkpoint_dir=self._latest_name)
+        last_log = None  # the previous log step: its rank times are complete on every rank (stragglers)
         try:
             with StopSignal(self.run_dir / STOP_REQUEST) as stop:
                 first = True  # this process's first step: it meets (and measures) every kernel shape class first
                 while self.state.step < t.max_steps:
                     t0 = time.perf_counter()
+                    if watch:
+                        watch.step_begin(self.state.step + 1)
                     with (kernel_choice.first_step(self.device, t.compile) if first else contextlib.nullcontext(),
                           prof.guard(self.state.step + 1) if prof else contextlib.nullcontext()):
                         out = self.train_step()
@@ -305,6 +329,10 @@ class Trainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     dt = time.perf_counter() - t0
+                    if watch:
+                        watch.step_end()
+                        if not watch.armed:  # after the first step: compile and kernel tuning are not watched
+                            watch.arm(watchdog.training_groups(self.mesh))
                     step = self.state.step
                     rec = {"step": step, "loss": out["loss"], **out["loss_parts"], "lr": out["lr"],
                            "grad_norm": out["grad_norm"], "tokens_per_s": out["tokens"] / dt,
@@ -328,6 +356,7 @@ class Trainer:
                             )
                         log(f"step {step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
                     if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                        watchdog.phase("eval")
                         val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
                                             self.amp_dtype, doc_mask=self.cfg.model.doc_mask, mesh=self.mesh,
                                             pipeline=self.pipeline)
@@ -335,6 +364,9 @@ class Trainer:
                         tag = f"[hybridtron rank 0/{self.mesh.world_size}] " if self.mesh.world_size > 1 else ""
                         (bar.write if main else _quiet)(f"{tag}step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
                                   f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")
+                    if watch and step % t.log_every == 0:
+                        self._rank_times(watch, step, last_log, rec, log)
+                        last_log = step
                     if step % t.log_every == 0 or "val_loss" in rec or "spike" in rec:
                         metrics.log(rec)
                     bar.update(1)
@@ -360,6 +392,8 @@ class Trainer:
                     last_ckpt = self.save()
                 self.ckpt.wait(self.mesh)  # a background save is complete, and latest, before the run ends
         finally:
+            if watch:
+                watch.close()
             if prof:
                 prof.close()
             bar.close()

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hybridtron.configs import JobConfig
 
+from ..watchdog import waiting
 from .layout import Layout, launch_world
 
 
@@ -151,7 +152,8 @@ class Mesh:
         if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self._group())
+        with waiting():  # a slower rank keeps this one here (train/watchdog.py: stragglers)
+            dist.all_reduce(t, group=self._group())
         return [float(v) / self.data_ranks for v in t.tolist()]
 
     def total(self, count: int) -> int:
@@ -159,7 +161,8 @@ class Mesh:
         if not self.distributed:
             return count
         t = torch.tensor([count], dtype=torch.int64)
-        dist.all_reduce(t, group=self._group())
+        with waiting():  # a slower rank keeps this one here (train/watchdog.py: stragglers)
+            dist.all_reduce(t, group=self._group())
         return int(t.item())
 
     def any(self, flag: bool) -> bool:
@@ -167,7 +170,8 @@ class Mesh:
         if not self.distributed:
             return flag
         t = torch.tensor([int(flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with waiting():  # a slower rank keeps this one here (train/watchdog.py: stragglers)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
     def pp_sum(self, value: float) -> float:
@@ -175,7 +179,8 @@ class Mesh:
         if self.pp == 1:
             return value
         t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, group=self.device_mesh.get_group("pp"))
+        with waiting():  # a slower rank keeps this one here (train/watchdog.py: stragglers)
+            dist.all_reduce(t, group=self.device_mesh.get_group("pp"))
         return float(t.item())
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -189,7 +194,8 @@ class Mesh:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        with waiting():  # a slower rank keeps this one here (train/watchdog.py: stragglers)
+            dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def barrier(self) -> None:
