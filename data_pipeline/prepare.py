@@ -285,7 +285,8 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
     digest = _inputs_digest(stamps)
     key = _source_key(cfg, i, fmt)
     dtype = token_dtype(tok.vocab_size)
-    writers = {s: SplitWriter(out / name / s, dtype, tok.fingerprint, key, cfg.shard_docs, digest) for s in SPLITS}
+    writers = {s: SplitWriter(out / name / s, dtype, tok.fingerprint, key, cfg.shard_docs, digest, log=log)
+               for s in SPLITS}
     if all(w.complete for w in writers.values()):
         recorded = writers["train"].manifest.get("source") or {}
         change, refreshed = _compare_inputs(recorded.get("files"), stamps)

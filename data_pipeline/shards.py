@@ -17,7 +17,8 @@ edit that keeps size and mtime, which takes a deliberate ``touch -d``, is not ca
 
 Crash safety: each file is written under a ``.tmp`` name, fsynced and renamed; the manifest (also replaced
 atomically) lists a shard only after both its files are in place. A shard file that the manifest does not
-list is the remnant of an interrupted run and is deleted when a writer reopens the directory. The manifest's
+list is the remnant of an interrupted run and is deleted when a writer reopens the directory; so is the scratch
+file of a write whose process is gone. Nothing else there is deleted, whoever put it there. The manifest's
 ``complete`` flag is set once the split's last shard is written; readers refuse an incomplete split.
 """
 
@@ -25,12 +26,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from ..atomic import fsync_dir, parse_scratch, write_bytes_atomic, write_chunks_atomic, write_text_atomic
+from ..atomic import (
+    fsync_dir,
+    parse_scratch,
+    pid_alive,
+    this_host,
+    write_bytes_atomic,
+    write_chunks_atomic,
+    write_text_atomic,
+)
 from .errors import DataError
 
 MANIFEST = "manifest.json"
@@ -40,6 +51,15 @@ _OWN_NAME = re.compile(rf"^(shard_\d{{5}}\.(bin|idx)|{re.escape(MANIFEST)}|{re.e
 VERSION = 2
 MAX_SHARD_TOKENS = 1 << 25  # 64 MiB of uint16 ids
 _CHUNK = 1 << 22
+
+
+def _writer_gone(host: str | None, pid: int) -> bool:
+    """Whether the writer of a scratch file in a split directory is gone: this process (no write of its own is in
+    flight when a writer opens or resets the directory), a dead process of this host, or a name of an older
+    version, which carried no host. Another host's writer cannot be seen from here (atomic.reclaim_scratch's rule)."""
+    if host is None or pid == os.getpid():
+        return True
+    return host == this_host() and not pid_alive(pid)
 
 
 class ShardError(DataError):
@@ -104,9 +124,12 @@ class SplitWriter:
     """
 
     def __init__(
-        self, directory: Path, dtype: np.dtype, fingerprint: str, key: str, shard_docs: int, inputs_digest: str = ""
+        self, directory: Path, dtype: np.dtype, fingerprint: str, key: str, shard_docs: int, inputs_digest: str = "",
+        log: Callable[[str], object] | None = None,
     ):
         self.dir = Path(directory)
+        self.log = log  # the warning about files in the directory that prepare did not write
+        self._named: set[str] = set()  # those already named in a warning
         self.dir.mkdir(parents=True, exist_ok=True)
         self.dtype = np.dtype(dtype)
         self.shard_docs = shard_docs
@@ -143,18 +166,27 @@ class SplitWriter:
 
     def _remove_unlisted(self) -> None:
         """Remove what an interrupted write of this split left: shards the manifest never listed and the scratch
-        files of shard and manifest writes. Any other entry is not ours: refused by name, never deleted (a
-        data.out_dir pointed at a directory that holds the user's files must not eat them)."""
+        files of shard and manifest writes whose process is gone. Any other entry is not ours and stays, named once
+        in a warning: a data.out_dir pointed at a directory that holds the user's files must not eat them (it used
+        to), nor be refused for them (readers open only the listed shards), and a live writer's scratch is its own."""
         listed = {e[k] for e in self.manifest["shards"] for k in ("bin", "idx")} | {MANIFEST}
-        stray = [f for f in self.dir.iterdir() if f.name not in listed]
-        foreign = sorted(f.name for f in stray if f.is_symlink() or not f.is_file() or not _OWN_NAME.match(
-            (parse_scratch(f.name) or (f.name,))[0]))
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-            raise ShardError(f"{self.dir} holds {shown}, which `hybridtron prepare` did not write, and prepare removes "
-                             f"nothing it did not make; move them elsewhere or choose another data.out_dir")
-        for f in stray:
-            f.unlink()
+        ours, foreign = [], []
+        for f in sorted(self.dir.iterdir()):
+            if f.name in listed:
+                continue
+            scratch = parse_scratch(f.name)
+            if f.is_symlink() or not f.is_file() or not _OWN_NAME.match(scratch[0] if scratch else f.name):
+                foreign.append(f.name)
+            elif scratch is None or _writer_gone(scratch[1], scratch[2]):
+                ours.append(f)
+        new = [n for n in foreign if n not in self._named]
+        if new and self.log is not None:
+            self._named.update(new)
+            shown = ", ".join(new[:3]) + (f" and {len(new) - 3} more" if len(new) > 3 else "")
+            self.log(f"warning: {self.dir} holds {shown}, which `hybridtron prepare` did not write; left as "
+                     f"{'they are' if len(new) > 1 else 'it is'} (prepare reads and removes only its own files)")
+        for f in ours:
+            f.unlink(missing_ok=True)
 
     def reset(self, inputs_digest: str) -> None:
         """Start the split over (its sources changed): an empty manifest first, then the old shards go."""

@@ -97,7 +97,7 @@ def test_a_rerun_removes_what_killed_prepares_left_and_says_so(copy_prepared, de
     gone = [out / "tokenizer" / f".tokenizer.json.tmp-{host}-{dead_pid}",  # killed while saving the tokenizer
             out / "stdlib" / "train" / f".shard_00001.bin.tmp-{host}-{dead_pid}",  # ... a shard
             out / f".prepare_config.json.tmp-{host}-{dead_pid}"]
-    # (a split directory's writer removes whatever its manifest does not list: no other entry stays there)
+    # (what a split directory's writer keeps there: test_shards.py)
     kept = [out / "tokenizer" / f".tokenizer.json.tmp-node9-{dead_pid}",  # another node's: not ours to judge
             out / f".prepare_config.json.tmp-{host}-{live_pid}"]  # a prepare still running
     for p in gone + kept:
@@ -245,3 +245,45 @@ def test_arrow_cached_text_source_sees_edited_files(tmp_path):
     (d / "a.txt").write_text("second, longer version")
     os.utime(d / "a.txt", ns=(1, 1))
     assert [t for b in iter_documents(src, False, cache) for t in b] == ["second, longer version"]
+
+
+def test_prepare_resumed_by_the_cli_keeps_a_users_file_and_removes_its_own_leftovers(small_data_dir, small_argv,
+                                                                                     tmp_path, monkeypatch, capsys,
+                                                                                     dead_pid):
+    """`hybridtron prepare` killed midway, then run again, with a file of the user's in a split directory: the file
+    stays (one warning line names it), the killed write's shard files and scratch go, the shards come out as an
+    uninterrupted prepare's."""
+    from hybridtron.cli import main
+
+    out = tmp_path / "data"
+    shutil.copytree(small_data_dir / "tokenizer", out / "tokenizer")  # the same tokenizer: the same tokens
+    argv = ["prepare", *small_argv(out, tmp_path / "run")[1:]]
+    real = shards.write_shard
+    calls = []
+
+    def killed(directory, index, docs, dtype):
+        calls.append(index)
+        if len(calls) == 1:  # the files written, the manifest not yet: as a kill between the two leaves it
+            real(directory, index, docs, dtype)
+            raise KeyboardInterrupt("simulated kill")
+        return real(directory, index, docs, dtype)
+
+    monkeypatch.setattr(shards, "write_shard", killed)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    monkeypatch.setattr(shards, "write_shard", real)
+    split = out / "stdlib" / "train"
+    assert sorted(p.name for p in split.iterdir()) == ["shard_00000.bin", "shard_00000.idx"]  # listed nowhere
+    stale = [split / f".manifest.json.tmp-{this_host()}-{dead_pid}", split / "shard_00009.bin"]  # ours, left over
+    for f in stale:
+        f.write_bytes(b"half")
+    (split / "notes.txt").write_text("precious")
+    capsys.readouterr()
+    assert main(argv) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert [ln for ln in said if "notes.txt" in ln] == [
+        f"[hybridtron] warning: {split} holds notes.txt, which `hybridtron prepare` did not write; left as it is "
+        f"(prepare reads and removes only its own files)"]
+    assert (split / "notes.txt").read_text() == "precious" and not any(f.exists() for f in stale)
+    (split / "notes.txt").unlink()
+    assert tree_bytes(out) == tree_bytes(small_data_dir)  # the killed write's files were replaced by whole ones

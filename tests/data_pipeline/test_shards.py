@@ -114,21 +114,34 @@ def test_checksum_verification_is_cached_by_size_mtime_and_inode(copy_prepared, 
     assert len(hashed) == n_files
 
 
-def test_a_split_directory_keeps_files_prepare_did_not_write(tmp_path):
-    """A data.out_dir pointed at a directory holding the user's files: prepare refuses by name and deletes nothing
-    (it used to delete every unlisted file); what an interrupted write of its own left is still removed."""
-    from hybridtron.atomic import scratch_name
-    from hybridtron.data_pipeline.errors import DataError
+def test_a_split_directory_keeps_files_prepare_did_not_write(tmp_path, dead_pid, live_pid):
+    """A data.out_dir pointed at a directory holding the user's files: prepare leaves them, named once in a warning
+    (it used to delete every unlisted file, and then to refuse them); what an interrupted write of its own left is
+    still removed, and a live writer's scratch is not."""
+    from hybridtron.atomic import scratch_name, this_host
 
     d = tmp_path / "s"
     d.mkdir()
     (d / "notes.txt").write_text("precious")
-    with pytest.raises(DataError, match=r"holds notes.txt, which `hybridtron prepare` did not write"):
-        SplitWriter(d, np.uint16, "fp", "key", shard_docs=2)
+    (d / "shard_00001.bin.bak").write_text("a user's backup")  # our name's prefix, not one of our names
+    (d / "sub").mkdir()
+    (d / "shard_00003.idx").symlink_to(d / "notes.txt")  # our name, but a link: never written by prepare
+    foreign = ["notes.txt", "shard_00001.bin.bak", "shard_00003.idx", "sub"]
+    live = d / f".shard_00002.bin.tmp-{this_host()}-{live_pid}"  # a prepare still writing
+    other_host = d / f".shard_00002.idx.tmp-node9-{dead_pid}"  # another node's writer: not ours to judge
+    stale = [d / "shard_00007.bin",  # a shard the manifest never listed
+             scratch_name(d / "shard_00000.idx"),  # an interrupted atomic write of this process's
+             d / f".manifest.json.tmp-{this_host()}-{dead_pid}",  # ... of a dead process of this host
+             d / "shard_00004.bin.tmp",  # an older version's temporary name
+             d / ".verified.json"]  # a reader's record of the digests it checked (SplitReader writes it)
+    for f in [live, other_host, *stale]:
+        f.write_bytes(b"half")
+    logs = []
+    w = SplitWriter(d, np.uint16, "fp", "key", shard_docs=2, log=logs.append)
+    assert sorted(p.name for p in d.iterdir()) == sorted([*foreign, live.name, other_host.name])
     assert (d / "notes.txt").read_text() == "precious"
-    (d / "notes.txt").unlink()
-    (d / "shard_00007.bin").write_bytes(b"torn")  # a shard the manifest never listed
-    scratch_name(d / "shard_00000.idx").write_bytes(b"half")  # an interrupted atomic write
-    (d / ".verified.json").write_text("{}")  # a reader's record of the digests it checked (SplitReader writes it)
-    SplitWriter(d, np.uint16, "fp", "key", shard_docs=2)
-    assert sorted(p.name for p in d.iterdir()) == []
+    assert len(logs) == 1 and logs[0].startswith(f"warning: {d} holds notes.txt, shard_00001.bin.bak, "
+                                                 f"shard_00003.idx and 1 more, which `hybridtron prepare` did not "
+                                                 f"write; left as they are"), logs
+    w.reset("other")  # sources changed: the split starts over, the user's files stay, named once only
+    assert len(logs) == 1 and (d / "notes.txt").read_text() == "precious"
