@@ -387,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seeds", type=int, nargs="+", default=None, metavar="SEED",
                     help="train every variant once per seed (train.seed), in DIR/<variant>/seed<SEED>; the table "
                          "and plot show the mean and spread")
+    sp.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep every checkpoint of each finished variant (default: its final one only)")
     sp.set_defaults(func=cmd_ablate)
     sp = add_subcommand("plan", help="per-GPU memory and communication of a config on a cluster shape")
     common(sp)

@@ -9,6 +9,9 @@ variant when run again). Every config is built and validated before the first st
 of ``data.*``, ``train.max_steps`` or ``train.seed`` inside a variant are refused: they would compare
 runs on different data or budgets. The results go to ``<run-dir>/ablation.{md,json}`` (final train and
 validation loss, tokens/s, parameters, active parameters) and ``<run-dir>/loss.png`` (the curves).
+
+A finished variant keeps only its final checkpoint (``--keep-checkpoints`` keeps them all): an ablation of many
+variants otherwise left ``checkpoint.keep_last`` full checkpoints of each, weights and optimizer state, forever.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from pathlib import Path
 
 import yaml
 
-from hybridtron.atomic import write_text_atomic
+from hybridtron.atomic import remove_entry, scratch_name, write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 
+from . import checkpoint_names
 from .parallel.layout import Layout, check_run, launch_world
 from .run_lock import hold_run_dir
 
@@ -111,6 +115,41 @@ def summarize(run_dir: Path, model) -> dict:
         "train_curve": losses,
         "val_curve": vals,
     }
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
+
+
+def keep_final_checkpoint(run: Path, log) -> None:
+    """Remove a finished run's checkpoints but its final one (``latest``), which a rerun of the ablation resumes
+    from to read the run back, and which `eval`, `export` or training on start from. Each goes by a rename to a
+    scratch name first: a removal cut short leaves scratch, reclaimed by the next run in that directory, never a
+    partial directory that looks like a checkpoint. One that cannot be removed is named in a warning; the
+    ablation goes on."""
+    ckpts = run / "checkpoints"
+    final = checkpoint_names.latest(ckpts)[0]
+    if final is None:
+        return
+    removed, freed = 0, 0
+    for old in checkpoint_names.complete(ckpts):
+        if old == final:
+            continue
+        try:
+            size = _tree_bytes(old)
+            tmp = scratch_name(old)
+            os.rename(old, tmp)
+        except OSError as e:
+            log(f"ablate: warning: could not remove checkpoint {old} ({(e.strerror or str(e)).lower()}); remove it "
+                f"by hand")
+            continue
+        if not remove_entry(tmp):
+            log(f"ablate: warning: could not remove all of {tmp} (an earlier checkpoint of {run}); remove it by hand")
+            continue
+        removed, freed = removed + 1, freed + size
+    if removed:
+        log(f"ablate: removed {removed} earlier checkpoint{'s' * (removed > 1)} of {run} ({freed / 2**20:,.1f} MiB); "
+            f"kept the final one, {final.name} (--keep-checkpoints keeps them all)")
 
 
 def _fmt(v, spec: str) -> str:
@@ -275,8 +314,8 @@ def run_ablation(args, log, probe=None) -> dict[str, dict] | None:
     # directory, and removes it again if it ends holding nothing (an ablation stopped on bad input).
     from .recipe import train_run  # (torch and the trainer: the configs are good)
 
-    with hold_run_dir(out, is_main=os.environ.get("RANK", "0") == "0",
-                      what=f"--run-dir {out} (an ablation)"):
+    is_main = os.environ.get("RANK", "0") == "0"
+    with hold_run_dir(out, is_main=is_main, what=f"--run-dir {out} (an ablation)"):
         out.mkdir(parents=True, exist_ok=True)  # the other ranks of a multi-process ablation
         results = {}
         total, done = len(configs) * max(1, len(seeds)), 0
@@ -294,6 +333,8 @@ def run_ablation(args, log, probe=None) -> dict[str, dict] | None:
                         f" at step {result.state.step} ({result.stopped_by}); run the same command again to resume "
                         f"the ablation")
                     return None
+                if is_main and not getattr(args, "keep_checkpoints", False):
+                    keep_final_checkpoint(run, log)
                 r = summarize(run, model)
                 if cfg.data.synthetic.task:  # a generated task: accuracy by length (data_pipeline/synthetic.py)
                     from hybridtron.data_pipeline.synthetic import length_accuracy

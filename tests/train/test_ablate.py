@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -128,3 +129,27 @@ def test_a_signal_stops_the_whole_ablation_and_the_same_command_resumes_it(small
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines() if '"step"' in x]
     assert steps[0] == 1 and steps[-1] == 60 and stopped_at + 1 in steps  # a continued, not restarted
     assert json.loads((out / "ablation.json").read_text())["variants"]["b"]["steps"] == 60
+
+
+@pytest.mark.slow
+def test_a_finished_variant_keeps_only_its_final_checkpoint(small_data_dir, cli_args, tmp_path, capsys):
+    out = tmp_path / "abl"
+    argv = cli_args(small_data_dir, out, ["--train.warmup_steps", "1", "--train.eval_every", "0",
+                                          "--checkpoint.every", "2", "--checkpoint.keep_last", "3"])
+    argv = ["ablate", *argv[1:], "--variant", "base:", "--variant", "deep:model.n_layers=3"]
+    assert main([*argv, "--train.max_steps", "6"]) == 0
+    said = capsys.readouterr().out
+    for name in ("base", "deep"):
+        # step 6, the final one, is what the table was made from; a rerun reads the variant back from it
+        assert sorted(os.listdir(out / name / "checkpoints")) == ["latest", "step_00000006"], name
+        assert (out / name / "checkpoints" / "step_00000006" / "model.safetensors").is_file()
+        assert re.search(rf"ablate: removed 2 earlier checkpoints of {re.escape(str(out / name))} \([\d.,]+ MiB\); "
+                         rf"kept the final one, step_00000006 \(--keep-checkpoints keeps them all\)", said), said
+    # Trained on with --keep-checkpoints: each variant resumes from its final checkpoint, and keeps what it saves.
+    assert main([*argv, "--train.max_steps", "8", "--keep-checkpoints"]) == 0
+    assert "earlier checkpoint" not in capsys.readouterr().out
+    for name in ("base", "deep"):
+        assert sorted(os.listdir(out / name / "checkpoints")) == ["latest", "step_00000006", "step_00000008"], name
+        assert [json.loads(x)["step"] for x in (out / name / "metrics.jsonl").read_text().splitlines()
+                if '"loss"' in x] == list(range(1, 9))  # steps 7 and 8 from step 6's checkpoint
+    assert json.loads((out / "ablation.json").read_text())["variants"]["deep"]["steps"] == 8
