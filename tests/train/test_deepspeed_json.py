@@ -9,6 +9,8 @@ and checks the engine was given those keys and that the steps are the one-proces
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -126,3 +128,18 @@ def test_a_refused_run_leaves_no_process_group_behind(tmp_path, small_data_dir, 
     assert main(small_argv(small_data_dir, tmp_path / "run", ["--parallel.engine", "deepspeed",
                                                               "--parallel.deepspeed_config", str(ds)])) == 2
     assert not dist.is_initialized()
+
+
+def test_deepspeed_on_a_cpu_builds_no_extension(tmp_path, small_data_dir, small_argv, monkeypatch):
+    """DeepSpeed's CPU backend would compile its shared-memory all-reduce (about 2 minutes of C++ on a fresh
+    machine) though training never calls it: nothing is built into an empty extensions directory."""
+    ext = tmp_path / "torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    t0 = time.monotonic()
+    try:  # one process: the engine sets LOCAL_RANK=0 for DeepSpeed, which must not outlive this test
+        assert main(small_argv(small_data_dir, tmp_path / "run", ["--parallel.engine", "deepspeed",
+                                                                  "--train.max_steps", "2"])) == 0
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
+    assert not any(ext.rglob("*.so")), sorted(ext.rglob("*"))
+    assert time.monotonic() - t0 < 60

@@ -18,6 +18,7 @@ starts, before data or model, never dropped:
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from hybridtron.atomic import write_text_atomic
@@ -171,6 +172,13 @@ def initialize(model, optimizer, cfg: JobConfig, mesh, device, run_dir: Path | N
     import deepspeed
 
     conf = deepspeed_config(cfg, mesh.dp, device)
+    if not mesh.distributed:  # DeepSpeed asserts a launcher's LOCAL_RANK even for one process: this is device 0
+        os.environ.setdefault("LOCAL_RANK", "0")
+    if device.type == "cpu":
+        # DeepSpeed's CPU backend compiles its shared-memory all-reduce (a C++ extension: about 2 minutes and a
+        # compiler, once per machine) when it wraps the process group; only its inference all-reduce uses it,
+        # training's collectives are torch.distributed's. Marked unavailable, it is not built.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     engine, _opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=conf,
                                               dist_init_required=False)
     if run_dir is not None and mesh.is_main:
