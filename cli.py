@@ -43,7 +43,8 @@ EXIT_CODES = (
     "exit codes: 0 done; 2 bad input or state (a config, data, a checkpoint or run directory that is missing, "
     "damaged or does not match; permission denied), one line on stderr naming the file and what to do; "
     "3 training diverged (non-finite loss); 4 no space left on device (the line names the path); 5 another "
-    "process of a multi-process job stopped (its own line and the launcher's summary say why). --debug or "
+    "process of a multi-process job stopped (its own line and the launcher's summary say why); 6 a hang "
+    "(train.hang_timeout_s: the line names the ranks that did not arrive; a SLURM job restarts). --debug or "
     "HYBRIDTRON_DEBUG=1 re-raises instead, with the traceback; a bug always shows its traceback."
 )
 
@@ -561,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     0 done; 2 bad input or state: a config, data, checkpoint or run directory that is missing, damaged or does
     not match (ConfigError, DataError, CheckpointError), or a permission denied; 3 training diverged
     (NonFiniteLossError); 4 no space left on device (DiskFullError, or ENOSPC/EDQUOT from any write); 5 a
-    multi-process job lost another of its processes (a collective failed on a closed connection).
+    multi-process job lost another of its processes (a collective failed on a closed connection); 6 a hang
+    (train/watchdog.py ends the process from its watch thread after naming the ranks that did not arrive).
 
     Those end in one line on stderr naming the file and what to do; ``--debug`` (any subcommand) or
     ``HYBRIDTRON_DEBUG=1`` re-raises them with their traceback instead. Any other exception is a bug and
