@@ -55,7 +55,7 @@ from hybridtron.atomic import (
     write_text_atomic,
 )
 
-from . import checkpoint_names
+from . import checkpoint_names, watchdog
 from .checkpoint_names import LATEST, STEP_RE
 from .checkpoint_pins import prune
 from .errors import CheckpointError, DiskFullError
@@ -400,6 +400,7 @@ class CheckpointManager:
         phases = ((start, False), (weights, True)) + (() if background else ((rest, False),))
         for phase, everyone in phases:
             err = None
+            watchdog.phase(f"checkpoint {phase.__name__}")  # a rank stuck writing is behind those that agree
             if everyone or main:
                 try:
                     phase()
@@ -408,6 +409,7 @@ class CheckpointManager:
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)  # interrupted: a killed save leaves nothing
                     raise
+            watchdog.phase("checkpoint agree")
             if (mesh.any(err is not None) if mesh is not None else err is not None):
                 self._abort_save(err, tmp, final, writing[0], main)
         if background:
