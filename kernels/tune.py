@@ -35,6 +35,7 @@ import datetime
 import functools
 import hashlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -55,6 +56,9 @@ CACHE_NAME = "kernel_choices.json"
 FORMAT = 1
 WARMUP, ROUNDS = 2, 7  # calls before timing (the first compiles and autotunes), timed rounds (the median is kept)
 MAX_MACHINES = 8  # fingerprints kept in one cache file (a shared home seen from several GPU kinds)
+# Shape classes kept per machine: a user's presets, batch sizes and sequence buckets meet a few dozen; what is beyond
+# this was least recently measured or used and is dropped at a write (the file stays under ~1 MB).
+MAX_DECISIONS = 256
 
 
 class KernelTuningWarning(UserWarning):
@@ -455,7 +459,60 @@ def _read(path: Path) -> dict:
         return {"format": FORMAT, "machines": {}}
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("machines"), dict):
         return {"format": FORMAT, "machines": {}}
+    dropped = _drop_malformed(data["machines"])
+    if dropped:
+        more = f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+        _say(f"kernels: dropped {len(dropped)} malformed entr{'y' if len(dropped) == 1 else 'ies'} of the tuner's "
+             f"cache {path}: {'; '.join(dropped[:3])}{more}; what they held is measured again")
     return data
+
+
+def _malformed(key: str, d) -> str | None:
+    """Why the cached decision ``d`` of shape key ``key`` cannot be used (a hand edit, another program's file, a
+    version that wrote something else), or None when it can."""
+    op = key.split("[", 1)[0]
+    if op not in backend.AUTO_ORDER or not key.endswith("]"):
+        return f"{key[:60]!r} (not a shape class of an op)"
+    if not isinstance(d, dict):
+        return f"{key} (a {type(d).__name__}, not an object)"
+    chosen, times, dropped = d.get("chosen"), d.get("times_ms", {}), d.get("dropped", {})
+    if not isinstance(chosen, str):
+        return f"{key} (no chosen backend)"
+    if chosen not in backend.AUTO_ORDER[op]:
+        return f"{key} (chosen backend {chosen[:40]!r} is none of {op}'s)"
+    if not isinstance(times, dict) or not all(
+            isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t >= 0
+            for t in times.values()):
+        return f"{key} (times_ms is not a map of backend to milliseconds)"
+    if not isinstance(dropped, dict) or not all(isinstance(v, str) for v in dropped.values()):
+        return f"{key} (dropped is not a map of backend to reason)"
+    if not isinstance(d.get("measured", ""), str):
+        return f"{key} (measured is not a time)"
+    return None
+
+
+def _drop_malformed(machines: dict) -> list[str]:
+    """Remove from the cache file's ``machines`` what is not of the shape `_store` writes; says what went."""
+    dropped = []
+    for fp, entry in list(machines.items()):
+        if not isinstance(entry, dict):
+            dropped.append(f"machine {fp} (a {type(entry).__name__}, not an object)")
+            del machines[fp]
+            continue
+        if not isinstance(entry.get("machine", {}), dict):
+            dropped.append(f"machine {fp}'s fingerprint (not an object)")
+            del entry["machine"]
+        found = entry.setdefault("decisions", {})
+        if not isinstance(found, dict):
+            dropped.append(f"machine {fp}'s decisions (a {type(found).__name__}, not an object)")
+            entry["decisions"] = {}
+            continue
+        for key, d in list(found.items()):
+            why = _malformed(key, d)
+            if why is not None:
+                dropped.append(why)
+                del found[key]
+    return dropped
 
 
 @functools.lru_cache(maxsize=4)
@@ -476,11 +533,22 @@ def _store(fp_hash: str, device_type: str, new: dict[str, Decision]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read(path)
         machines = data["machines"]
-        entry = machines.pop(fp_hash, None) or {"machine": fingerprint(device_type), "decisions": {}}
-        entry["decisions"].update({k: d.to_json() for k, d in new.items()})
+        found = (machines.pop(fp_hash, None) or {}).get("decisions", {})
+        entry = {"machine": fingerprint(device_type), "decisions": found}
+        # Most recently used last, so that the least recently used go first: what this process has used (read from
+        # the file or measured), then what it stores now.
+        used = [k for k in _decisions if k in found and k not in new]
+        for k in used:
+            found[k] = found.pop(k)
+        for k, d in new.items():
+            found.pop(k, None)
+            found[k] = d.to_json()
         machines[fp_hash] = entry  # the newest last; the oldest machines go first
         while len(machines) > MAX_MACHINES:
             machines.pop(next(iter(machines)))
+        for m in machines.values():  # (another machine's too: a file an older version let grow is bounded here)
+            while len(m["decisions"]) > MAX_DECISIONS:
+                m["decisions"].pop(next(iter(m["decisions"])))
         write_text_atomic(path, json.dumps(data, indent=1, sort_keys=False) + "\n")
     except OSError as e:
         _say(f"kernels: cannot write the tuner's cache {path} ({one_line(e)}); set {ENV_CACHE} to a writable "
