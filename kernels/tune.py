@@ -19,7 +19,9 @@ and our kernels' sources -- in ``kernel_choices.json`` under the user's cache di
 else ``$XDG_CACHE_HOME/hybridtron``, else ``~/.cache/hybridtron``), so later runs and every rank of a job reuse them:
 a process measures a class under an exclusive lock on the file and the others, waiting on it, read its decision (a
 cluster's home directory is shared by its nodes; train/kernel_choice.py also hands rank 0's decisions to every
-rank). A version change makes the machine another one: its classes are measured again.
+rank). A version change makes the machine another one: its classes are measured again. The file is bounded
+(``MAX_MACHINES`` machines, ``MAX_DECISIONS`` classes each, the least recently used dropped at a write), and an entry
+of the wrong shape is dropped with one warning naming the file and measured again.
 
 No measurement runs inside a torch.compile trace (the tensors there are fake, and `backend.pick` is a constant to
 the compiler): there the tuner answers from what it knows -- the class's decision, the decision of the same class
