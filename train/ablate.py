@@ -28,6 +28,7 @@ from hybridtron.atomic import remove_entry, scratch_name, write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
 
 from . import checkpoint_names
+from .checkpoint_pins import checkpoints_locked, pinned_steps
 from .parallel.layout import Layout, check_run, launch_world
 from .run_lock import hold_run_dir
 
@@ -123,33 +124,39 @@ def _tree_bytes(path: Path) -> int:
 
 def keep_final_checkpoint(run: Path, log) -> None:
     """Remove a finished run's checkpoints but its final one (``latest``), which a rerun of the ablation resumes
-    from to read the run back, and which `eval`, `export` or training on start from. Each goes by a rename to a
-    scratch name first: a removal cut short leaves scratch, reclaimed by the next run in that directory, never a
-    partial directory that looks like a checkpoint. One that cannot be removed is named in a warning; the
-    ablation goes on."""
+    from to read the run back, and which `eval`, `export` or training on start from, and but one an export is
+    reading (pinned: train/checkpoint_pins.py; it stays, said in the line). Each goes by a rename to a scratch
+    name first: a removal cut short leaves scratch, reclaimed by the next run in that directory, never a partial
+    directory that looks like a checkpoint. One that cannot be removed is named in a warning; the ablation goes on."""
     ckpts = run / "checkpoints"
     final = checkpoint_names.latest(ckpts)[0]
     if final is None:
         return
-    removed, freed = 0, 0
-    for old in checkpoint_names.complete(ckpts):
-        if old == final:
-            continue
-        try:
-            size = _tree_bytes(old)
-            tmp = scratch_name(old)
-            os.rename(old, tmp)
-        except OSError as e:
-            log(f"ablate: warning: could not remove checkpoint {old} ({(e.strerror or str(e)).lower()}); remove it "
-                f"by hand")
-            continue
-        if not remove_entry(tmp):
-            log(f"ablate: warning: could not remove all of {tmp} (an earlier checkpoint of {run}); remove it by hand")
-            continue
-        removed, freed = removed + 1, freed + size
-    if removed:
-        log(f"ablate: removed {removed} earlier checkpoint{'s' * (removed > 1)} of {run} ({freed / 2**20:,.1f} MiB); "
-            f"kept the final one, {final.name} (--keep-checkpoints keeps them all)")
+    removed, freed, pinned = 0, 0, []
+    with checkpoints_locked(ckpts):  # pins are taken under it: none can appear on a checkpoint being removed
+        live = pinned_steps(ckpts)
+        for old in checkpoint_names.complete(ckpts):
+            if old == final or old.name in live:
+                pinned += [old.name] * (old != final)
+                continue
+            try:
+                size = _tree_bytes(old)
+                tmp = scratch_name(old)
+                os.rename(old, tmp)
+            except OSError as e:
+                log(f"ablate: warning: could not remove checkpoint {old} ({(e.strerror or str(e)).lower()}); "
+                    f"remove it by hand")
+                continue
+            if not remove_entry(tmp):
+                log(f"ablate: warning: could not remove all of {tmp} (an earlier checkpoint of {run}); remove it "
+                    f"by hand")
+                continue
+            removed, freed = removed + 1, freed + size
+    if removed or pinned:
+        log(f"ablate: removed {removed} earlier checkpoint{'' if removed == 1 else 's'} of {run} "
+            f"({freed / 2**20:,.1f} MiB); kept the final one, {final.name}"
+            + (f", and {', '.join(pinned)}, which an export is reading" if pinned else "")
+            + " (--keep-checkpoints keeps them all)")
 
 
 def _fmt(v, spec: str) -> str:

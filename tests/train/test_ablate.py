@@ -145,11 +145,20 @@ def test_a_finished_variant_keeps_only_its_final_checkpoint(small_data_dir, cli_
         assert (out / name / "checkpoints" / "step_00000006" / "model.safetensors").is_file()
         assert re.search(rf"ablate: removed 2 earlier checkpoints of {re.escape(str(out / name))} \([\d.,]+ MiB\); "
                          rf"kept the final one, step_00000006 \(--keep-checkpoints keeps them all\)", said), said
-    # Trained on with --keep-checkpoints: each variant resumes from its final checkpoint, and keeps what it saves.
-    assert main([*argv, "--train.max_steps", "8", "--keep-checkpoints"]) == 0
+    # Trained on while an export reads base's step 6: that one stays too (train/checkpoint_pins.py).
+    from hybridtron.train.checkpoint_pins import pinned
+
+    with pinned(lambda: out / "base" / "checkpoints" / "step_00000006"):
+        assert main([*argv, "--train.max_steps", "8"]) == 0
+    said = capsys.readouterr().out
+    assert "kept the final one, step_00000008, and step_00000006, which an export is reading" in said, said
+    assert sorted(os.listdir(out / "base" / "checkpoints")) == ["latest", "step_00000006", "step_00000008"]
+    assert sorted(os.listdir(out / "deep" / "checkpoints")) == ["latest", "step_00000008"]
+    # With --keep-checkpoints: each variant resumes from its final checkpoint and keeps what it saves.
+    assert main([*argv, "--train.max_steps", "10", "--keep-checkpoints"]) == 0
     assert "earlier checkpoint" not in capsys.readouterr().out
+    assert sorted(os.listdir(out / "deep" / "checkpoints")) == ["latest", "step_00000008", "step_00000010"]
     for name in ("base", "deep"):
-        assert sorted(os.listdir(out / name / "checkpoints")) == ["latest", "step_00000006", "step_00000008"], name
         assert [json.loads(x)["step"] for x in (out / name / "metrics.jsonl").read_text().splitlines()
-                if '"loss"' in x] == list(range(1, 9))  # steps 7 and 8 from step 6's checkpoint
-    assert json.loads((out / "ablation.json").read_text())["variants"]["deep"]["steps"] == 8
+                if '"loss"' in x] == list(range(1, 11))  # each run went on from the last one's final checkpoint
+    assert json.loads((out / "ablation.json").read_text())["variants"]["deep"]["steps"] == 10
