@@ -17,6 +17,7 @@ the file descriptor: train/profile.py filters them there.)
 from __future__ import annotations
 
 import logging
+import warnings
 
 # logger name -> substrings: a record of that logger whose message holds one of them is dropped
 DROPPED: dict[str, tuple[str, ...]] = {
@@ -39,8 +40,19 @@ class _Drop(logging.Filter):
         return not any(n in text for n in self.needles)
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    """Our own warnings (the kernel tuner's, say) as one line in the CLI's voice, not Python's two (the file and
+    line, then the source line of the call): a user reads what happened, not where in hybridtron it was said."""
+    if getattr(category, "__module__", "").startswith("hybridtron"):
+        return f"[hybridtron] warning: {message}\n"
+    return _one_line.python(message, category, filename, lineno, line)
+
+
 def quiet_dependencies() -> None:
-    """Drop the messages listed in DROPPED (idempotent)."""
+    """Drop the messages listed in DROPPED, and show our own warnings on one line (idempotent)."""
+    if warnings.formatwarning is not _one_line:
+        _one_line.python = warnings.formatwarning
+        warnings.formatwarning = _one_line
     for name, needles in DROPPED.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _Drop) for f in logger.filters):
