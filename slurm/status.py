@@ -3,8 +3,9 @@
 The job ids come from ``RUN_DIR/slurm/jobs.jsonl`` (written by ``hybridtron submit``): every job of every
 submission, oldest first, so a job that failed before a resubmission stays in the history; their state from
 ``squeue`` (which knows a finished job for the cluster's MinJobAge), else ``sacct`` (where accounting is on).
-The run's own files say the rest: the last logged step and loss (``metrics.jsonl``), the latest complete
-checkpoint, and why the trainer last stopped (``last_stop.json``).
+The run's own files say the rest: the last logged step and loss (``metrics.jsonl``, and the slow ranks its last
+record names), the latest complete checkpoint, why the trainer last stopped (``last_stop.json``), and the restarts
+after failures that the job script made (``restarts.jsonl``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from hybridtron.train.run_dir import LAST_STOP
 from .submit import JOBS_FILE
 
 TAIL_BYTES = 1 << 16  # the end of metrics.jsonl holds the last steps; a long run's file is not read whole
+# RUN_DIR/restarts.jsonl: one line per restart after a failure, appended by the job script (slurm/template.sbatch):
+# {time, job_id, attempt, restart, max_restarts, exit_code, reason, from_step, last_step, checkpoint[, hang]}.
+RESTARTS_FILE = "restarts.jsonl"
 
 
 def add_arguments(sp) -> None:
@@ -52,6 +56,23 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess | None:
         return subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
+
+
+def read_restarts(run_dir: Path, job_id: str | None = None) -> list[dict]:
+    """The restarts recorded in ``RUN_DIR/restarts.jsonl``, oldest first; ``job_id``: those of that job only."""
+    try:
+        text = (Path(run_dir) / RESTARTS_FILE).read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn line: the job was killed while writing it
+        if isinstance(rec, dict) and (job_id is None or str(rec.get("job_id")) == str(job_id)):
+            out.append(rec)
+    return out
 
 
 def query_job(job_id: str) -> dict:
@@ -125,6 +146,9 @@ def collect(run_dir: Path) -> dict:
     out["loss"] = last.get("loss") if last else None
     out["val_loss"] = last_val.get("val_loss") if last_val else None
     out["val_step"] = last_val.get("step") if last_val else None
+    slow = last.get("stragglers") if last else None
+    out["stragglers"] = [s for s in slow if isinstance(s, dict)] if isinstance(slow, list) else []
+    out["restarts"] = read_restarts(run_dir)
     latest = latest_checkpoint(run_dir)
     out["checkpoint"] = str(latest) if latest else None
     try:
@@ -154,6 +178,16 @@ def _job_line(j: dict) -> str:
     return text
 
 
+def _straggler(x: dict) -> str:
+    """One slow rank of metrics.jsonl's "stragglers": its busy seconds per step (step time less waiting for the
+    others) against the median rank's."""
+    def secs(v) -> str:
+        return f"{v:.3f}" if isinstance(v, (int, float)) else "?"
+
+    median = x.get("median_s", x.get("median_busy_s"))  # the watch's own name for it, too
+    return f"rank {x.get('rank')} ({x.get('host')}) busy {secs(x.get('busy_s'))} s/step against a median of {secs(median)}"
+
+
 def format_status(s: dict) -> str:
     rows = [("run", s["run_dir"])]
     if not s["jobs"]:
@@ -171,7 +205,17 @@ def format_status(s: dict) -> str:
         if s["val_loss"] is not None:
             text += f", val_loss {s['val_loss']:.4f} at step {s['val_step']}"
         rows.append(("progress", text))
+    if s.get("stragglers"):
+        rows.append(("stragglers", f"at step {s['step']}: " + "; ".join(_straggler(x) for x in s["stragglers"])))
     rows.append(("checkpoint", s["checkpoint"] or "none yet"))
+    if s.get("restarts"):
+        r = s["restarts"][-1]
+        jobs = {str(x.get("job_id")) for x in s["restarts"]}
+        rows.append(("restarts", f"{len(s['restarts'])} after failures" + (f" in {len(jobs)} jobs" if len(jobs) > 1
+                                                                           else "")
+                     + f"; last: job {r.get('job_id')} restart {r.get('restart')} of {r.get('max_restarts')} at "
+                       f"{r.get('time')}, {r.get('reason')} (exit {r.get('exit_code')}), from step "
+                       f"{r.get('from_step')}"))
     if s["last_stop"]:
         stop = s["last_stop"]
         rows.append(("last stop", f"step {stop.get('step')} ({stop.get('stopped_by')})"))

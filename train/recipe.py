@@ -7,8 +7,10 @@ closing report. Nothing here parses a command line: hybridtron/cli.py does, and 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -168,10 +170,23 @@ def _report(cfg: JobConfig, run_dir: Path, mesh: Mesh, result: FitResult, prepar
     """Where the run stopped and where its files are; ``last_stop.json`` for ``hybridtron status``."""
     t = cfg.train
     if mesh.is_main:
+        stop = {"stopped_by": result.stopped_by, "step": result.state.step, "max_steps": t.max_steps,
+                "checkpoint": result.last_checkpoint.name if result.last_checkpoint else None}
+        if job := os.environ.get("SLURM_JOB_ID"):  # the failures this SLURM job's script restarted training after
+            # restarts.jsonl: one line per restart, appended by the job script (slurm/template.sbatch); read here
+            # rather than by slurm/status.py's reader, as train/ imports nothing of slurm/
+            try:
+                lines = (run_dir / "restarts.jsonl").read_text(errors="replace").splitlines()
+            except OSError:
+                lines = []
+            stop["restarts"] = []
+            for line in lines:
+                with contextlib.suppress(ValueError):  # a torn line: the job was killed while writing it
+                    rec = json.loads(line)
+                    if isinstance(rec, dict) and str(rec.get("job_id")) == job:
+                        stop["restarts"].append(rec)
         with naming(run_dir / LAST_STOP):
-            write_text_atomic(run_dir / LAST_STOP, json.dumps({
-                "stopped_by": result.stopped_by, "step": result.state.step, "max_steps": t.max_steps,
-                "checkpoint": result.last_checkpoint.name if result.last_checkpoint else None}) + "\n")
+            write_text_atomic(run_dir / LAST_STOP, json.dumps(stop) + "\n")
     log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")
     if result.final_val_loss is not None:
         log(f"final val_loss {result.final_val_loss:.4f}")

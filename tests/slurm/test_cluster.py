@@ -3,8 +3,8 @@
 Every job is a two-node CPU job: one torchrun per node with one gloo process each, c10d rendezvous on the
 first node. The uninterrupted job (submitted as a chain of two) is compared with one process taking the same
 global batch (the tolerance of the data-parallel tests), and the interrupted ones (the time-limit warning sent
-by hand and by SLURM itself, scancel, a killed rank) with the uninterrupted job, step by step. The schedule is
-constant so that a run's length does not change its steps.
+by hand and by SLURM itself, scancel, a killed rank that the job restarts by itself) with the uninterrupted job,
+step by step. The schedule is constant so that a run's length does not change its steps.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from hybridtron.cli import main
+from hybridtron.slurm.status import read_restarts
 from hybridtron.train.checkpoint import CheckpointManager, verify_manifest
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.run_dir import LAST_STOP
@@ -93,7 +94,9 @@ def assert_same_steps(got, want):
         assert g[2] == pytest.approx(w[2], rel=1e-4, abs=1e-6), (g, w)
 
 
-def node_logs(run: Path, job: str, attempt: int) -> str:
+def node_logs(run: Path, job: str, attempt: int | str) -> str:
+    """The node logs of one training of the job: ``attempt`` (0, 1, ... after requeues), or "0.r1" for its first
+    restart after a failure."""
     files = sorted((run / "logs").glob(f"job-{job}.{attempt}.node*.log"))
     assert len(files) == 2, f"expected one log per node for attempt {attempt}: {files}\n{logs(run, job)}"
     return "\n".join(f.read_text(errors="replace") for f in files)
@@ -249,13 +252,54 @@ def _rank_pid(job: str, rank: int) -> int | None:
     return None
 
 
-def test_killed_rank_ends_the_job_with_a_clear_message_and_a_complete_checkpoint(
-        slurm_cluster, small_data_dir, small_argv, tmp_path):
+def test_killed_rank_restarts_in_the_job_and_ends_with_the_same_losses(
+        uninterrupted, slurm_cluster, small_data_dir, small_argv, tmp_path):
+    """A training process killed with SIGKILL after a checkpoint: the job script trains again from that checkpoint in
+    the same allocation (no requeue), records the restart, and the job completes with the uninterrupted losses (of
+    its first 100 steps: a shorter run, the same steps)."""
+    run = tmp_path / "run"
+    job = submit(submit_argv(small_argv, small_data_dir, run, ["--checkpoint.every", "5", "--train.max_steps", "100"]))
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_00000005").is_dir(), 180, "checkpoint 5", run, job)
+        pid = _rank_pid(job, 1)
+        assert pid is not None, logs(run, job)
+        os.kill(pid, signal.SIGKILL)
+        assert wait_end(slurm_cluster, job, run) == "COMPLETED", logs(run, job)
+    finally:
+        if slurm_cluster.job_field(job, "JobState") not in ENDED:
+            slurm_cluster.run("scancel", job)
+    assert slurm_cluster.job_field(job, "Restarts") == "0"  # the same allocation: SLURM requeued nothing
+    restarts = read_restarts(run)
+    assert len(restarts) == 1, restarts
+    r = restarts[0]
+    assert (r["job_id"], r["attempt"], r["restart"], r["max_restarts"], r["reason"]) == \
+        (job, 0, 1, 3, "a process or node died") and r["exit_code"] != 0 and r["from_step"] >= 5, r
+    batch_log = (run / "logs" / f"job-{job}.out").read_text()
+    assert f"restart 1 of 3: training ended without stopping cleanly (srun exit {r['exit_code']}): a process or node " \
+           f"died" in batch_log and f"training again from checkpoint step {r['from_step']}" in batch_log, batch_log
+    assert "training finished at step 100" in batch_log.strip().splitlines()[-1], batch_log
+    assert "SIGKILL" in node_logs(run, job, "0")  # torchrun's summary names the killed process
+    resumed = run / "checkpoints" / r["checkpoint"]
+    assert f"resumed from {resumed} (step {r['from_step']})" in node_logs(run, job, "0.r1")
+    stop = json.loads((run / LAST_STOP).read_text())
+    assert stop["stopped_by"] == "max_steps" and stop["restarts"] == restarts, stop
+    code, out, _ = run_main(["status", str(run)])
+    assert re.search(rf"restarts +1 after failures; last: job {job} restart 1 of 3 at \S+, a process or node died "
+                     rf"\(exit {r['exit_code']}\), from step {r['from_step']}", out), out
+    assert_same_steps(steps(run), steps(uninterrupted["run"])[:100])
+
+
+def test_a_failure_without_progress_is_not_restarted_again(slurm_cluster, small_data_dir, small_argv, tmp_path):
+    """A training killed after its first checkpoint whose config then breaks (an edit gone wrong): the restart fails
+    where the training before it did (the same checkpoint, no step logged since), so the job stops, FAILED, with
+    one last line saying why and from where to resume, instead of using up its restarts."""
     run = tmp_path / "run"
     job = submit(submit_argv(small_argv, small_data_dir, run, ["--train.max_steps", "100000", "--checkpoint.every",
                                                                "5"]))
     try:
-        wait_for(lambda: (run / "checkpoints" / "step_00000010").is_dir(), 180, "checkpoint 10", run, job)
+        wait_for(lambda: (run / "checkpoints" / "step_00000005").is_dir(), 180, "checkpoint 5", run, job)
+        config = next((run / "slurm").glob("submit-*.yaml"))  # the config the job trains with
+        config.write_text("model: [\n")
         pid = _rank_pid(job, 1)
         assert pid is not None, logs(run, job)
         os.kill(pid, signal.SIGKILL)
@@ -263,14 +307,18 @@ def test_killed_rank_ends_the_job_with_a_clear_message_and_a_complete_checkpoint
     finally:
         if slurm_cluster.job_field(job, "JobState") not in ENDED:
             slurm_cluster.run("scancel", job)
-    batch_log = (run / "logs" / f"job-{job}.out").read_text()
-    assert "FAILED: training ended without stopping cleanly" in batch_log, batch_log
+    restarts = read_restarts(run)
+    assert [r["restart"] for r in restarts] == [1], restarts
+    assert f"config file {config} is not valid YAML" in node_logs(run, job, "0.r1")
+    last = (run / "logs" / f"job-{job}.out").read_text().strip().splitlines()[-1]
     latest = CheckpointManager(run).latest()
-    assert f"The latest complete checkpoint is {latest};" in batch_log and "resume from it with: cd " in batch_log
+    assert latest.name == restarts[0]["checkpoint"], (latest, restarts)
+    assert "FAILED: training ended without stopping cleanly" in last and "not restarting: it failed again where it " \
+        f"failed before restart 1 (checkpoint step {restarts[0]['from_step']}, last logged step " \
+        f"{restarts[0]['last_step']}): no progress between the two failures" in last, last
+    assert f"The latest complete checkpoint is {latest}; fix the cause, then resume from it with: cd " in last, last
     verify_manifest(latest)  # what latest names is complete, whatever the kill interrupted
-    assert not (run / LAST_STOP).exists()  # the trainer did not stop cleanly: nothing says "requeue me"
-    assert slurm_cluster.job_field(job, "Restarts") == "0"
-    assert "SIGKILL" in node_logs(run, job, 0)  # torchrun's summary names the killed process
+    assert not (run / LAST_STOP).exists()  # the trainer did not stop cleanly
 
 
 @pytest.mark.parametrize("extra, message", [

@@ -64,3 +64,22 @@ def test_a_warning_recorded_before_the_handlers_stops_after_the_first_step(small
     (run / STOP_REQUEST).write_text("")  # what a reader racing the script's write may see: not a request
     assert main(args) == 0
     assert json.loads((run / LAST_STOP).read_text())["stopped_by"] == "max_steps"
+
+
+def test_a_clean_stop_in_a_slurm_job_lists_the_jobs_restarts(small_data_dir, cli_args, tmp_path, monkeypatch):
+    """In a SLURM job, last_stop.json says which failures the job script restarted training after (this job's lines
+    of restarts.jsonl, not another job's); outside SLURM it has no such entry."""
+    run = tmp_path / "run"
+    run.mkdir()
+    mine = [{"job_id": "42", "attempt": 0, "restart": k, "reason": "a process or node died", "from_step": 0}
+            for k in (1, 2)]
+    (run / "restarts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"job_id": "41", "attempt": 0, "restart": 1, "reason": "a process or node died", "from_step": 0}, *mine)))
+    args = ["--checkpoint.every", "0", "--train.eval_every", "0", "--train.warmup_steps", "0"]
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert main(cli_args(small_data_dir, run, [*args, "--train.max_steps", "2"])) == 0
+    stop = json.loads((run / LAST_STOP).read_text())
+    assert stop["stopped_by"] == "max_steps" and stop["restarts"] == mine, stop
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert main(cli_args(small_data_dir, run, [*args, "--train.max_steps", "3"])) == 0
+    assert "restarts" not in json.loads((run / LAST_STOP).read_text())

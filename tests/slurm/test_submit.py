@@ -51,7 +51,8 @@ def test_dry_run_renders_a_complete_job_script_and_writes_nothing(tmp_path, caps
                  "NPROC_PER_NODE=8", f"RUN_DIR={run}"):
         assert line in script.splitlines(), line
     assert "--rdzv-backend=c10d" in script and '--nnodes="$SLURM_JOB_NUM_NODES"' in script
-    assert '--output="$LOG_DIR/job-%j.$attempt.node%n.log"' in script  # one log per node and attempt
+    assert '--output="$LOG_DIR/job-%j.$2.node%n.log"' in script  # one log per node and training (see below)
+    assert "MAX_RESTARTS=3 " in script  # --max-restarts' default
     assert 'scontrol requeue "$SLURM_JOB_ID"' in script and f"$RUN_DIR/{LAST_STOP}" in script
     assert not PLACEHOLDER.search(script)  # every {{ name }} filled
     assert "--train.max_steps 100" in script  # the command that made it, in its header
@@ -195,6 +196,36 @@ def test_status_shows_every_submission_of_the_run(tmp_path, capsys, monkeypatch)
     assert "job-70.out" in out and "job-81.out" in out
 
 
+def test_status_shows_restarts_and_stragglers(tmp_path, capsys, monkeypatch):
+    """The job script's restarts (restarts.jsonl: how many, the last one's reason) and the slow ranks that the last
+    metrics record names; neither row where there are none."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 40, "loss": 3.0}) + "\n")
+    monkeypatch.setattr(slurm_status, "_run", lambda cmd: None)
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert not re.search(r"^(restarts|stragglers) ", out, re.M), out
+    (run / "restarts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"time": "2026-11-24T10:00:00", "job_id": "70", "attempt": 0, "restart": 1, "max_restarts": 3, "exit_code": 1,
+         "reason": "a process or node died", "from_step": 10, "last_step": 13, "checkpoint": "step_00000010"},
+        {"time": "2026-11-24T11:00:00", "job_id": "70", "attempt": 0, "restart": 2, "max_restarts": 3, "exit_code": 1,
+         "reason": "hang at step 34 in backward, late ranks: 1", "from_step": 30, "last_step": 34,
+         "checkpoint": "step_00000030"})) + '{"time": "2026')  # a torn last line: the job was killed writing it
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 40, "loss": 3.0, "stragglers": [
+        {"rank": 1, "host": "gpu007", "busy_s": 1.52, "median_s": 1.1},
+        {"rank": 5, "host": "gpu009", "busy_s": 1.4, "median_busy_s": 1.2}]}) + "\n")  # the hang watch's name
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"restarts +2 after failures; last: job 70 restart 2 of 3 at 2026-11-24T11:00:00, hang at step 34 "
+                     r"in backward, late ranks: 1 \(exit 1\), from step 30", out), out
+    assert re.search(r"stragglers +at step 40: rank 1 \(gpu007\) busy 1.520 s/step against a median of 1.100; rank 5 "
+                     r"\(gpu009\) busy 1.400 s/step against a median of 1.200", out), out
+    assert main(["status", str(run), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert [r["restart"] for r in s["restarts"]] == [1, 2] and s["stragglers"][0]["host"] == "gpu007"
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
     """The script's tail run by bash with srun and scontrol replaced by stubs: it requeues a run that a USR1
@@ -240,13 +271,134 @@ def test_job_script_decides_requeue_from_the_stop_file(tmp_path, capsys):
     code, out = job({"stopped_by": "max_steps", "step": 9, "max_steps": 9, "checkpoint": "step_00000009"}, sig="USR1",
                     step=9)
     assert code == 0 and "REQUEUED" not in out and "training finished at step 9" in out, out
-    code, out = job(None, rc=1)  # a process died: no stop file
+    code, out = job(None, rc=1)  # a process died: no stop file; trained again, it dies at the same place: no requeue
     assert code == 1 and "REQUEUED" not in out and "FAILED" in out and "latest complete checkpoint is" in out, out
+    assert "restart 1 of 3" in out and "no progress between the two failures" in out, out
     code, out = job(signal_stop, sig="USR1", before=5)  # warned again before any progress: would loop
     assert code == 1 and "REQUEUED" not in out and "without progress" in out, out
     code, out = job(None, before=600)  # tiny's max_steps: a chained job after the run finished starts nothing
     assert code == 0 and "already finished (checkpoint at step 600 of 600)" in out, out
     assert not (tmp_path / "run" / "srun-ran").exists()
+
+
+# srun standing for one training per call, by the call's item of $PLAN ("RC:CHECKPOINT:LAST_STEP[:hang|done]"):
+# it leaves the checkpoint and the last metrics line such a training would, the hang watch's or the trainer's
+# stop file, and exits with RC. Each call's arguments go to $RUN/srun-calls.
+PLAN_SRUN = r"""#!/bin/bash
+n=$(cat "$RUN/srun-count" 2>/dev/null || echo 0); echo $((n + 1)) > "$RUN/srun-count"
+echo "$*" >> "$RUN/srun-calls"
+IFS=: read -r rc ckpt step kind <<< "$(echo $PLAN | cut -d' ' -f$((n + 1)))"
+mkdir -p "$RUN/checkpoints"
+[ "$ckpt" != - ] && printf 'step_%08d\n' "$ckpt" > "$RUN/checkpoints/latest"
+echo "{\"step\": $step, \"loss\": 2.5}" >> "$RUN/metrics.jsonl"
+[ "$kind" = hang ] && echo "{\"stopped_by\": \"hang\", \"step\": $step, \"phase\": \"backward\", \"reported_by\": 0, \"late_ranks\": [1], \"late\": [\"host n2, not responding\"], \"checkpoint\": null, \"exit_code\": 6}" > "$RUN/last_stop.json"
+[ "$kind" = done ] && echo "{\"stopped_by\": \"max_steps\", \"step\": $step, \"max_steps\": $step}" > "$RUN/last_stop.json"
+[ "$kind" = term ] && kill -TERM "$PPID"
+sleep 0.2
+exit "$rc"
+"""
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_job_script_restarts_a_failed_training_and_knows_when_to_stop(tmp_path, capsys):
+    """The script run by bash with srun standing for the training (see PLAN_SRUN): a training that died or hung
+    runs again from the latest checkpoint, recorded, until it finishes; not when there is no checkpoint, when it
+    fails again without progress, past --max-restarts (counted over the job's attempts), after a signal, or with
+    --max-restarts 0."""
+    run = tmp_path / "run"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text('#!/bin/bash\n[ "$2" = hostnames ] && echo node1\n'
+                                      '[ "$2" = node ] && echo NodeAddr=10.0.0.1\n'
+                                      '[ "$2" = job ] && echo "JobId=42 JobState=COMPLETING Restarts=0"\nexit 0\n')
+    (bin_dir / "srun").write_text(PLAN_SRUN)
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    scripts = {}
+    for bound in (3, 2, 0):
+        code, script, err = submit(["--run-dir", str(run), "--gpus-per-node", "0", "--max-restarts", str(bound),
+                                    "--dry-run"], capsys)
+        assert code == 0, err
+        assert re.search(rf"^MAX_RESTARTS={bound} ", script, re.M), script
+        assert ("--max-restarts 2" in script) == (bound == 2)  # the resubmit command keeps a bound not the default
+        scripts[bound] = tmp_path / f"job{bound}.sbatch"
+        # torchrun's own rendezvous store (as in a container job): the script's store would start a Python with torch
+        # for each of the jobs below, seconds each, for a store that no training here uses
+        scripts[bound].write_text(re.sub(r"^TORCHRUN=.*$", "TORCHRUN=torchrun", script, flags=re.M))
+
+    def job(plan: str, bound: int = 3, attempt: int = 0, restarts: list[dict] = ()) -> tuple[int, list[str]]:
+        shutil.rmtree(run, ignore_errors=True)
+        run.mkdir()
+        if restarts:
+            (run / "restarts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in restarts))
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node1",
+               "SLURM_JOB_NUM_NODES": "1", "SLURM_RESTART_COUNT": str(attempt), "RUN": str(run), "PLAN": plan}
+        res = subprocess.run(["bash", str(scripts[bound])], env=env, capture_output=True, text=True, timeout=60)
+        lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.startswith("[hybridtron job 42]")]
+        return res.returncode, lines
+
+    def calls() -> list[str]:
+        return (run / "srun-calls").read_text().splitlines()
+
+    # a process killed after checkpoint 10 (last logged step 13), then a hang after checkpoint 20: two restarts
+    code, lines = job("1:10:13 1:20:24:hang 0:30:30:done")
+    assert code == 0 and "training finished at step 30" in lines[-1], lines
+    restarts = slurm_status.read_restarts(run)
+    assert [(r["job_id"], r["attempt"], r["restart"], r["max_restarts"], r["exit_code"], r["from_step"],
+             r["last_step"], r["checkpoint"]) for r in restarts] == [
+        ("42", 0, 1, 3, 1, 10, 13, "step_00000010"), ("42", 0, 2, 3, 1, 20, 24, "step_00000020")], restarts
+    assert restarts[0]["reason"] == "a process or node died" and "time" in restarts[0]
+    assert restarts[1]["reason"] == "hang at step 24 in backward, late ranks: 1", restarts[1]
+    assert restarts[1]["hang"]["late"] == ["host n2, not responding"]  # the watch's whole stop file
+    said = [ln for ln in lines if "restart " in ln]
+    assert len(said) == 2 and "restart 1 of 3: training ended without stopping cleanly (srun exit 1): a process or " \
+        "node died (node logs" in said[0] and "job-42.0.node*.log); training again from checkpoint step 10 (" in \
+        said[0] and "last logged step 13" in said[0], said
+    assert "restart 2 of 3" in said[1] and "(srun exit 1; hang at step 24 in backward, late ranks: 1): the hang " \
+        "watch stopped every process (node logs" in said[1], said
+    assert "job-42.0.r2.node*.log" in said[1], said
+    # each training is a step of its own: a fresh rendezvous id, its own node logs
+    assert [re.search(r"--rdzv-id=(\S+)", c).group(1) for c in calls()] == ["42", "42.r1", "42.r2"]
+    assert [re.search(r"job-%j\.(\S+)\.node%n\.log", c).group(1) for c in calls()] == ["0", "0.r1", "0.r2"]
+
+    # a failure before the first checkpoint: a config or data problem, not restarted
+    code, lines = job("1:-:3")
+    assert code == 1 and "FAILED: training ended without stopping cleanly (srun exit 1)" in lines[-1], lines
+    assert "not restarting: there is no checkpoint yet" in lines[-1] and "resume from it with: cd " in lines[-1]
+    assert len(calls()) == 1 and not (run / "restarts.jsonl").exists()
+
+    # the same checkpoint and the same last logged step as the failure before: no progress, one restart only
+    code, lines = job("1:10:13 1:10:13 0:30:30:done")
+    assert code == 1 and len(calls()) == 2 and len(slurm_status.read_restarts(run)) == 1, lines
+    assert "failed again where it failed before restart 1 (checkpoint step 10, last logged step 13): no progress" \
+        in lines[-1] and lines[-1].count("FAILED") == 1, lines
+    # a later last step from the same checkpoint is progress (it got further before failing again)
+    code, lines = job("1:10:13 1:10:17 0:30:30:done")
+    assert code == 0 and len(calls()) == 3, lines
+
+    # the bound, with progress every time
+    code, lines = job("1:10:13 1:20:23 1:30:33 0:40:40:done", bound=2)
+    assert code == 1 and len(calls()) == 3, lines
+    assert "not restarting: job 42 was restarted 2 times already, the bound (--max-restarts 2)" in lines[-1], lines
+    assert "job-42.0.r2.node*.log say which and why" in lines[-1]
+    # counted over the job's attempts: after a requeue the bound holds with the restarts made before it (another
+    # job's restarts do not count)
+    before = [{"job_id": "42", "attempt": 0, "restart": k, "from_step": 5 * k, "last_step": 5 * k + 2}
+              for k in (1, 2)]
+    code, lines = job("1:20:23", bound=2, attempt=1, restarts=[{"job_id": "41", "restart": 1}, *before])
+    assert code == 1 and "restarted 2 times already" in lines[-1], lines
+    code, lines = job("1:20:23 0:30:30:done", bound=3, attempt=1, restarts=before)
+    assert code == 0 and "restart 3 of 3" in "\n".join(lines), lines
+    assert "attempt 1 follows one that ended without a clean stop: SLURM requeued the job" in lines[0], lines
+
+    # told to stop (scancel) and then dead: SLURM ends the job, no restart
+    code, lines = job("1:10:13:term 0:30:30:done")
+    assert code == 1 and len(calls()) == 1 and "not restarting: the job was sent SIGTERM while it trained" \
+        in lines[-1], lines
+    # --max-restarts 0: today's behaviour
+    code, lines = job("1:10:13 0:30:30:done", bound=0)
+    assert code == 1 and len(calls()) == 1 and "not restarting: restarts are off (--max-restarts 0)" in lines[-1]
+    assert "The latest complete checkpoint is " in lines[-1] and "step_00000010;" in lines[-1]
 
 
 def test_a_deepspeed_json_the_trainer_would_refuse_is_refused_at_submission(tmp_path, capsys):
