@@ -18,14 +18,11 @@ import yaml
 
 from hybridtron.configs import ConfigError
 from hybridtron.train.checkpoint_names import latest_checkpoint
-from hybridtron.train.run_dir import LAST_STOP
+from hybridtron.train.run_dir import LAST_STOP, read_restarts
 
 from .submit import JOBS_FILE
 
 TAIL_BYTES = 1 << 16  # the end of metrics.jsonl holds the last steps; a long run's file is not read whole
-# RUN_DIR/restarts.jsonl: one line per restart after a failure, appended by the job script (slurm/template.sbatch):
-# {time, job_id, attempt, restart, max_restarts, exit_code, reason, from_step, last_step, checkpoint[, hang]}.
-RESTARTS_FILE = "restarts.jsonl"
 
 
 def add_arguments(sp) -> None:
@@ -56,23 +53,6 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess | None:
         return subprocess.run([exe, *cmd[1:]], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return None
-
-
-def read_restarts(run_dir: Path, job_id: str | None = None) -> list[dict]:
-    """The restarts recorded in ``RUN_DIR/restarts.jsonl``, oldest first; ``job_id``: those of that job only."""
-    try:
-        text = (Path(run_dir) / RESTARTS_FILE).read_text(errors="replace")
-    except OSError:
-        return []
-    out = []
-    for line in text.splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a torn line: the job was killed while writing it
-        if isinstance(rec, dict) and (job_id is None or str(rec.get("job_id")) == str(job_id)):
-            out.append(rec)
-    return out
 
 
 def query_job(job_id: str) -> dict:

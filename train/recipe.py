@@ -7,7 +7,6 @@ closing report. Nothing here parses a command line: hybridtron/cli.py does, and 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -35,6 +34,7 @@ from .run_dir import (
     check_resume_tokenizer,
     check_run_paths,
     naming,
+    read_restarts,
     resolve_data_dir,
 )
 from .run_lock import hold_run_dir
@@ -173,18 +173,7 @@ def _report(cfg: JobConfig, run_dir: Path, mesh: Mesh, result: FitResult, prepar
         stop = {"stopped_by": result.stopped_by, "step": result.state.step, "max_steps": t.max_steps,
                 "checkpoint": result.last_checkpoint.name if result.last_checkpoint else None}
         if job := os.environ.get("SLURM_JOB_ID"):  # the failures this SLURM job's script restarted training after
-            # restarts.jsonl: one line per restart, appended by the job script (slurm/template.sbatch); read here
-            # rather than by slurm/status.py's reader, as train/ imports nothing of slurm/
-            try:
-                lines = (run_dir / "restarts.jsonl").read_text(errors="replace").splitlines()
-            except OSError:
-                lines = []
-            stop["restarts"] = []
-            for line in lines:
-                with contextlib.suppress(ValueError):  # a torn line: the job was killed while writing it
-                    rec = json.loads(line)
-                    if isinstance(rec, dict) and str(rec.get("job_id")) == job:
-                        stop["restarts"].append(rec)
+            stop["restarts"] = read_restarts(run_dir, job)
         with naming(run_dir / LAST_STOP):
             write_text_atomic(run_dir / LAST_STOP, json.dumps(stop) + "\n")
     log(f"stopped at step {result.state.step}/{t.max_steps} ({result.stopped_by})")

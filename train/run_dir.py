@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 import tempfile
@@ -25,6 +26,7 @@ from hybridtron.data_pipeline.data_dir import data_dir, default_data_dir, resolv
 
 from .checkpoint_names import latest_checkpoint
 from .run_lock import LOCK_FILE
+from .watchdog import HANG_DIR
 
 DEFAULT_PRESET = "tiny"
 
@@ -35,11 +37,31 @@ LAST_STOP = "last_stop.json"
 # arrived while they were still starting, ignoring it): its content names the signal; train stops after its first
 # step as if the signal had come then. The job script removes it at the start and end of every attempt.
 STOP_REQUEST = "stop_request"
+# One JSON line per restart of the training after a failure, appended by the SLURM job script (slurm/template.sbatch):
+# {"time", "job_id", "attempt", "restart", "max_restarts", "exit_code", "reason", "from_step", "last_step", ...}.
+RESTARTS = "restarts.jsonl"
 
 
 # What a run directory holds (besides checkpoints' own layout), with the kind each must be where it exists.
 RUN_DIR_ENTRIES = {"checkpoints": "dir", "tensorboard": "dir", "config.yaml": "file", "metrics.jsonl": "file",
-                   LAST_STOP: "file", STOP_REQUEST: "file", LOCK_FILE: "file"}
+                   LAST_STOP: "file", STOP_REQUEST: "file", LOCK_FILE: "file", RESTARTS: "file", HANG_DIR: "dir"}
+
+
+def read_restarts(run_dir: Path, job_id: str | None = None) -> list[dict]:
+    """The restarts recorded in ``RUN_DIR/restarts.jsonl``, oldest first; ``job_id``: those of that job only."""
+    try:
+        text = (Path(run_dir) / RESTARTS).read_text(errors="replace")
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn line: the job was killed while writing it
+        if isinstance(rec, dict) and (job_id is None or str(rec.get("job_id")) == str(job_id)):
+            out.append(rec)
+    return out
 
 
 @contextlib.contextmanager

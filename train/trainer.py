@@ -34,7 +34,7 @@ from .parallel.expert_parallel import sync_expert_grads
 from .parallel.grad_norm import clip_grad_norm
 from .parallel.mesh import Mesh
 from .profile import StepProfiler
-from .run_dir import STOP_REQUEST
+from .run_dir import LAST_STOP, STOP_REQUEST
 from .schedule import Plan, resume_plan, warmup_note
 from .spike import SpikeGuard
 from .step import whole
@@ -311,7 +311,8 @@ class Trainer:
         # train.profile: traces and memory snapshots of chosen steps; None (and no cost) when off
         prof = StepProfiler.for_run(t.profile, self.run_dir, self.mesh.rank, self.device, self.state.step, log)
         # train.hang_timeout_s: every rank's step and phase where the others can read them, a hang named and ended
-        watch = watchdog.watch_for(cfg, self.run_dir, self.mesh, checkpoint_dir=self._latest_name)
+        watch = watchdog.watch_for(cfg, self.run_dir, self.mesh, checkpoint_dir=self._latest_name,
+                                   last_stop=self.run_dir / LAST_STOP)
         last_log = None  # the previous log step: its rank times are complete on every rank (stragglers)
         try:
             with StopSignal(self.run_dir / STOP_REQUEST) as stop:

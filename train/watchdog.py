@@ -96,10 +96,12 @@ class Watch:
     """One process's watch (see the module docstring). ``store`` None: one process, only its own progress."""
 
     def __init__(self, timeout_s: float, run_dir: Path, rank: int = 0, world: int = 1, store=None, *,
-                 margin: float = 0.2, backend: str = "gloo", checkpoint_dir=None, err=None):
+                 margin: float = 0.2, backend: str = "gloo", checkpoint_dir=None, last_stop: Path | None = None,
+                 err=None):
         self.timeout_s, self.run_dir, self.rank, self.world = timeout_s, Path(run_dir), rank, world
         self.store, self.margin, self.backend = store, margin, backend
         self.checkpoint_dir = checkpoint_dir  # a callable giving the latest checkpoint's name, for the line
+        self.last_stop = last_stop  # where the first rank to report says why training stopped (None: nowhere)
         self.err = err or sys.stderr
         self.host = socket.gethostname()
         self.interval = _interval(timeout_s)
@@ -307,13 +309,11 @@ class Watch:
                 + f"; exiting with code {HANG_EXIT} so that the job restarts from the latest checkpoint"
                 + (f" ({latest})" if latest else " (none yet)"))
         print(line, file=self.err, flush=True)
-        if self._first_to_report():
+        if self.last_stop is not None and self._first_to_report():
             with contextlib.suppress(OSError):
                 from hybridtron.atomic import write_text_atomic
 
-                from .run_dir import LAST_STOP
-
-                write_text_atomic(self.run_dir / LAST_STOP, json.dumps({
+                write_text_atomic(self.last_stop, json.dumps({
                     "stopped_by": "hang", "step": self.step, "phase": self.name, "reported_by": self.rank,
                     "late_ranks": [r for r, _ in late], "late": [why for _, why in late], "checkpoint": latest,
                     "exit_code": HANG_EXIT}) + "\n")
@@ -408,8 +408,9 @@ def flight_recorder_env(run_dir: Path) -> None:
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(run_dir).resolve() / HANG_DIR / "nccl_trace_rank_"))
 
 
-def watch_for(cfg, run_dir: Path, mesh, checkpoint_dir=None) -> Watch | None:
-    """This process's watch for a run (None with ``train.hang_timeout_s: 0``), started."""
+def watch_for(cfg, run_dir: Path, mesh, checkpoint_dir=None, last_stop: Path | None = None) -> Watch | None:
+    """This process's watch for a run (None with ``train.hang_timeout_s: 0``), started; ``last_stop``: the run's
+    last_stop.json, which the first rank to report a hang writes."""
     t = cfg.train
     if t.hang_timeout_s <= 0:
         return None
@@ -425,7 +426,7 @@ def watch_for(cfg, run_dir: Path, mesh, checkpoint_dir=None) -> Watch | None:
         with contextlib.suppress(Exception):
             backend = str(dist.get_backend())
     return Watch(t.hang_timeout_s, run_dir, mesh.rank, mesh.world_size, store, margin=t.straggler_margin,
-                 backend=backend, checkpoint_dir=checkpoint_dir).start()
+                 backend=backend, checkpoint_dir=checkpoint_dir, last_stop=last_stop).start()
 
 
 def training_groups(mesh) -> list:

@@ -193,7 +193,8 @@ STUCK = """
 import sys, time
 from pathlib import Path
 from hybridtron.train.watchdog import Watch
-w = Watch(1.0, Path(sys.argv[1]), checkpoint_dir=lambda: "step_00000020").start()
+w = Watch(1.0, Path(sys.argv[1]), checkpoint_dir=lambda: "step_00000020",
+          last_stop=Path(sys.argv[1]) / "last_stop.json").start()
 w.step_begin(23)
 w.step_end()
 w.arm()
