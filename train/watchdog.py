@@ -338,13 +338,13 @@ def diagnose(first: list[dict | None], second: list[dict | None]) -> tuple[list[
         if b is None:
             late.append((r, "never reported: it did not start or cannot reach the store"))
             continue
-        where = f"host {b['host']}, in {b['phase']} at step {b['step']}"
         if a is not None and (a["step"], a["count"]) != (b["step"], b["count"]):
             moving = True
-        if a is not None and a["beat"] == b["beat"]:
-            late.append((r, f"{where}, not responding: stopped, dead or frozen"))
+        if a is not None and a["beat"] == b["beat"]:  # its entry is as old as its last heartbeat
+            late.append((r, f"host {b['host']}, last seen in {b['phase']} at step {b['step']}, not responding: "
+                            f"stopped, dead or frozen"))
         elif (b["step"], b["count"]) < front:
-            late.append((r, f"{where}, behind the others"))
+            late.append((r, f"host {b['host']}, in {b['phase']} at step {b['step']}, behind the others"))
     return late, moving
 
 

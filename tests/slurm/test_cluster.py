@@ -289,6 +289,38 @@ def test_killed_rank_restarts_in_the_job_and_ends_with_the_same_losses(
     assert_same_steps(steps(run), steps(uninterrupted["run"])[:100])
 
 
+def test_a_hung_rank_is_named_and_the_job_restarts_to_the_same_losses(
+        uninterrupted, slurm_cluster, small_data_dir, small_argv, tmp_path):
+    """A training process stopped by the kernel (SIGSTOP) on the second node after a checkpoint: the first node's rank
+    names it within train.hang_timeout_s + 30 s and exits 6, the job script trains again from the checkpoint in the
+    same allocation, and the job completes with the uninterrupted losses (of its first 100 steps)."""
+    run = tmp_path / "run"
+    job = submit(submit_argv(small_argv, small_data_dir, run, ["--checkpoint.every", "5", "--train.max_steps", "100",
+                                                               "--train.hang_timeout_s", "8"]))
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_00000005").is_dir(), 180, "checkpoint 5", run, job)
+        pid = _rank_pid(job, 1)
+        assert pid is not None, logs(run, job)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_for(lambda: read_restarts(run), 8 + 30 + 20, "the restart after the hang", run, job)
+        assert time.monotonic() - stopped < 8 + 30 + 20
+        assert wait_end(slurm_cluster, job, run) == "COMPLETED", logs(run, job)
+    finally:
+        if slurm_cluster.job_field(job, "JobState") not in ENDED:
+            slurm_cluster.run("scancel", job)
+    first = node_logs(run, job, "0")
+    line = next((ln for ln in first.splitlines() if "hang: no progress" in ln and "rank 0/2" in ln), None)
+    assert line is not None and "rank 1 (host" in line and "not responding" in line, first[-3000:]
+    restarts = read_restarts(run)
+    assert len(restarts) == 1 and restarts[0]["hang"]["late_ranks"] == [1], restarts
+    assert restarts[0]["reason"].startswith("hang at step") and "late ranks: 1" in restarts[0]["reason"], restarts
+    batch_log = (run / "logs" / f"job-{job}.out").read_text()
+    assert "restart 1 of 3:" in batch_log and "the hang watch stopped every process" in batch_log, batch_log
+    assert "training finished at step 100" in batch_log.strip().splitlines()[-1], batch_log
+    assert_same_steps(steps(run), steps(uninterrupted["run"])[:100])
+
+
 def test_a_failure_without_progress_is_not_restarted_again(slurm_cluster, small_data_dir, small_argv, tmp_path):
     """A training killed after its first checkpoint whose config then breaks (an edit gone wrong): the restart fails
     where the training before it did (the same checkpoint, no step logged since), so the job stops, FAILED, with
