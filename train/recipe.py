@@ -74,7 +74,7 @@ def train_run(cfg: JobConfig, run_dir: Path, log=rank_log, init_from: Path | Non
     resolve_data_dir(cfg, run_dir)  # data.out_dir left empty: the run's own data directory, or the corpus's
     check_run_paths(cfg, run_dir)  # a run directory or data directory that cannot be written: before anything
     device = select_rank_device(cfg)
-    if device.type == "cuda":  # NCCL's flight recorder on, dumped into RUN_DIR/hang/ on a collective timeout
+    if launch_world()[2] > 1:  # torch's record of the last collectives, for a hang's report (RUN_DIR/hang/)
         flight_recorder_env(run_dir)
     # Mesh.setup refuses an impossible layout before anything is allocated; then rank 0 locks the run directory
     # (one writer per run) before any data is prepared, and every rank learns if another process holds it.

@@ -9,10 +9,10 @@ step collectives it runs itself (``waiting()``). A thread per process then
 - once the first step is done (compile and kernel tuning are not watched), and this rank's phase has not changed
   for ``train.hang_timeout_s``, compares every rank's entry with a reading taken when it had stood still for a
   quarter of that. If any rank moved on meanwhile, this one is merely waiting for a slow but alive rank, and keeps
-  waiting. If none did, it is a hang: the ranks
-  whose heartbeat stopped (a stopped or dead process) or that are behind (a lower step or phase: stuck in a data
-  read, a file system) are named with their hosts in one line, this process's Python stacks (and on NCCL the
-  flight recorder) go to ``RUN_DIR/hang/``, the first rank to report writes ``last_stop.json``, and the process
+  waiting. If none did, it is a hang: the ranks whose heartbeat stopped (a stopped or dead process) or that are
+  behind (a lower step or phase: stuck in a data read, a file system) are named with their hosts in one line, this
+  process's Python stacks and torch's flight recorder of the last collectives go to ``RUN_DIR/hang/``, the first
+  rank to report writes ``last_stop.json``, and the process
   exits with ``HANG_EXIT`` (6), which the SLURM job script restarts from the latest checkpoint.
 
 After the first step the process groups' timeout also drops from 30 minutes to ``hang_timeout_s`` plus
@@ -96,10 +96,9 @@ class Watch:
     """One process's watch (see the module docstring). ``store`` None: one process, only its own progress."""
 
     def __init__(self, timeout_s: float, run_dir: Path, rank: int = 0, world: int = 1, store=None, *,
-                 margin: float = 0.2, backend: str = "gloo", checkpoint_dir=None, last_stop: Path | None = None,
-                 err=None):
+                 margin: float = 0.2, checkpoint_dir=None, last_stop: Path | None = None, err=None):
         self.timeout_s, self.run_dir, self.rank, self.world = timeout_s, Path(run_dir), rank, world
-        self.store, self.margin, self.backend = store, margin, backend
+        self.store, self.margin = store, margin
         self.checkpoint_dir = checkpoint_dir  # a callable giving the latest checkpoint's name, for the line
         self.last_stop = last_stop  # where the first rank to report says why training stopped (None: nowhere)
         self.err = err or sys.stderr
@@ -294,10 +293,10 @@ class Watch:
             with open(stacks, "w") as f:
                 faulthandler.dump_traceback(file=f, all_threads=True)
             files.append(f"Python stacks {stacks}")
-            if self.backend == "nccl" and (trace := _flight_recorder()) is not None:
-                path = hang_dir / f"nccl-rank{self.rank}.json"
+            if (trace := _flight_recorder()) is not None:
+                path = hang_dir / f"flight-recorder-rank{self.rank}.json"
                 path.write_text(trace)
-                files.append(f"NCCL flight recorder {path}")
+                files.append(f"the last collectives (flight recorder) {path}")
         who = ("; ".join(f"rank {r} ({why})" for r, why in late) + " did not arrive") if late else \
             ("no rank is behind: every rank waits in the same place (a collective that does not match, or one "
              "stuck inside the communication library)" if self.world > 1 else "")
@@ -389,21 +388,23 @@ def straggler_line(found: list[dict], first: int, last: int) -> str:
 
 
 def _flight_recorder() -> str | None:
-    """NCCL's flight recorder (the last collectives of every group, with their state) as JSON, or None."""
+    """torch's flight recorder (each group's last collectives: op, sizes, sequence number, state) as JSON, or None
+    when it recorded nothing (no process group, or its buffer is off)."""
     try:
         import torch
 
-        dump = torch._C._distributed_c10d._dump_fr_trace_json
-        out = dump(True, True)
-        return out if isinstance(out, str) else bytes(out).decode()
+        out = torch._C._distributed_c10d._dump_fr_trace_json(True, False)  # collectives included, not only active
+        text = out if isinstance(out, str) else bytes(out).decode()
+        return text if json.loads(text).get("entries") else None
     except Exception:
         return None
 
 
 def flight_recorder_env(run_dir: Path) -> None:
-    """On NCCL: keep a flight recorder of each group's last collectives and dump it on a timeout into
-    ``RUN_DIR/hang/`` (torch reads these when the process group is created; a value set by the user wins)."""
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    """Keep torch's flight recorder of each group's last collectives (NCCL and gloo alike), dumped into
+    ``RUN_DIR/hang/`` by a reporting rank, and on NCCL by torch itself at a collective timeout. Read by torch when
+    the process group is created; a value the user set wins."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(run_dir).resolve() / HANG_DIR / "nccl_trace_rank_"))
 
@@ -419,14 +420,8 @@ def watch_for(cfg, run_dir: Path, mesh, checkpoint_dir=None, last_stop: Path | N
         run = os.environ.get("TORCHELASTIC_RUN_ID", "")
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = _store_client(f"hybridtron/watch/{run}/{restart}/")
-    backend = "gloo"
-    if mesh.distributed:
-        import torch.distributed as dist
-
-        with contextlib.suppress(Exception):
-            backend = str(dist.get_backend())
     return Watch(t.hang_timeout_s, run_dir, mesh.rank, mesh.world_size, store, margin=t.straggler_margin,
-                 backend=backend, checkpoint_dir=checkpoint_dir, last_stop=last_stop).start()
+                 checkpoint_dir=checkpoint_dir, last_stop=last_stop).start()
 
 
 def training_groups(mesh) -> list:

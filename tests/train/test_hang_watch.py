@@ -124,6 +124,10 @@ def test_a_stopped_rank_is_named_and_the_rerun_resumes_to_the_same_losses(layout
     assert stop["stopped_by"] == "hang" and stop["late_ranks"] == [1] and stop["exit_code"] == HANG_EXIT, stop
     stacks = run / "hang" / "stacks-rank0.txt"
     assert str(stacks) in line and "Thread" in stacks.read_text()
+    recorder = run / "hang" / "flight-recorder-rank0.json"  # torch's record of the last collectives, gloo's too
+    assert str(recorder) in line
+    last = json.loads(recorder.read_text())["entries"][-1]
+    assert last["profiling_name"].startswith("gloo:") and last["state"] != "completed", last
     hung = {r["step"]: r["loss"] for r in read_metrics(run)}
     resumed_from = int(stop["checkpoint"].split("_")[1])
     retrained = [s for s in hung if s > resumed_from]
