@@ -82,27 +82,31 @@ def query_job(job_id: str) -> dict:
                              "sacct has no record of it"}
 
 
-def tail_metrics(run_dir: Path) -> tuple[dict | None, dict | None]:
-    """(the last metrics record, the last one with val_loss) from the end of metrics.jsonl."""
+def tail_metrics(run_dir: Path) -> tuple[dict | None, dict | None, dict | None]:
+    """(the last metrics record, the last one with val_loss, the last one with the ranks' times: the latest window
+    the straggler report judged) from the end of metrics.jsonl."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        return None, None
+        return None, None, None
     with open(path, "rb") as f:
         f.seek(0, 2)
         size = f.tell()
         f.seek(max(0, size - TAIL_BYTES))
         lines = f.read().decode(errors="replace").splitlines()[1 if size > TAIL_BYTES else 0:]
-    last = last_val = None
+    last = last_val = last_window = None
     for line in reversed(lines):
         try:
             rec = json.loads(line)
         except ValueError:
             continue  # the torn last line of a killed write
+        if not isinstance(rec, dict):
+            continue
         last = last or rec
-        if "val_loss" in rec:
-            last_val = rec
+        last_val = last_val or (rec if "val_loss" in rec else None)
+        last_window = last_window or (rec if "rank_times" in rec else None)
+        if last_val and last_window:
             break
-    return last, last_val
+    return last, last_val, last_window
 
 
 def collect(run_dir: Path) -> dict:
@@ -115,7 +119,7 @@ def collect(run_dir: Path) -> dict:
     for j in jobs:
         out["jobs"].append({"job_id": j["job_id"], "submission": scripts.index(j.get("script")) + 1,
                             "submitted": j.get("submitted"), **query_job(j["job_id"])})
-    last, last_val = tail_metrics(run_dir)
+    last, last_val, window = tail_metrics(run_dir)
     max_steps = None
     try:  # a missing or damaged config.yaml leaves the total out; the rest still shows
         max_steps = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("train", {}).get("max_steps")
@@ -126,8 +130,10 @@ def collect(run_dir: Path) -> dict:
     out["loss"] = last.get("loss") if last else None
     out["val_loss"] = last_val.get("val_loss") if last_val else None
     out["val_step"] = last_val.get("step") if last_val else None
-    slow = last.get("stragglers") if last else None
+    # the slow ranks of the latest window the straggler report judged (train/watchdog.py): none there, none now
+    slow = window.get("stragglers") if window else None
     out["stragglers"] = [s for s in slow if isinstance(s, dict)] if isinstance(slow, list) else []
+    out["stragglers_step"] = window.get("step") if window else None
     out["restarts"] = read_restarts(run_dir)
     latest = latest_checkpoint(run_dir)
     out["checkpoint"] = str(latest) if latest else None
@@ -159,13 +165,16 @@ def _job_line(j: dict) -> str:
 
 
 def _straggler(x: dict) -> str:
-    """One slow rank of metrics.jsonl's "stragglers": its busy seconds per step (step time less waiting for the
-    others) against the median rank's."""
-    def secs(v) -> str:
-        return f"{v:.3f}" if isinstance(v, (int, float)) else "?"
+    """One slow rank of metrics.jsonl's "stragglers" (train/watchdog.py): how much slower than the median rank, its
+    busy seconds per step (step time less waiting for the others) against the median's, and its time not running."""
+    def num(v, fmt=".3f") -> str:
+        return format(v, fmt) if isinstance(v, (int, float)) else "?"
 
-    median = x.get("median_s", x.get("median_busy_s"))  # the watch's own name for it, too
-    return f"rank {x.get('rank')} ({x.get('host')}) busy {secs(x.get('busy_s'))} s/step against a median of {secs(median)}"
+    slower = x.get("slower")
+    return (f"rank {x.get('rank')} ({x.get('host')}) "
+            + (f"{num(100 * slower, '.0f')}% slower: " if isinstance(slower, (int, float)) else "")
+            + f"busy {num(x.get('busy_s'))} s/step against a median of {num(x.get('median_busy_s'))}, not running "
+            f"{num(x.get('stall_s'))}")
 
 
 def format_status(s: dict) -> str:
@@ -186,7 +195,7 @@ def format_status(s: dict) -> str:
             text += f", val_loss {s['val_loss']:.4f} at step {s['val_step']}"
         rows.append(("progress", text))
     if s.get("stragglers"):
-        rows.append(("stragglers", f"at step {s['step']}: " + "; ".join(_straggler(x) for x in s["stragglers"])))
+        rows.append(("stragglers", f"over the window to step {s['stragglers_step']}: " + "; ".join(_straggler(x) for x in s["stragglers"])))
     rows.append(("checkpoint", s["checkpoint"] or "none yet"))
     if s.get("restarts"):
         r = s["restarts"][-1]

@@ -212,18 +212,32 @@ def test_status_shows_restarts_and_stragglers(tmp_path, capsys, monkeypatch):
         {"time": "2026-11-24T11:00:00", "job_id": "70", "attempt": 0, "restart": 2, "max_restarts": 3, "exit_code": 1,
          "reason": "hang at step 34 in backward, late ranks: 1", "from_step": 30, "last_step": 34,
          "checkpoint": "step_00000030"})) + '{"time": "2026')  # a torn last line: the job was killed writing it
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 40, "loss": 3.0, "stragglers": [
-        {"rank": 1, "host": "gpu007", "busy_s": 1.52, "median_s": 1.1},
-        {"rank": 5, "host": "gpu009", "busy_s": 1.4, "median_busy_s": 1.2}]}) + "\n")  # the hang watch's name
+    def slow(rank, host, slower, busy, median, stall):
+        return {"rank": rank, "host": host, "slower": slower, "busy_s": busy, "median_busy_s": median,
+                "stall_s": stall, "data_s": 0.01, "compute_s": busy - 0.01, "wait_s": 0.0, "step_s": busy}
+    window = {"median": {}, "slowest": {}}  # the split itself is the trainer's business; status reads the stragglers
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 36, "loss": 3.1, "rank_times": window, "stragglers": [slow(3, "gpu002", 0.9, 2.0, 1.0, 0.0)]},
+        {"step": 38, "loss": 3.0, "rank_times": window, "stragglers": [
+            slow(1, "gpu007", 0.382, 1.52, 1.1, 0.0), slow(5, "gpu009", 0.25, 1.5, 1.2, 0.3)]},
+        {"step": 40, "loss": 2.9})))  # a log step that closed no window: the latest judgement still stands
     assert main(["status", str(run)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"restarts +2 after failures; last: job 70 restart 2 of 3 at 2026-11-24T11:00:00, hang at step 34 "
                      r"in backward, late ranks: 1 \(exit 1\), from step 30", out), out
-    assert re.search(r"stragglers +at step 40: rank 1 \(gpu007\) busy 1.520 s/step against a median of 1.100; rank 5 "
-                     r"\(gpu009\) busy 1.400 s/step against a median of 1.200", out), out
+    assert re.search(r"stragglers +over the window to step 38: rank 1 \(gpu007\) 38% slower: busy 1.520 s/step against "
+                     r"a median of 1.100, not running 0.000; rank 5 \(gpu009\) 25% slower: busy 1.500 s/step against a "
+                     r"median of 1.200, not running 0.300$", out, re.M), out
     assert main(["status", str(run), "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
     assert [r["restart"] for r in s["restarts"]] == [1, 2] and s["stragglers"][0]["host"] == "gpu007"
+    with open(run / "metrics.jsonl", "a") as f:  # a later window without a slow rank: it caught up
+        f.write(json.dumps({"step": 42, "loss": 2.8, "rank_times": window}) + "\n")
+    assert main(["status", str(run)]) == 0
+    assert not re.search(r"^stragglers ", capsys.readouterr().out, re.M)
+    assert main(["status", str(run), "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert [r["restart"] for r in s["restarts"]] == [1, 2] and s["stragglers"] == []
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
