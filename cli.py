@@ -21,7 +21,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 from hybridtron.configs import ConfigError, check_overrides, parse_overrides
@@ -29,7 +28,7 @@ from hybridtron.data_pipeline.errors import DataError
 from hybridtron.quiet import quiet_dependencies
 
 from .train.errors import CheckpointError, DiskFullError, NonFiniteLossError
-from .train.launcher_watch import launched, watch_parent
+from .train.launcher_watch import launched, tell_launcher, watch_parent
 from .train.parallel.layout import check_plan_layout, check_run, launch_world
 from .train.run_dir import (
     DEFAULT_PRESET,
@@ -538,24 +537,6 @@ def _left_by_another() -> str | None:
     return None
 
 
-def _tell_launcher(line: str, cause: bool = True) -> None:
-    """torchrun ends its output with a summary of the failed workers, each with a "traceback :" field read from the
-    file named by TORCHELASTIC_ERROR_FILE (without one: a link to its docs). Our line goes there, so that the
-    summary's last entry, the root cause, reads as our line did. torchrun takes for the root cause the smallest
-    timestamp (whole seconds; a tie goes to the worker it lists first): a line that only points at another
-    process's (``cause`` False) is dated a second later, so that the one it points at is the root cause."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    from hybridtron.atomic import write_text_atomic
-
-    stamp = int(time.time()) + (0 if cause else 1)
-    try:  # the format torchrun reads (torch.distributed.elastic.multiprocessing.errors.ProcessFailure)
-        write_text_atomic(Path(path), json.dumps({"message": line, "timestamp": stamp}))
-    except OSError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand and return its exit code:
 
@@ -591,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr)
         if cause and world > 1:
             _leave_for_the_others(f"rank {rank} stopped: {text.removeprefix('error: ')}")
-        _tell_launcher(line, cause)
+        tell_launcher(line, cause)
         return code
 
     try:

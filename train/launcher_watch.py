@@ -14,11 +14,13 @@ Under SLURM, srun ends the whole job step when its task (torchrun) ends, so this
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 POLL_SECONDS = 1.0
@@ -85,3 +87,21 @@ def watch_parent(parent: int | None = None, use_prctl: bool = True) -> str:
     if _orphaned(parent):
         os.kill(os.getpid(), signal.SIGTERM)
     return _armed
+
+
+def tell_launcher(line: str, cause: bool = True) -> None:
+    """torchrun ends its output with a summary of the failed workers, each with a "traceback :" field read from the
+    file named by TORCHELASTIC_ERROR_FILE (without one: a link to its docs). Our line goes there, so that the
+    summary's last entry, the root cause, reads as our line did. torchrun takes for the root cause the smallest
+    timestamp (whole seconds; a tie goes to the worker it lists first): a line that only points at another
+    process's (``cause`` False) is dated a second later, so that the one it points at is the root cause."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    from hybridtron.atomic import write_text_atomic
+
+    stamp = int(time.time()) + (0 if cause else 1)
+    try:  # the format torchrun reads (torch.distributed.elastic.multiprocessing.errors.ProcessFailure)
+        write_text_atomic(Path(path), json.dumps({"message": line, "timestamp": stamp}))
+    except OSError:
+        pass

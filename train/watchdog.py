@@ -41,6 +41,8 @@ import threading
 import time
 from pathlib import Path
 
+from .launcher_watch import tell_launcher
+
 HANG_EXIT = 6  # the training processes' exit code after a hang: the job script restarts from the latest checkpoint
 PG_MARGIN_S = 60  # the process groups' timeout is hang_timeout_s plus this (the watch names the ranks first)
 STORE_TIMEOUT_S = 10  # a store read or write that takes longer: the store's host is gone; the watch says so
@@ -117,7 +119,8 @@ class Watch:
         self.step_s = self.data_s = self.wait_s = self.stall_s = 0.0
         self._step_t0 = None
         self._data_t0 = None
-        self._published: dict | None = None
+        self._published: dict | None = None  # this rank's totals at the last log step, and at the one before
+        self._previous: dict | None = None
         self._window_base: list[dict] | None = None  # rank 0: every rank's totals when the window began
 
     # ---- called by the training thread ---------------------------------------------------------------------
@@ -179,7 +182,7 @@ class Watch:
         them, for a rank 0 that reads while a faster rank has already written the next."""
         cur = self._totals(upto)
         blob = json.dumps({"cur": cur, "prev": self._published})
-        self._published = cur
+        self._previous, self._published = self._published, cur
         if self.store is not None:
             with self._lock, contextlib.suppress(Exception):  # the numbers are a report: never stop training
                 self.store.set(f"times/{self.rank}", blob)
@@ -189,6 +192,11 @@ class Watch:
         the last window, judged through log step ``upto`` (the previous log step: every rank has written it by
         now), once the window holds MIN_WINDOW_S of step time; else None. Returns (first step, times)."""
         if self.store is None or self.world == 1:
+            return None
+        base = self._window_base
+        own = self._previous  # this rank's totals at ``upto``: a window too short is known without the store
+        if base is not None and own is not None and own["upto"] == upto and \
+                own["step_s"] - base[self.rank]["step_s"] < MIN_WINDOW_S:
             return None
         try:
             with self._lock:
@@ -202,7 +210,6 @@ class Watch:
             if not match:
                 return None
             now.append(match[0])
-        base = self._window_base
         if base is None or len(base) != len(now):
             self._window_base = now
             return None
@@ -308,6 +315,7 @@ class Watch:
                 + f"; exiting with code {HANG_EXIT} so that the job restarts from the latest checkpoint"
                 + (f" ({latest})" if latest else " (none yet)"))
         print(line, file=self.err, flush=True)
+        tell_launcher(line)  # torchrun's summary of the failed workers then ends with this line, not a docs link
         if self.last_stop is not None and self._first_to_report():
             with contextlib.suppress(OSError):
                 from hybridtron.atomic import write_text_atomic

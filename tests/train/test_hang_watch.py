@@ -120,6 +120,8 @@ def test_a_stopped_rank_is_named_and_the_rerun_resumes_to_the_same_losses(layout
     assert "rank 1 (host" in line and "not responding" in line and "did not arrive" in line, line
     assert f"exiting with code {HANG_EXIT}" in line and "step_000000" in line, line
     assert job.returncode != 0
+    causes = [ln for ln in out.splitlines() if "traceback :" in ln]  # torchrun's summary: the root cause is ours
+    assert causes and "hang: no progress" in causes[-1], out[-3000:]
     stop = json.loads((run / LAST_STOP).read_text())
     assert stop["stopped_by"] == "hang" and stop["late_ranks"] == [1] and stop["exit_code"] == HANG_EXIT, stop
     stacks = run / "hang" / "stacks-rank0.txt"
