@@ -179,7 +179,7 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _is_disk_full(e: BaseException, where: Path | None = None) -> bool:
+def is_disk_full(e: BaseException, where: Path | None = None) -> bool:
     """Whether a write failed for want of space: ENOSPC/EDQUOT, a message saying so (safetensors, shutil.Error),
     or torch's errno-less zip-writer failure while ``where``'s file system is (nearly) full."""
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -504,7 +504,7 @@ class CheckpointManager:
     def _abort_save(self, err: Exception | None, tmp: Path, final: Path, writing: Path, main: bool):
         """Remove the partial checkpoint and raise: a full disk as DiskFullError, another rank's failure as
         CheckpointError, anything else as it is. ``latest`` still names the previous checkpoint."""
-        full = err is not None and _is_disk_full(err, self.dir)  # judged before the partial files go
+        full = err is not None and is_disk_full(err, self.dir)  # judged before the partial files go
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
         prev = self.latest(warn=False)
@@ -533,7 +533,7 @@ class CheckpointManager:
         try:
             write_text_atomic(self.dir / LATEST, final.name)
         except OSError as e:  # write_text_atomic removed its scratch file
-            if not _is_disk_full(e):
+            if not is_disk_full(e):
                 raise
             prev = self.latest(warn=False)
             raise DiskFullError(

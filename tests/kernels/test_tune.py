@@ -6,6 +6,7 @@ injected timings: which candidate is fastest is the test's to say, what agrees i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import warnings
@@ -51,18 +52,26 @@ class FakeCase:
         return 1.0, 1.0
 
 
-@pytest.fixture
-def tuned(tmp_path, monkeypatch):
-    """The CPU measured like a GPU, the fake attention case, a cache directory of the test's own."""
+@contextlib.contextmanager
+def fake_tuner(cache_dir):
+    """The CPU measured like a GPU, the fake attention case, the cache in ``cache_dir``; yields the timer's log."""
     tune.reset()
     backend.clear_cache()
     FakeCase.wrong, FakeCase.crash, FakeCase.calls = set(), set(), []
     log: list = []
-    tune.configure(devices=("cpu",), cache_dir=tmp_path, cases={"attention": FakeCase},
+    tune.configure(devices=("cpu",), cache_dir=cache_dir, cases={"attention": FakeCase},
                    timer=fake_timer({"triton": 3.0, "sdpa": 1.0, "flex": 2.0, "reference": 9.0}, log))
-    yield log
-    tune.reset()
-    backend.clear_cache()
+    try:
+        yield log
+    finally:
+        tune.reset()
+        backend.clear_cache()
+
+
+@pytest.fixture
+def tuned(tmp_path):
+    with fake_tuner(tmp_path) as log:
+        yield log
 
 
 def test_the_fastest_correct_backend_wins_and_wrong_or_crashing_ones_are_dropped(tuned, tmp_path):

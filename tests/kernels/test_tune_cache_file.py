@@ -14,9 +14,8 @@ import pytest
 from hybridtron.cli import main
 from hybridtron.kernels import backend, tune
 
-from .helpers import fake_timer
 from .test_kernels_command import SMALL
-from .test_tune import SHAPE, FakeCase
+from .test_tune import SHAPE, fake_tuner
 
 OTHER_MACHINE = "0123456789abcdef"  # another GPU's fingerprint hash, sharing the home directory
 GOOD = {"chosen": "flex", "times_ms": {"flex": 0.5, "sdpa": 1.0}, "dropped": {}, "measured": "2026-01-01T00:00:00+00:00"}
@@ -65,15 +64,8 @@ def tuning_warnings(caught) -> list[str]:
 
 @pytest.fixture
 def tuned(tmp_path):
-    tune.reset()
-    backend.clear_cache()
-    FakeCase.wrong, FakeCase.crash, FakeCase.calls = set(), set(), []
-    log: list = []
-    tune.configure(devices=("cpu",), cache_dir=tmp_path, cases={"attention": FakeCase},
-                   timer=fake_timer({"triton": 3.0, "sdpa": 1.0, "flex": 2.0, "reference": 9.0}, log))
-    yield log
-    tune.reset()
-    backend.clear_cache()
+    with fake_tuner(tmp_path) as log:
+        yield log
 
 
 @pytest.mark.parametrize("how", list(SPOILED))

@@ -252,6 +252,16 @@ def _rank_pid(job: str, rank: int) -> int | None:
     return None
 
 
+def signal_rank_after_checkpoint_5(run: Path, job: str, sig: int, before=None) -> None:
+    """Once the job wrote checkpoint 5: ``before()`` if given, then ``sig`` to training process 1 (second node)."""
+    wait_for(lambda: (run / "checkpoints" / "step_00000005").is_dir(), 180, "checkpoint 5", run, job)
+    if before is not None:
+        before()
+    pid = _rank_pid(job, 1)
+    assert pid is not None, logs(run, job)
+    os.kill(pid, sig)
+
+
 def test_killed_rank_restarts_in_the_job_and_ends_with_the_same_losses(
         uninterrupted, slurm_cluster, small_data_dir, small_argv, tmp_path):
     """A training process killed with SIGKILL after a checkpoint: the job script trains again from that checkpoint in
@@ -260,10 +270,7 @@ def test_killed_rank_restarts_in_the_job_and_ends_with_the_same_losses(
     run = tmp_path / "run"
     job = submit(submit_argv(small_argv, small_data_dir, run, ["--checkpoint.every", "5", "--train.max_steps", "100"]))
     try:
-        wait_for(lambda: (run / "checkpoints" / "step_00000005").is_dir(), 180, "checkpoint 5", run, job)
-        pid = _rank_pid(job, 1)
-        assert pid is not None, logs(run, job)
-        os.kill(pid, signal.SIGKILL)
+        signal_rank_after_checkpoint_5(run, job, signal.SIGKILL)
         assert wait_end(slurm_cluster, job, run) == "COMPLETED", logs(run, job)
     finally:
         if slurm_cluster.job_field(job, "JobState") not in ENDED:
@@ -298,10 +305,7 @@ def test_a_hung_rank_is_named_and_the_job_restarts_to_the_same_losses(
     job = submit(submit_argv(small_argv, small_data_dir, run, ["--checkpoint.every", "5", "--train.max_steps", "100",
                                                                "--train.hang_timeout_s", "8"]))
     try:
-        wait_for(lambda: (run / "checkpoints" / "step_00000005").is_dir(), 180, "checkpoint 5", run, job)
-        pid = _rank_pid(job, 1)
-        assert pid is not None, logs(run, job)
-        os.kill(pid, signal.SIGSTOP)
+        signal_rank_after_checkpoint_5(run, job, signal.SIGSTOP)
         stopped = time.monotonic()
         wait_for(lambda: read_restarts(run), 8 + 30 + 20, "the restart after the hang", run, job)
         assert time.monotonic() - stopped < 8 + 30 + 20
@@ -329,12 +333,8 @@ def test_a_failure_without_progress_is_not_restarted_again(slurm_cluster, small_
     job = submit(submit_argv(small_argv, small_data_dir, run, ["--train.max_steps", "100000", "--checkpoint.every",
                                                                "5"]))
     try:
-        wait_for(lambda: (run / "checkpoints" / "step_00000005").is_dir(), 180, "checkpoint 5", run, job)
         config = next((run / "slurm").glob("submit-*.yaml"))  # the config the job trains with
-        config.write_text("model: [\n")
-        pid = _rank_pid(job, 1)
-        assert pid is not None, logs(run, job)
-        os.kill(pid, signal.SIGKILL)
+        signal_rank_after_checkpoint_5(run, job, signal.SIGKILL, before=lambda: config.write_text("model: [\n"))
         assert wait_end(slurm_cluster, job, run) == "FAILED", logs(run, job)
     finally:
         if slurm_cluster.job_field(job, "JobState") not in ENDED:

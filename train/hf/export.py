@@ -52,7 +52,7 @@ from hybridtron.configs import ConfigError, JobConfig, ModelConfig, load_config
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.model import GatedLM, fold_scale_vectors
 
-from ..checkpoint import _is_disk_full, honour_umask
+from ..checkpoint import honour_umask, is_disk_full
 from ..errors import DiskFullError
 
 PARITY_TOLERANCE = 1e-4  # max |logit difference| in float32 that the export accepts
@@ -528,7 +528,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
                 out.rmdir()
             os.replace(tmp, out)
         except Exception as e:
-            if not _is_disk_full(e, out.parent if out.parent.exists() else None):
+            if not is_disk_full(e, out.parent if out.parent.exists() else None):
                 raise
             file = phase.failed(e, out)
             where = out.parent if file.is_relative_to(out) else file.parent  # the export's files go to out's parent
