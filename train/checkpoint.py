@@ -455,7 +455,13 @@ class CheckpointManager:
     def _stager(self):
         """torch.distributed.checkpoint's stager: copies a state dict's tensors into host memory it keeps for the next
         save (pinned on CUDA, for fast copies), tensors that share storage staying shared. Reusing the memory is safe
-        because a save first waits for the previous write."""
+        because a save first waits for the previous write. torch 2.11's stager empties itself after every stage
+        (its copy table and its cached host memory), and a second stage then fails with ``KeyError: <class 'type'>``
+        (seen on an H200, 2026-11-28): such a stager is replaced by a new one, so those versions pin host memory
+        again at each save."""
+        inner = getattr(self._staging, "_state_dict_stager", None)
+        if inner is not None and not getattr(inner, "_deepcopy_dispatch", True):
+            self._staging = None
         if self._staging is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 

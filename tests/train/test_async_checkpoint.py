@@ -73,6 +73,40 @@ def test_a_staged_state_dict_is_written_as_save_model_writes_the_model(tmp_path)
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
+def test_background_saves_go_on_with_a_stager_that_empties_itself_after_each_stage(tmp_path, monkeypatch):
+    """torch 2.11's DefaultStager closes its inner stager after every stage (the copy table emptied, so the next
+    stage raises KeyError: <class 'type'>); three background saves in a row must still write."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from hybridtron.train.checkpoint import TrainerState
+
+    plain = DefaultStager._stage
+
+    def like_torch_2_11(self, state_dict, **kwargs):
+        out = plain(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return out
+
+    monkeypatch.setattr(DefaultStager, "_stage", like_torch_2_11)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    ckpt = CheckpointManager(tmp_path / "run", keep_last=3)
+    state = TrainerState()
+    for _ in range(3):
+        state.step += 1
+        ckpt.save(state, model, opt, "model: {}\n", tok, background=True)
+        ckpt.wait()
+    assert sorted(p.name for p in ckpt.dir.glob("step_*")) == [f"step_0000000{i}" for i in (1, 2, 3)]
+    for i in (1, 2, 3):
+        verify_manifest(ckpt.dir / f"step_0000000{i}")
+
+
 # ---- one process, in this process --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_async_and_sync_runs_write_the_same_checkpoints(small_data_dir, cli_args, tmp_path):
