@@ -105,7 +105,9 @@ def _training_texts(cfg: DataConfig, cache: Path, reports: list) -> Iterator[str
 
 
 class _Guarded:
-    """Keeps the DataError a text iterator raised: SentencePiece's trainer re-raises it as a RuntimeError."""
+    """Keeps what a text iterator raised: SentencePiece's trainer re-raises it as a RuntimeError, and an empty
+    corpus is otherwise reported as one (a reader that could not start read nothing: the real cause, not "no
+    records")."""
 
     def __init__(self, texts: Iterator[str]):
         self.texts, self.error, self.chars = texts, None, 0
@@ -115,7 +117,7 @@ class _Guarded:
             for t in self.texts:
                 self.chars += len(t)
                 yield t
-        except DataError as e:
+        except Exception as e:
             self.error = e
             raise
 

@@ -606,7 +606,11 @@ class SourceStream:
         self.report = SourceReport(name or source_name(src), cfg.on_bad_record)
 
     def _dataset(self):
-        import datasets
+        try:
+            import datasets
+        except ImportError as e:  # a dependency, but a bare machine (a lent GPU's image) may lack it
+            raise DataError(f"reading data sources needs the 'datasets' package, which does not import here ({e}); "
+                            f"install hybridtron's dependencies (pip install 'datasets>=2.19')") from None
 
         offline_env()
         datasets.utils.logging.disable_progress_bar()

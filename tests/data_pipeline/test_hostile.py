@@ -302,6 +302,19 @@ def test_directory_of_empty_files_trains_no_tokenizer(tmp_path, kind):
     assert not (tmp_path / "out" / "tokenizer" / "tokenizer_meta.json").exists()
 
 
+@pytest.mark.parametrize("kind", ["bpe", "sentencepiece"])
+def test_a_reader_that_cannot_start_is_named_not_reported_as_no_records(tmp_path, kind, monkeypatch):
+    """Found on a lent H200 (2026-11-28) whose image lacks the datasets package: prepare said "stdlib: no records"."""
+    d = tmp_path / "src"
+    d.mkdir()
+    (d / "a.txt").write_text("some text\n" * 50)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
+    cfg = stdlib_cfg(tmp_path / "out", sources=[SourceConfig(path=str(d))],
+                     tokenizer=TokenizerConfig(kind=kind, vocab_size=300))
+    with pytest.raises(DataError, match=r"^reading data sources needs the 'datasets' package, which does not import"):
+        prepare_data(cfg, log=quiet)
+
+
 def test_source_with_no_document_stops(tmp_path, tokenizer_json):
     d = tmp_path / "empty"
     d.mkdir()
