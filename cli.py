@@ -537,6 +537,16 @@ def _left_by_another() -> str | None:
     return None
 
 
+def whole_lines() -> None:
+    """Each line leaves in one write. Under PYTHONUNBUFFERED=1 (set by many job scripts and images, and on CI's
+    machine) Python writes a print's pieces separately, so the lines of ranks sharing one log or terminal could
+    cut into each other (seen: rank 1's refusal inside rank 0's line). Line buffering keeps what the variable
+    asks for, output at once, a line at a time."""
+    for stream in (sys.stdout, sys.stderr):
+        if getattr(stream, "write_through", False) and hasattr(stream, "reconfigure"):
+            stream.reconfigure(write_through=False, line_buffering=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand and return its exit code:
 
@@ -551,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     propagates with its traceback.
     """
     quiet_dependencies()  # first: before torch loads (quiet.py lists what it drops and why)
+    whole_lines()
     if launched():  # a worker of torchrun: ends when its launcher dies, instead of training on as an orphan
         watch_parent()
     parser = build_parser()
