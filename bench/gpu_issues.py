@@ -17,8 +17,11 @@ most its own cap and what is left, one that would start with under 30 s left is 
 table with met / NOT met against the targets and ``quick.json`` with every figure.
 
 On a lent GPU machine (the device tool: torch and triton are there; fla-core is not, and nothing can be
-downloaded there): here ``pip download --no-deps -d .whl fla-core==0.6.0 torchao==0.18.0`` (torchao: the FP8 rows)
-into a git-ignored ``.whl``, then one call with carry ``[".whl"]``:
+downloaded there; 2026-11-28's image had no datasets and transformers 5.17): here
+``pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl fla-core==0.6.0 torchao==0.18.0
+transformers==5.24.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19`` (torchao: the FP8 rows) into a git-ignored
+``.whl`` (17 MB), then one call with carry ``[".whl"]``; the check first stops in one line if a needed package is
+missing there:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && mkdir -p /tmp/pkg && \
     ln -sfn "$PWD" /tmp/pkg/hybridtron && export PYTHONPATH=/tmp/site:/tmp/pkg && \
@@ -76,6 +79,9 @@ _QUICK_STEPS = ["--variants", "ddp", "--steps", "2", "--warmup", "1", *_QUICK_DA
 # train.fp8=tensorwise at the same settings as the bf16 row beside it (torchao must be installed: see above)
 _QUICK_FP8 = ["--variants", "ddp_fp8:train.fp8=tensorwise", "--steps", "2", "--warmup", "1", *_QUICK_DATA]
 QUICK: list[tuple[str, str, list[str], int]] = [
+    # each delta-rule backend alone at hybrid_1b's class, so a CUDA fault is named by backend (bench/backend_probe.py:
+    # on 2026-11-28 an illegal memory access inside auto's measurement ended bench_hf naming none)
+    ("backend_probe", "backend_probe", ["--docs", "0", "--timeout", "40", "--json", "{out}/backend_probe.json"], 90),
     ("kernel_grid", "kernel_grid", ["--budget-s", "150", "--json", "{out}/kernel_grid.json"], 200),
     # the training stall of a 3 GB checkpoint (1 GB of weights + AdamW), synchronous against checkpoint.async
     ("checkpoint_stall", "bench_checkpoint", ["--mb", "1000", "--saves", "2", "--json", "{out}/checkpoint_stall.json"],
@@ -171,6 +177,13 @@ def quick_summary(out: Path, ran: dict[str, tuple]) -> tuple[list[dict], list[st
     vs.append({"target": "hybrid_1b tokens/s: ours / transformers + fla", "value": ratio, "bound": f">= {HF_TARGET}",
                "met": None if ratio is None else ratio >= HF_TARGET})
     vs += fp8_verdicts(out)
+    probe = _load(out / "backend_probe.json")
+    for row in (probe or {}).get("rows", []):
+        if row.get("size") != "small" or "error" in row:  # a backend's last row: the full size's, or its failure
+            vs.append({"target": f"{row['op']} {row['backend']} docs={row['docs']} runs at hybrid_1b's class"
+                                 + (f" ({row['error'][:80]})" if "error" in row else f" ({row['ms']:.1f} ms)"),
+                       "value": max(row["rel_err"]) if "rel_err" in row else None, "bound": "no error",
+                       "met": "error" not in row})
     from hybridtron.bench.kernel_grid import verdict_lines
 
     lines = verdict_lines(vs)
@@ -196,12 +209,38 @@ def fp8_verdicts(out: Path) -> list[dict]:
     return vs
 
 
+# What the quick check's commands import that a lent GPU's image may lack (2026-11-28's has no datasets): checked
+# before any device time goes to them. Optional: only some rows need them.
+NEEDED = ("datasets", "tokenizers", "safetensors", "yaml", "transformers")
+OPTIONAL = {"torchao": "the FP8 rows", "fla": "fla's backends and bench_hf's transformers side"}
+
+
+def missing_packages() -> tuple[list[str], list[str]]:
+    """(needed, optional) top-level modules that do not import here."""
+    import importlib.util
+
+    def absent(m):
+        try:
+            return importlib.util.find_spec(m) is None
+        except (ImportError, ValueError):
+            return True
+
+    return [m for m in NEEDED if absent(m)], [m for m in OPTIONAL if absent(m)]
+
+
 def quick(args) -> int:
     import torch
 
     if not torch.cuda.is_available():
         print("gpu_issues: no CUDA device here; these are GPU measurements (--dry-run lists them)", file=sys.stderr)
         return 2
+    needed, optional = missing_packages()
+    if needed:
+        print(f"gpu_issues: {', '.join(needed)} not importable here: carry them as wheels (this module's docstring "
+              f"says how) before spending device time", file=sys.stderr)
+        return 2
+    for m in optional:
+        print(f"gpu_issues: {m} not importable: {OPTIONAL[m]} will not be measured", flush=True)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -88,6 +88,11 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake H100")
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91000)
     payloads = {
+        "backend_probe": {"rows": [
+            {"op": "delta_rule", "backend": "triton", "docs": False, "size": "small", "rel_err": [1e-16]},
+            {"op": "delta_rule", "backend": "triton", "docs": False, "size": "full", "rel_err": [4e-3, 6e-3], "ms": 7.5},
+            {"op": "delta_rule", "backend": "fla", "docs": False, "size": "small", "after_s": 1.0,
+             "error": "AcceleratorError: CUDA error: an illegal memory access was encountered"}]},
         "kernel_grid": {"verdicts": [{"target": "attention T4k D128", "value": 0.97, "bound": ">= 0.95", "met": True}]},
         "train_hybrid": {"rows": [{"tokens_per_s": 60000.0, "mfu": 0.41}], "kernel_choices": {
             "ddp": {"attention[...]": "sdpa", "delta_rule[...]": "fla"}}},
@@ -97,7 +102,7 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     }
     clock = [0.0]
     monkeypatch.setattr(gpu_issues.time, "monotonic", lambda: clock[0])
-    spent = {"kernel_grid": 150, "checkpoint_stall": 30, "train_hybrid": 110, "hf_hybrid": 100, "train_dense": 100}
+    spent = {"backend_probe": 60, "kernel_grid": 150, "checkpoint_stall": 30, "train_hybrid": 110, "hf_hybrid": 100, "train_dense": 100}
     ran = []
 
     def fake_run(name, cmd, log, timeout):
@@ -109,9 +114,10 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
 
     monkeypatch.setattr(gpu_issues, "_run", fake_run)
     assert gpu_issues.main(["--quick", "--out", str(tmp_path)]) == 0
-    # each command gets its cap or what is left; train_moe, with 20 s left at its turn, is not started
-    assert ran == [("kernel_grid", 200), ("checkpoint_stall", 60), ("train_hybrid", 110), ("hf_hybrid", 100),
-                   ("train_dense", 90)]
+    # each command gets its cap or what is left; train_dense gets the 30 s left, and nothing starts after it
+    assert ran == [("backend_probe", 90), ("kernel_grid", 200), ("checkpoint_stall", 60), ("train_hybrid", 110),
+                   ("hf_hybrid", 100), ("train_dense", 30)]
+    assert gpu_issues.missing_packages() == ([], [])  # the dev install has everything the check imports
     out = capsys.readouterr().out
     assert "| attention T4k D128 | 0.97 | >= 0.95 | met |" in out
     assert "| hybrid preset MFU (60,000 tokens/s) | 0.41 | >= 45% | NOT met |" in out
@@ -119,11 +125,33 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     assert "| moe preset MFU (0 tokens/s) | - | >= 30% | not measured |" in out
     assert "| hybrid_1b tokens/s: ours / transformers + fla | 2.10 | >= 2.0 | met |" in out
     assert "- train_moe: not run (deadline)" in out
+    assert "| delta_rule triton docs=False runs at hybrid_1b's class (7.5 ms) | 0.01 | no error | met |" in out
+    # a backend that faulted at the small size is reported by its one row
+    assert "delta_rule fla docs=False runs at hybrid_1b's class (AcceleratorError: CUDA error: an illegal memory " in out
     assert "train_hybrid ddp: auto chose attention[...]: sdpa; delta_rule[...]: fla" in out
     saved = json.loads((tmp_path / "quick.json").read_text())
     assert "| checkpoint stall: async / sync (9.50 s sync, 3,000 MB) | 0.12 | < 1 | met |" in out
-    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 10
+    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 12
     assert "| dense_1b tokens/s: fp8 tensorwise / bf16 | - | >= 1.25 | not measured |" in out
+
+
+def test_backend_probe_names_each_backend_on_tiny_classes(tmp_path, capsys):
+    """bench/backend_probe.py on the CPU (Triton's interpreter): one process per backend; ours agrees with the
+    reference in float64, a backend that cannot run is named by its error, and the exit code says so."""
+    import json
+
+    from hybridtron.bench import backend_probe
+
+    rc = backend_probe.main(["--set", "B=1", "T=64", "Hk=1", "Hv=2", "Dk=16", "Dv=16", "--backends", "triton",
+                             "no_such", "--docs", "1", "--json", str(tmp_path / "p.json")])
+    assert rc == 1
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert [(r["backend"], r["size"], "error" in r) for r in rows] == [
+        ("triton", "small", False), ("triton", "full", False), ("no_such", "small", True)]
+    assert max(rows[0]["rel_err"]) < 1e-10 and max(rows[1]["rel_err"]) < 3e-2  # float64; bf16 at "full"
+    assert "'no_such' is not a backend" in rows[2]["error"]
+    out = capsys.readouterr().out
+    assert "delta_rule no_such docs=True small: FAILED after" in out
 
 
 def test_fp8_rows_against_their_bf16_rows(tmp_path):
