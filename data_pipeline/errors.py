@@ -35,6 +35,10 @@ class SourceChangedError(DataError):
     """A source file changed after its shards were prepared (``data.on_source_change: error``)."""
 
 
+class DataDirBusy(DataError):
+    """Another process is preparing (writing) this data directory (data_lock.py)."""
+
+
 class UnreadableFileError(DataError):
     """A source file cannot be read at all, or changed while it was being read."""
 

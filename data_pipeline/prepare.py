@@ -39,6 +39,7 @@ from hybridtron.configs.job import DataConfig
 
 from ..atomic import new_dirs_removed_on_failure, reclaim_scratch, write_text_atomic
 from .data_dir import data_dir, describe_recipe, tokenizer_recipe
+from .data_lock import hold_data_dir
 from .errors import DataError, EmptySourceError, SourceChangedError, one_line
 from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
 from .sources import (
@@ -443,7 +444,7 @@ def prepare_data(cfg: DataConfig, log: Callable = print) -> PreparedData:
     """Train/load the tokenizer and write shards for every source. A re-run only finishes what is missing."""
     cfg.validate()
     out = data_dir(cfg)
-    with new_dirs_removed_on_failure(out):  # bad input leaves no empty data directory behind
+    with hold_data_dir(out), new_dirs_removed_on_failure(out):  # one writer; bad input leaves no empty directory
         return _prepare(cfg, out, log)
 
 

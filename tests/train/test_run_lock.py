@@ -171,7 +171,10 @@ def test_a_file_system_without_locks_warns_once_and_goes_on(small_data_dir, cli_
     run = tmp_path / "run"
     assert main(cli_args(small_data_dir, run, [*FAST, "--train.max_steps", "2"])) == 0
     warned = [ln for ln in capsys.readouterr().err.splitlines() if "lock" in ln]
-    assert len(warned) == 1 and "does not support file locks" in warned[0] and "no locks available" in warned[0]
+    # one line for the run directory, one for the data directory the run prepares (data_pipeline/data_lock.py)
+    assert len(warned) == 2 and all("does not support file locks" in ln and "no locks available" in ln
+                                    for ln in warned), warned
+    assert f"--run-dir {run}" in warned[0] and f"data.out_dir={small_data_dir}" in warned[1], warned
     assert [r["step"] for r in read_metrics(run)] == [1, 2]  # trained, unlocked
 
     def broken(fd, op):
