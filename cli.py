@@ -50,8 +50,8 @@ EXIT_CODES = (
 
 # ---- subcommands --------------------------------------------------------------------------------
 def _log(msg: str) -> None:
-    """train/recipe.py's progress line (tagged with the rank), imported when a command first logs."""
-    from .train.recipe import rank_log
+    """The trainer's progress line (tagged with the rank), imported when a command first logs."""
+    from .train.rank_log import rank_log
 
     rank_log(msg)
 

@@ -125,3 +125,17 @@ def test_a_valid_run_is_checked_without_torch(tmp_path):
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "[]", (res.stdout, res.stderr[-2000:])
+
+
+def test_prepare_of_prepared_data_answers_without_torch(small_data_dir, tmp_path):
+    """``prepare`` needs no torch (its log line used to import the trainer): on data already prepared it answers at
+    once, as ``train`` does before its own work."""
+    from .conftest import SMALL_OVERRIDES
+
+    argv = ["prepare", "--config", "tiny", *[a for k, v in SMALL_OVERRIDES + [("data.out_dir", str(small_data_dir))]
+                                            for a in (f"--{k}", v)]]
+    res, imported, wall, cpu = run_cli(["-m", "hybridtron.cli"], argv, tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "prepared data in" in res.stdout
+    assert not _torch_modules(imported), _torch_modules(imported)[:5]
+    assert wall < WALL_S and cpu < 2 * CPU_S, f"wall {wall:.2f} s, CPU {cpu:.2f} s"

@@ -28,6 +28,7 @@ from .device import autocast_dtype
 from .optim import build_optimizer
 from .parallel.mesh import Mesh, launch_world
 from .parallel.parallelize import parallelize
+from .rank_log import rank_log
 from .run_dir import (
     LAST_STOP,
     check_resume_compatible,
@@ -40,12 +41,6 @@ from .run_dir import (
 from .run_lock import hold_run_dir
 from .trainer import FitResult, Trainer
 from .watchdog import flight_recorder_env
-
-
-def rank_log(msg: str) -> None:
-    """A progress line on stdout, tagged with the process's rank in a multi-process job."""
-    rank, _local, world = launch_world()
-    print(f"[hybridtron{f' rank {rank}/{world}' if world > 1 else ''}] {msg}", flush=True)
 
 
 def _quiet(_msg: str) -> None:
