@@ -12,7 +12,8 @@ changes the files prepare writes there:
 - the shards (a text corpus only): each source's name, path, format, text_field and max_files; seed,
   val_fraction, shard_docs and max_record_mb.
 
-Settings used only when the data is read (seq_len, streaming, num_workers, the rows of a synthetic task) or that
+Settings used only when the data is read or that only decide how fast it is made (seq_len, streaming, workers,
+part_mb, num_workers, the rows of a synthetic task) or that
 only decide whether prepare stops (on_bad_record, max_malformed_fraction, on_source_change) stay out.
 """
 

@@ -16,7 +16,7 @@ only while its source files have the paths, sizes and mtimes (or, for a touched 
 recorded in its manifest; otherwise ``data.on_source_change`` says whether to stop or rebuild.
 
 Memory does not grow with a document's length: documents arrive in pieces of at most ``PIECE_CHARS``
-characters (text files are read 1 MiB at a time), pieces are encoded in batches of about ``_ENCODE_BYTES``
+characters (text files are read 1 MiB at a time), pieces are encoded in batches of about ``encode._ENCODE_BYTES``
 UTF-8 bytes with one batch in flight, and token ids wait in memory only until their shard (at most
 ``shard_docs`` documents or ``MAX_SHARD_TOKENS`` tokens) is written; ``max_record_mb`` bounds one record.
 """
@@ -27,9 +27,8 @@ import hashlib
 import json
 import os
 import struct
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -40,12 +39,16 @@ from hybridtron.configs.job import DataConfig
 from ..atomic import new_dirs_removed_on_failure, reclaim_scratch, write_text_atomic
 from .data_dir import data_dir, describe_recipe, tokenizer_recipe
 from .data_lock import hold_data_dir
+from .encode import encode_documents
 from .errors import DataError, EmptySourceError, SourceChangedError, one_line
+from .parts import part_documents, plan_parts, remove_parts, workers_for
+from .progress import Progress
 from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
 from .sources import (
     PIECE_CHARS,
     READER_VERSION,
     REASONS,
+    SourceReport,
     SourceStream,
     file_hash,
     file_stamp,
@@ -55,11 +58,6 @@ from .sources import (
 from .tokenizer import Tokenizer, load_tokenizer, read_meta, train_bpe, train_sentencepiece
 
 SPLITS = ("train", "val")
-# HF encode_batch parallelises over the texts of one call; batches of ~4 MB keep the cores busy (each batch ends
-# with a tail where its longest pieces run alone) while bounding memory: the tokenizer holds ~100 bytes per token
-# of the batch it encodes, and byte-level BPE makes at most one token per UTF-8 byte
-_ENCODE_BYTES = 4_000_000
-_MAX_OPS = 16384  # bookkeeping entries per batch (resume skips documents without encoding them)
 
 
 @dataclass
@@ -314,75 +312,53 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
     skip = {s: w.docs_done for s, w in writers.items()}
     if any(skip.values()):
         log(f"{name}: resuming after {skip['train']} train / {skip['val']} val documents already in shards")
-    log(f"{name}: tokenizing {len(files)} files ({fmt}) from {src.path}")
-    stream = SourceStream(src, cfg, out / ".hf_cache", resolved=(files, fmt), stamps=stamps, name=name)
     sink = _Sink(writers, skip, tok.eos_id, dtype)
-    # Encoding runs on one worker thread (tokenizers and SentencePiece release the GIL and use every core
-    # themselves), so reading the next batch and writing the previous one's shards overlap with it. Two
-    # concurrent encode calls measured slower than one (Rayon already saturates the cores). Results are
-    # applied in submission order, so the shards are identical to a serial run.
-    texts: list[str] = []
-    ops: list[tuple[bool, _Doc]] = []  # (True: the next encoded piece belongs to doc, False: doc has ended)
-    nbytes = 0  # UTF-8 bytes of `texts`
-    in_flight: deque[tuple[Future | None, list]] = deque()
-
-    def apply_oldest() -> None:
-        fut, batch_ops = in_flight.popleft()
-        results = iter(fut.result() if fut is not None else ())
-        for is_piece, doc in batch_ops:
-            if is_piece:
-                ids = next(results)
-                if doc.parts is not None:
-                    doc.parts.append(ids)
-            else:
-                sink.add(doc)
-
-    def submit() -> None:
-        nonlocal texts, ops, nbytes
-        if ops:
-            in_flight.append((pool.submit(tok.encode_batch_arrays, texts, dtype) if texts else None, ops))
-            texts, ops, nbytes = [], [], 0
-        while len(in_flight) > 1:
-            apply_oldest()
-
     n = 0
     by_hash = dict.fromkeys(SPLITS, 0)
-    cur: _Doc | None = None
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode") as pool:
-        for ev in stream:
-            if ev is None:  # the document in progress turned out bad: forget it, its index is reused
-                if cur is not None:
-                    by_hash[cur.split] -= 1
-                    n -= 1
-                    cur.parts = None
-                    cur = None
-                continue
-            text, last = ev
-            if cur is None:
-                split = "val" if is_val(cfg.seed, n, cfg.val_fraction) else "train"
-                by_hash[split] += 1
-                n += 1
-                # the k-th document drawn for a split that already holds >= k is in a committed shard: reading
-                # it is cheap, tokenizing is what we avoid
-                cur = _Doc(split, skip=by_hash[split] <= skip[split])
-            if cur.parts is not None:
-                texts.append(text)
-                ops.append((True, cur))
-                nbytes += len(text) if text.isascii() else len(text.encode("utf-8"))
-            if last:
-                ops.append((False, cur))
-                cur = None
-            if nbytes >= _ENCODE_BYTES or len(ops) >= _MAX_OPS:
-                submit()
-        submit()
-        while in_flight:
-            apply_oldest()
+
+    def begin() -> _Doc:
+        nonlocal n
+        split = "val" if is_val(cfg.seed, n, cfg.val_fraction) else "train"
+        by_hash[split] += 1
+        n += 1
+        # the k-th document drawn for a split that already holds >= k is in a committed shard: reading it is
+        # cheap, tokenizing is what we avoid
+        return _Doc(split, skip=by_hash[split] <= skip[split])
+
+    def drop(doc: _Doc) -> None:  # the document in progress turned out bad: its index is reused
+        nonlocal n
+        by_hash[doc.split] -= 1
+        n -= 1
+
+    log(f"{name}: tokenizing {len(files)} files ({fmt}) from {src.path}")
+    progress = Progress(f"{name}: tokenizing", sum(s[1] for s in stamps), log)
+    if workers_for(cfg, len(plan_parts([s[1] for s in stamps], cfg.part_mb * 1e6))) > 1:  # parts.py
+        report = SourceReport(name, cfg.on_bad_record)
+        for ids in part_documents(cfg, i, name, key, digest, stamps, fmt, out / "tokenizer", out, report, log,
+                                  progress):
+            doc = begin()
+            if doc.parts is not None:
+                doc.parts.append(ids)
+            sink.add(doc)
+            progress.add(docs=1, tokens=len(ids))
+    else:
+        stream = SourceStream(src, cfg, out / ".hf_cache", resolved=(files, fmt), stamps=stamps, name=name)
+        counted = [0]  # files of the stream's report already counted as read
+
+        def done(doc: _Doc) -> None:
+            sink.add(doc)
+            read = stream.report.files
+            progress.add(sum(f[1] for f in read[counted[0]:]), 1, sum(len(p) for p in doc.parts or ()))
+            counted[0] = len(read)
+
+        encode_documents(stream, tok, dtype, begin, done, drop)
+        report = stream.report
     sink.close()
-    report = stream.report
     report.check(cfg)  # too many malformed records, or no document: stop before marking anything complete
     source = report.to_json()
     for s in SPLITS:
         writers[s].finish(source)
+    remove_parts(out, name)
     n_val = writers["val"].manifest["n_docs"]
     log(
         f"{name}: {report.documents:,} documents ({report.documents - n_val:,} train, {n_val:,} val) from "

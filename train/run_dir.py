@@ -207,8 +207,8 @@ def resolve_data_dir(cfg: JobConfig, run_dir: Path) -> JobConfig:
 # Data settings that do not change which tokens are trained on, nor their order: where the prepared data
 # lives (its tokenizer is compared by fingerprint instead), how it is read, and what prepare does about
 # bad records (a prepare that succeeded under "error" produced what "skip" would have).
-RESUME_FREE_DATA = ("out_dir", "streaming", "num_workers", "on_bad_record", "max_malformed_fraction",
-                    "on_source_change")
+RESUME_FREE_DATA = ("out_dir", "streaming", "num_workers", "workers", "part_mb", "on_bad_record",
+                    "max_malformed_fraction", "on_source_change")
 _ABSENT = object()
 
 

@@ -1,0 +1,257 @@
+"""Tokenizing a source in parts, in worker processes, with the same shards out as one process writes.
+
+A source's files (in their sorted order) are cut into **parts**: runs of consecutive files of about
+``data.part_mb`` MB each (a file is never cut; a file larger than that is a part of its own). The plan depends on
+the files and ``part_mb`` only, never on the number of workers, so a rerun with other workers keeps what is done.
+``data.workers`` processes (started fresh, not forked: the parent's tokenizer threads and open files stay its own)
+each tokenize one part at a time into ``SOURCE/.parts/part-NNNNN.{bin,idx,json}``: the documents' tokens without
+EOS, their end offsets, and what the part read and skipped. Each file is written under a scratch name and renamed;
+the ``.json``, last, marks the part complete, so a worker killed mid-part leaves only scratch that the next
+prepare removes, and that part alone is done again.
+
+The parent takes the parts **in file order** as they complete and feeds their documents to the same split and
+shard writer a one-process prepare uses (prepare.py): a document's index, its train/val draw, the shard
+boundaries and the manifest's counts are those of one pass over the files, so the shards are byte-identical
+whatever the number of workers or parts. The parent's work is a copy of token arrays, about a thousand times
+cheaper per byte than tokenizing. Once the source's splits are complete its ``.parts`` directory is removed (until
+then it holds up to one copy of the source's tokens).
+
+Bad records are counted per part and summed in order, so the report (counts, the first places per reason, the
+files read) is one pass's; with ``on_bad_record: error`` the error raised is that of the first bad record in
+file order. A worker that dies (kill -9, out of memory) ends the prepare with one line; the next run redoes only
+the parts that are not complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hybridtron.configs.job import DataConfig
+
+from ..atomic import write_file_atomic, write_text_atomic
+from .errors import DataError
+from .progress import Progress
+from .sources import N_EXAMPLES, SourceReport
+
+PARTS_DIR = ".parts"
+PLAN = "plan.json"
+# seconds a worker sleeps after each part (tests: to kill a worker mid-prepare); never set by users
+TEST_PART_DELAY = "HYBRIDTRON_TEST_PART_DELAY"
+
+
+class WorkerDiedError(DataError):
+    pass
+
+
+def plan_parts(sizes: list[int], part_bytes: float) -> list[tuple[int, int]]:
+    """Runs [start, end) of consecutive files, each about ``part_bytes`` (a file larger than that alone)."""
+    parts: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and acc + size > part_bytes:
+            parts.append((start, i))
+            start, acc = i, 0
+        acc += size
+    if sizes:
+        parts.append((start, len(sizes)))
+    return parts
+
+
+def workers_for(cfg: DataConfig, n_parts: int) -> int:
+    """Processes to tokenize with: data.workers (0: the cores), never more than there are parts."""
+    want = cfg.workers or os.cpu_count() or 1
+    return max(1, min(want, n_parts))
+
+
+def threads_per_worker(cfg: DataConfig, workers: int) -> int:
+    """Tokenizer threads in each worker: data.num_workers, or the cores shared out."""
+    return cfg.num_workers or max(1, (os.cpu_count() or 1) // workers)
+
+
+@dataclass
+class PartJob:
+    cfg: DataConfig
+    source_index: int
+    name: str
+    index: int
+    stamps: list  # the part's files: [path, size, mtime] each
+    fmt: str
+    tokenizer_dir: str
+    directory: str  # SOURCE/.parts
+    cache_dir: str
+    threads: int
+
+
+def _stem(directory: Path, index: int) -> Path:
+    return Path(directory) / f"part-{index:05d}"
+
+
+def part_done(directory: Path, index: int) -> dict | None:
+    """The record of a complete part, or None."""
+    stem = _stem(directory, index)
+    try:
+        rec = json.loads(stem.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = stem.with_suffix(".bin").is_file() and stem.with_suffix(".idx").is_file()
+    return rec if ok and stem.with_suffix(".bin").stat().st_size == rec["n_tokens"] * np.dtype(rec["dtype"]).itemsize \
+        else None
+
+
+_worker_tok: dict = {}
+
+
+def _init_worker(threads: int) -> None:
+    # before tokenizers first goes parallel in this process: Rayon reads it once
+    os.environ["RAYON_NUM_THREADS"] = str(threads)
+
+
+def tokenize_part(job: PartJob) -> dict:
+    """In a worker: the part's documents into part-NNNNN.{bin,idx}, then its .json. Returns the record."""
+    from .encode import encode_documents
+    from .shards import token_dtype
+    from .sources import SourceStream
+    from .tokenizer import load_tokenizer
+
+    tok = _worker_tok.get(job.tokenizer_dir)
+    if tok is None:
+        tok = _worker_tok[job.tokenizer_dir] = load_tokenizer(Path(job.tokenizer_dir))
+    tok.num_threads = job.threads
+    dtype = token_dtype(tok.vocab_size)
+    stem = _stem(Path(job.directory), job.index)
+    src = job.cfg.sources[job.source_index]
+    stream = SourceStream(src, job.cfg, Path(job.cache_dir), resolved=([Path(s[0]) for s in job.stamps], job.fmt),
+                          stamps=job.stamps, name=job.name)
+    ends: list[int] = []
+    total = [0]
+
+    def write(path: str) -> None:
+        with open(path, "wb") as f:
+            def done(doc) -> None:
+                for p in doc.parts:
+                    f.write(p.tobytes())
+                    total[0] += len(p)
+                ends.append(total[0])
+
+            encode_documents(stream, tok, dtype, lambda: _PartDoc(), done)
+            f.flush()
+            os.fsync(f.fileno())
+
+    write_file_atomic(stem.with_suffix(".bin"), write)
+    write_file_atomic(stem.with_suffix(".idx"), lambda p: np.asarray(ends, dtype=np.int64).tofile(p))
+    rec = {"index": job.index, "n_docs": len(ends), "n_tokens": total[0], "dtype": dtype.name,
+           "files": [s[0] for s in job.stamps], "report": stream.report.to_json()}
+    write_text_atomic(stem.with_suffix(".json"), json.dumps(rec))
+    if delay := float(os.environ.get(TEST_PART_DELAY, "0") or 0):
+        time.sleep(delay)
+    return rec
+
+
+class _PartDoc:
+    """A document of a part: always tokenized (which split it lands in is the parent's draw)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self):
+        self.parts: list | None = []
+
+
+def merge_report(report: SourceReport, part: dict) -> None:
+    """Add a part's counts to ``report`` as one pass over its files would have."""
+    r = part["report"]
+    report.documents += r["documents"]
+    report.records += r["records"]
+    report.skipped.update(r["skipped"])
+    for reason, places in r["examples"].items():
+        have = report.examples.setdefault(reason, [])
+        have.extend(places[: N_EXAMPLES - len(have)])
+    report.files.extend(r["files"])
+
+
+def _prepare_parts_dir(directory: Path, plan: dict, log: Callable) -> None:
+    """Keep the parts of the same plan; anything else there (another plan, scratch of dead workers) goes."""
+    try:
+        old = json.loads((directory / PLAN).read_text())
+    except (OSError, ValueError):
+        old = None
+    if old != plan and directory.exists():
+        if old is not None:
+            log(f"{directory.parent.name}: its parts were planned from other files or settings; tokenizing again")
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(directory / PLAN, json.dumps(plan))
+    complete = {f"part-{i:05d}{ext}" for i in range(len(plan["parts"])) if part_done(directory, i)
+                for ext in (".bin", ".idx", ".json")}
+    for f in directory.iterdir():
+        if f.name != PLAN and f.name not in complete:
+            f.unlink()
+
+
+def part_documents(cfg: DataConfig, i: int, name: str, key: str, digest: str, stamps: list, fmt: str,
+                   tokenizer_dir: Path, out: Path, report: SourceReport, log: Callable,
+                   progress: Progress | None = None) -> Iterator[np.ndarray]:
+    """Every document of source ``i`` (its tokens, without EOS) in file order, tokenized in parts by worker
+    processes; ``report`` gets the parts' counts in order, ``progress`` each part's bytes once it is taken."""
+    directory = out / name / PARTS_DIR
+    ranges = plan_parts([s[1] for s in stamps], cfg.part_mb * 1e6)
+    plan = {"key": key, "inputs_digest": digest, "part_mb": cfg.part_mb, "parts": [list(r) for r in ranges]}
+    _prepare_parts_dir(directory, plan, log)
+    workers = workers_for(cfg, len(ranges))
+    threads = threads_per_worker(cfg, workers)
+    todo = [k for k in range(len(ranges)) if part_done(directory, k) is None]
+    log(f"{name}: {len(ranges)} parts of <= {cfg.part_mb:g} MB, {len(ranges) - len(todo)} done; "
+        f"{workers} worker processes x {threads} tokenizer threads")
+    import multiprocessing
+
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(threads,))
+    futures: dict[int, Future] = {}
+    try:
+        for k in todo:
+            a, b = ranges[k]
+            futures[k] = pool.submit(tokenize_part, PartJob(cfg, i, name, k, stamps[a:b], fmt, str(tokenizer_dir),
+                                                            str(directory), str(out / ".hf_cache"), threads))
+        for k in range(len(ranges)):
+            if k in futures:
+                try:
+                    rec = futures[k].result()
+                except BrokenProcessPool:
+                    raise WorkerDiedError(
+                        f"a tokenizing worker of source {name!r} died (killed, or out of memory) in part {k} of "
+                        f"{len(ranges)}; run prepare again: it keeps the {sum(part_done(directory, j) is not None for j in range(len(ranges)))} "
+                        f"complete parts and tokenizes the rest"
+                    ) from None
+            else:
+                rec = part_done(directory, k)
+            merge_report(report, rec)
+            stem = _stem(directory, k)
+            ends = np.fromfile(stem.with_suffix(".idx"), dtype=np.int64)
+            tokens = np.memmap(stem.with_suffix(".bin"), dtype=rec["dtype"], mode="r") if rec["n_tokens"] else \
+                np.empty(0, dtype=rec["dtype"])
+            start = 0
+            for end in ends.tolist():
+                yield tokens[start:end]
+                start = end
+            if progress is not None:
+                a, b = ranges[k]
+                progress.add(sum(st[1] for st in stamps[a:b]))
+    except BaseException:  # an error, a full disk, an interrupt: the workers stop now, not after their parts
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.kill()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def remove_parts(out: Path, name: str) -> None:
+    shutil.rmtree(out / name / PARTS_DIR, ignore_errors=True)
