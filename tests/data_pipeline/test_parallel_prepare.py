@@ -183,3 +183,23 @@ def test_prepare_logs_progress_up_to_the_whole_source(workers, corpus, tokenizer
 
     assert lines[-1].startswith(f"text: tokenizing 100% ({size(total)} of {size(total)}), ") and "left" not in lines[-1]
     assert "41 documents" in lines[-1] or "40 documents" in lines[-1], lines[-1]
+
+
+def test_parts_of_another_plan_are_not_reused_and_dead_workers_scratch_goes(tmp_path):
+    """A source whose files changed since an interrupted prepare gets a new plan: its old parts are deleted, not
+    merged into the new shards; with the same plan the complete parts stay and only scratch goes."""
+    from hybridtron.data_pipeline.parts import PLAN, _prepare_parts_dir
+
+    d = tmp_path / "src" / PARTS_DIR
+    plan = {"key": "k", "inputs_digest": "d1", "part_mb": 1.0, "parts": [[0, 1], [1, 2]]}
+    _prepare_parts_dir(d, plan, quiet)
+    for ext, data in ((".bin", b"\0\0\0\0"), (".idx", b"\2" + b"\0" * 7), (".json", b"")):
+        (d / f"part-00000{ext}").write_bytes(data)
+    (d / "part-00000.json").write_text(json.dumps({"n_tokens": 2, "dtype": "uint16"}))
+    (d / ".part-00001.bin.tmp-host-123").write_bytes(b"half")  # a worker killed mid-write
+    (d / "part-00001.bin").write_bytes(b"\0\0")  # its .json never written: not complete
+    _prepare_parts_dir(d, plan, quiet)
+    assert sorted(f.name for f in d.iterdir()) == sorted([PLAN, "part-00000.bin", "part-00000.idx", "part-00000.json"])
+    said: list[str] = []
+    _prepare_parts_dir(d, {**plan, "inputs_digest": "d2"}, said.append)
+    assert sorted(f.name for f in d.iterdir()) == [PLAN] and "planned from other files" in said[0]
