@@ -66,6 +66,7 @@ def one_process(corpus, tokenizer_json, tmp_path_factory):
     return tree_bytes(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [2, 3])
 def test_any_number_of_workers_writes_the_same_bytes(workers, corpus, tokenizer_json, one_process, tmp_path):
     out = tmp_path / "out"
@@ -115,6 +116,7 @@ def _wait_for_parts(out: Path, n: int, job: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["a worker", "the whole prepare"])
 def test_a_killed_prepare_is_finished_by_the_next_to_the_same_bytes(what, corpus, tokenizer_json, one_process,
                                                                      tmp_path):
