@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
             source, what = SourceConfig(path="stdlib", max_files=args.max_files), "stdlib files"
         cfg = DataConfig(
             sources=[source],
-            tokenizer=TokenizerConfig(kind="bpe", vocab_size=args.vocab, train_max_chars=5_000_000),
+            tokenizer=TokenizerConfig(kind="bpe", vocab_size=args.vocab, sample_mb=5.0),
             out_dir=str(work / "out"),
             seq_len=tiny.data.seq_len,
             streaming=args.streaming,

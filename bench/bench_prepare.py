@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         source = SourceConfig(path="stdlib", max_files=args.max_files)
         base = dict(sources=[source], tokenizer=TokenizerConfig(kind="bpe", vocab_size=args.vocab,
-                                                                   train_max_chars=5_000_000), part_mb=args.part_mb)
+                                                                   sample_mb=5.0), part_mb=args.part_mb)
         tok_dir = prepare_data(DataConfig(**base, out_dir=str(work / "tok")), log=lambda *a: None).tokenizer_dir
         pretrained = TokenizerConfig(kind="pretrained", path=str(tok_dir / "tokenizer.json"))
         texts = [t for batch in iter_documents(source, True, work / "cache") for t in batch]

@@ -36,7 +36,15 @@ class TokenizerConfig:
     kind: Literal["bpe", "sentencepiece", "pretrained"] = "bpe"
     path: str = ""  # for kind=pretrained: a tokenizer.json or a SentencePiece .model
     vocab_size: int = 4096
-    train_max_chars: int = 50_000_000  # text read to train the tokenizer
+    # MB (10^6 bytes of UTF-8 text) a trained tokenizer (bpe, sentencepiece) learns from: a sample spread over the
+    # whole corpus, the same for the same config and files (data.seed draws it; data_pipeline/tokenizer_sample.py).
+    # Each source gets its weight's share. Reading it takes about this much I/O and the trainer this much text in
+    # memory (sentencepiece holds it all), whatever the corpus's size. 50: the text train_max_chars read before.
+    sample_mb: float = 50.0
+    # Replaced by sample_mb (it trained on the corpus's first train_max_chars characters). 0 (the default) = unset.
+    # A config that sets it still reads a data directory whose tokenizer was made so (a run or checkpoint saved
+    # before sample_mb), but prepare refuses to train a new tokenizer with it: set sample_mb instead.
+    train_max_chars: int = 0
 
 
 @dataclass
@@ -126,6 +134,12 @@ class DataConfig:
                 raise ConfigError(f"data.sources[{i}].max_files={s.max_files} must be >= 0")
         if self.tokenizer.kind == "pretrained" and not self.tokenizer.path:
             raise ConfigError("data.tokenizer.kind=pretrained needs data.tokenizer.path (tokenizer.json or .model)")
+        if not 0 < self.tokenizer.sample_mb < float("inf"):
+            raise ConfigError(f"data.tokenizer.sample_mb={self.tokenizer.sample_mb} must be a number of MB > 0 (the "
+                              f"text sampled from the corpus to train the tokenizer on), e.g. 50")
+        if self.tokenizer.train_max_chars < 0:
+            raise ConfigError(f"data.tokenizer.train_max_chars={self.tokenizer.train_max_chars} must be >= 0; it is "
+                              f"replaced by data.tokenizer.sample_mb (leave it 0)")
         if self.tokenizer.kind != "pretrained" and self.tokenizer.vocab_size < 259:
             raise ConfigError(
                 f"data.tokenizer.vocab_size={self.tokenizer.vocab_size} is too small; "

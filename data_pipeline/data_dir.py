@@ -5,9 +5,10 @@
 never share one, so preparing one never overwrites another's tokenizer. The fingerprint covers exactly what
 changes the files prepare writes there:
 
-- the tokenizer: for a trained one (bpe, sentencepiece) its kind, vocab_size and train_max_chars and what it is
-  trained on (each source's path, format, text_field, max_files and weight, the weight being its share of the
-  training text; max_record_mb); for a pretrained one the sha256 of its file's bytes, never its path; for a
+- the tokenizer: for a trained one (bpe, sentencepiece) its kind, vocab_size, sample_mb, seed and sampling version
+  (tokenizer_sample.SAMPLE_VERSION) and what it is trained on (each source's path, format, text_field, max_files and
+  weight, the weight being its share of the training text; max_record_mb); a config that sets the former
+  train_max_chars keeps the recipe that version recorded, so its directory is found; for a pretrained one the sha256 of its file's bytes, never its path; for a
   synthetic task the task and the settings its symbols depend on;
 - the shards (a text corpus only): each source's name, path, format, text_field and max_files; seed,
   val_fraction, shard_docs and max_record_mb.
@@ -29,6 +30,7 @@ from hybridtron.configs.job import DataConfig, SourceConfig
 
 from .errors import DataNotFoundError
 from .sources import source_name
+from .tokenizer_sample import SAMPLE_VERSION
 
 DATA_ROOT = Path("data")  # default directories go here, relative to the working directory
 _NAME_CHARS = 32  # the readable part of a default directory's name is cut to this
@@ -64,10 +66,14 @@ def tokenizer_recipe(cfg: DataConfig) -> dict:
     t = cfg.tokenizer
     if t.kind == "pretrained":
         return {"kind": "pretrained", "sha256": file_sha256(t.path)}
-    return {"kind": t.kind, "vocab_size": t.vocab_size, "train_max_chars": t.train_max_chars,
-            "max_record_mb": cfg.max_record_mb,
-            "sources": [{"path": s.path, "format": s.format, "text_field": s.text_field, "max_files": s.max_files,
-                         "weight": s.weight} for s in cfg.sources]}
+    sources = [{"path": s.path, "format": s.format, "text_field": s.text_field, "max_files": s.max_files,
+                "weight": s.weight} for s in cfg.sources]
+    if t.train_max_chars:  # the recipe of a version that trained on the corpus's first characters (prepare only
+        # reads a directory holding such a tokenizer, never trains one)
+        return {"kind": t.kind, "vocab_size": t.vocab_size, "train_max_chars": t.train_max_chars,
+                "max_record_mb": cfg.max_record_mb, "sources": sources}
+    return {"kind": t.kind, "vocab_size": t.vocab_size, "sample_mb": t.sample_mb, "sample": SAMPLE_VERSION,
+            "seed": cfg.seed, "max_record_mb": cfg.max_record_mb, "sources": sources}
 
 
 def _corpus_key(cfg: DataConfig) -> dict:
@@ -143,7 +149,7 @@ def describe_recipe(recipe: dict) -> str:
     if recipe.get("kind") == "pretrained":
         return (f"the tokenizer file with sha256 {recipe['sha256'][:12]}" if "sha256" in recipe
                 else f"the tokenizer file {recipe.get('path')}")
-    keys = [k for k in ("vocab_size", "train_max_chars", "max_record_mb") if k in recipe]
+    keys = [k for k in ("vocab_size", "train_max_chars", "sample_mb", "sample", "seed", "max_record_mb") if k in recipe]
     what = f"{recipe.get('kind')} training ({', '.join(f'{k} {recipe[k]}' for k in keys)})"
     if "sources" in recipe:
         what += " on " + "; ".join(_non_default(s) for s in recipe["sources"])

@@ -77,30 +77,23 @@ def source_names(cfg: DataConfig) -> list[str]:
     return names
 
 
-def _training_texts(cfg: DataConfig, cache: Path, reports: list) -> Iterator[str]:
-    """Each source contributes its weight's share of ``train_max_chars``, so one big source cannot crowd out the
-    rest. A document's pieces are passed on once it has ended well (a file can turn out invalid halfway)."""
-    total_w = sum(s.weight for s in cfg.sources)
-    for src in cfg.sources:
-        budget = int(cfg.tokenizer.train_max_chars * src.weight / total_w)
-        stream = SourceStream(src, cfg, cache)
-        reports.append(stream.report)
-        doc: list[str] = []
-        length = 0
-        for ev in stream:
-            if ev is None:
-                doc, length = [], 0
-                continue
-            text, last = ev
-            if length < budget:
-                doc.append(text[: budget - length])
-            length += len(text)
-            if last:
-                yield from doc
-                budget -= length
-                doc, length = [], 0
-                if budget <= 0:
-                    break
+def _training_texts(cfg: DataConfig, reports: list, log: Callable) -> Iterator[str]:
+    """A deterministic sample of about ``data.tokenizer.sample_mb`` MB spread over the whole corpus, each source
+    its weight's share (tokenizer_sample.py: it reads about that much whatever the corpus's size), with a progress
+    line every 30 s and one when it is read."""
+    import time
+
+    from .progress import duration, size
+    from .tokenizer_sample import sample_texts
+
+    t0 = time.monotonic()
+    samples: list = []
+    progress = Progress("tokenizer: sampling", cfg.tokenizer.sample_mb * 1e6, log)
+    yield from sample_texts(cfg, reports, lambda n: progress.add(n, docs=1), samples)
+    corpus = sum(s.starts[-1] for s in samples)
+    files = sum(len(s.stamps) for s in samples)
+    log(f"tokenizer: sampled {size(progress.bytes)} of {size(corpus)} ({progress.docs:,} documents from "
+        f"{sum(len(s.files_read) for s in samples):,} of {files:,} files) in {duration(time.monotonic() - t0)}")
 
 
 class _Guarded:
@@ -155,12 +148,28 @@ def get_tokenizer(cfg: DataConfig, out: Path, log: Callable = print) -> Tokenize
     if t.kind == "pretrained":
         tok = load_tokenizer(t.path)
     else:
-        log(f"training {t.kind} tokenizer (vocab {t.vocab_size}, <= {t.train_max_chars:,} chars)")
+        import sys
+        import time
+
+        from .progress import duration
+
+        if t.train_max_chars:  # only a directory whose tokenizer an older version trained so is read with it
+            raise DataError(
+                f"data.tokenizer.train_max_chars={t.train_max_chars} (train on the corpus's first characters) is "
+                f"replaced by data.tokenizer.sample_mb (a sample spread over the whole corpus) and {tdir} holds no "
+                f"tokenizer made so: set data.tokenizer.train_max_chars=0 and data.tokenizer.sample_mb="
+                f"{t.train_max_chars / 1e6:g} to train one"
+            )
+        log(f"training {t.kind} tokenizer (vocab {t.vocab_size}) on a sample of {t.sample_mb:g} MB spread over the "
+            f"corpus (data.tokenizer.sample_mb)")
         train = train_bpe if t.kind == "bpe" else train_sentencepiece
         reports: list = []
-        texts = _Guarded(_training_texts(cfg, out / ".hf_cache", reports))
+        texts = _Guarded(_training_texts(cfg, reports, log))
+        t0 = time.monotonic()
         try:
-            tok = train(texts, t.vocab_size, t.train_max_chars)
+            # tokenizers' own progress bars only on a terminal: a log file or SLURM output keeps the lines above
+            tok = train(texts, t.vocab_size, show_progress=sys.stderr.isatty()) if t.kind == "bpe" else \
+                train(texts, t.vocab_size)
         except Exception:
             if texts.error is not None:
                 raise texts.error from None
@@ -173,6 +182,8 @@ def get_tokenizer(cfg: DataConfig, out: Path, log: Callable = print) -> Tokenize
                 f"no text to train the tokenizer on: no source yields a document ({what}); point data.sources at "
                 f"text files, or at jsonl/parquet records with a text field"
             )
+        log(f"trained {t.kind} tokenizer (vocab {tok.vocab_size}) on {texts.chars / 1e6:.1f}M characters in "
+            f"{duration(time.monotonic() - t0)} (sampling and training)")
     tok.save(tdir, config=want)
     return load_tokenizer(tdir)
 

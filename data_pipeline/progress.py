@@ -54,5 +54,6 @@ class Progress:
         rate = self.bytes / dt
         left = (self.total - self.bytes) / rate if rate > 0 else None
         return (f"{self.what} {min(self.bytes / self.total, 1):.0%} ({size(self.bytes)} of {size(self.total)}), "
-                f"{rate / 1e6:.1f} MB/s, {self.tokens / dt / 1e6:.2f}M tokens/s, {self.docs:,} documents"
+                f"{rate / 1e6:.1f} MB/s, "
+                + (f"{self.tokens / dt / 1e6:.2f}M tokens/s, " if self.tokens else "") + f"{self.docs:,} documents"
                 + (f", about {duration(left)} left" if left is not None and self.bytes < self.total else ""))

@@ -170,7 +170,10 @@ def _load(kind: str, blob: bytes, path: Path) -> Tokenizer:
         raise DataError(f"{path} is not a valid {what} ({msg}); give an intact tokenizer file") from None
 
 
-def _capped(texts: Iterable[str], max_chars: int) -> Iterator[str]:
+def _capped(texts: Iterable[str], max_chars: int | None) -> Iterator[str]:
+    if max_chars is None:
+        yield from texts
+        return
     n = 0
     for t in texts:
         if n >= max_chars:
@@ -180,8 +183,10 @@ def _capped(texts: Iterable[str], max_chars: int) -> Iterator[str]:
         yield t
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, max_chars: int) -> Tokenizer:
-    """Byte-level BPE: every string maps to bytes first, so decode(encode(x)) == x for any text."""
+def train_bpe(texts: Iterable[str], vocab_size: int, max_chars: int | None = None,
+              show_progress: bool = False) -> Tokenizer:
+    """Byte-level BPE: every string maps to bytes first, so decode(encode(x)) == x for any text. ``show_progress``:
+    the trainer's own progress bars on stderr (for a terminal; they are not lines a log can keep)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -192,13 +197,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, max_chars: int) -> Tokenize
         vocab_size=vocab_size,
         special_tokens=[BOS, EOS, PAD],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even those absent from the corpus
-        show_progress=False,
+        show_progress=show_progress,
     )
     tok.train_from_iterator(_capped(texts, max_chars), trainer=trainer)
     return Tokenizer("hf", tok.to_str().encode("utf-8"))
 
 
-def train_sentencepiece(texts: Iterable[str], vocab_size: int, max_chars: int) -> Tokenizer:
+def train_sentencepiece(texts: Iterable[str], vocab_size: int, max_chars: int | None = None) -> Tokenizer:
     """SentencePiece BPE with byte fallback and no normalisation, so round trips are lossless."""
     import sentencepiece as spm
 

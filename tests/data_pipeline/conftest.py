@@ -16,7 +16,7 @@ N_FILES = 12
 def stdlib_cfg(out_dir: Path, **kw) -> DataConfig:
     base = dict(
         sources=[SourceConfig(path="stdlib", max_files=N_FILES)],
-        tokenizer=TokenizerConfig(kind="bpe", vocab_size=300, train_max_chars=300_000),
+        tokenizer=TokenizerConfig(kind="bpe", vocab_size=300, sample_mb=0.3),
         out_dir=str(out_dir),
         seq_len=32,
         shard_docs=3,

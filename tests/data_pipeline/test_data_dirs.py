@@ -45,7 +45,7 @@ def test_default_dirs_differ_by_corpus_tokenizer_and_task(tmp_path):
     assert dirs["bpe"].name.startswith("stdlib-bpe300-") and dirs["parity"].name.startswith("parity-")
     assert dirs["pretrained"].name.startswith("stdlib-pretrained-")
     # every setting that changes what prepare writes moves the directory ...
-    for key, value in [("data.tokenizer.vocab_size", "400"), ("data.tokenizer.train_max_chars", "1000"),
+    for key, value in [("data.tokenizer.vocab_size", "400"), ("data.tokenizer.sample_mb", "0.001"),
                        ("data.tokenizer.kind", "sentencepiece"), ("data.sources", "[{path: stdlib, max_files: 21}]"),
                        ("data.seed", "1"), ("data.val_fraction", "0.1"), ("data.shard_docs", "10"),
                        ("data.max_record_mb", "8")]:
@@ -135,7 +135,7 @@ def test_a_pretrained_tokenizer_at_another_path_resumes(tmp_path):
 
 def test_a_tokenizer_recorded_by_an_older_version_is_reused(tmp_path):
     """Data prepared before the tokenizer's recipe named its corpus (e.g. data/stdlib) stays usable."""
-    cfg = data_cfg(("data.out_dir", str(tmp_path / "stdlib")), ("data.tokenizer.train_max_chars", "100000"))
+    cfg = data_cfg(("data.out_dir", str(tmp_path / "stdlib")), ("data.tokenizer.sample_mb", "0.1"))
     prepare_data(cfg, log=lambda _: None)
     meta_f = tmp_path / "stdlib" / "tokenizer" / "tokenizer_meta.json"
     meta = json.loads(meta_f.read_text())

@@ -307,7 +307,10 @@ def test_a_reader_that_cannot_start_is_named_not_reported_as_no_records(tmp_path
     """Found on a lent H200 (2026-11-28) whose image lacks the datasets package: prepare said "stdlib: no records"."""
     d = tmp_path / "src"
     d.mkdir()
-    (d / "a.txt").write_text("some text\n" * 50)
+    # enough words for 300 SentencePiece pieces: the tokenizer's sample is read without datasets, the shards are not
+    letters = "abcdefghij"
+    (d / "a.txt").write_text("".join(letters[i % 10] + letters[i // 10 % 10] + letters[i // 100 % 10]
+                                     + ("\n" if i % 10 == 9 else " ") for i in range(3000)))
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
     cfg = stdlib_cfg(tmp_path / "out", sources=[SourceConfig(path=str(d))],
                      tokenizer=TokenizerConfig(kind=kind, vocab_size=300))

@@ -11,6 +11,7 @@ import pytest
 from hybridtron.atomic import this_host
 from hybridtron.configs.job import SourceConfig, TokenizerConfig
 from hybridtron.data_pipeline import load_tokenizer, prepare_data, shards
+from hybridtron.data_pipeline.errors import DataError
 from hybridtron.data_pipeline.prepare import is_val
 
 from .conftest import N_FILES, quiet, stdlib_cfg
@@ -117,8 +118,12 @@ def test_changed_tokenizer_config_is_refused(copy_prepared):
 
 
 def test_changed_split_config_is_refused(copy_prepared):
-    copy_prepared.seed = 7
+    copy_prepared.val_fraction = 0.3
     with pytest.raises(shards.ShardError, match="delete"):
+        prepare_data(copy_prepared, log=quiet)
+    # the seed also draws the tokenizer's sample: the tokenizer made with another one is refused first
+    copy_prepared.val_fraction, copy_prepared.seed = 0.2, 7
+    with pytest.raises(DataError, match="seed 0.*seed 7.*delete"):
         prepare_data(copy_prepared, log=quiet)
 
 
@@ -202,7 +207,7 @@ def test_no_matching_files_names_the_path(tmp_path, tokenizer_json):
 
 def test_sentencepiece_prepare_and_pretrained_model(tmp_path):
     cfg = stdlib_cfg(
-        tmp_path / "sp", tokenizer=TokenizerConfig(kind="sentencepiece", vocab_size=400, train_max_chars=200_000)
+        tmp_path / "sp", tokenizer=TokenizerConfig(kind="sentencepiece", vocab_size=400, sample_mb=0.2)
     )
     prep = prepare_data(cfg, log=quiet)
     assert prep.tokenizer.kind == "sp" and prep.tokenizer.vocab_size == 400

@@ -173,7 +173,7 @@ def test_resume_on_data_of_another_tokenizer_of_the_same_size_is_refused(run_cop
     # the same vocabulary size, other merges, so other tokens for the same text.
     other = tmp_path / "other_data"
     argv = cli_args(small_data_dir, tmp_path / "unused", ["--data.out_dir", str(other),
-                                                          "--data.tokenizer.train_max_chars", "30000"])
+                                                          "--data.tokenizer.sample_mb", "0.03"])
     assert main(["prepare", *argv[1:]]) == 0
     own = json.loads((small_data_dir / "tokenizer" / "tokenizer_meta.json").read_text())
     theirs = json.loads((other / "tokenizer" / "tokenizer_meta.json").read_text())
@@ -181,7 +181,7 @@ def test_resume_on_data_of_another_tokenizer_of_the_same_size_is_refused(run_cop
     capsys.readouterr()
     # prepare itself refuses a tokenizer whose recipe differs ...
     code, err = run_cli(cli_args(small_data_dir, run_copy, [*steps_arg(6), "--data.out_dir", str(other)]), capsys)
-    assert_one_line_error(code, err, "train_max_chars 30000", "train_max_chars 20000000", str(other))
+    assert_one_line_error(code, err, "sample_mb 0.03", "sample_mb 20.0", str(other))
     # ... but data prepared by an older version recorded only the kind and size: the checkpoint's tokenizer decides
     meta_f = other / "tokenizer" / "tokenizer_meta.json"
     meta_f.write_text(json.dumps({**theirs, "config": {"kind": "bpe", "vocab_size": theirs["vocab_size"], "path": None}}))
