@@ -43,6 +43,10 @@ class UnreadableFileError(DataError):
     """A source file cannot be read at all, or changed while it was being read."""
 
 
+class RemoteSourceError(DataError):
+    """A source URL cannot be listed or read (unreachable, not found, access denied, no package for its protocol)."""
+
+
 def one_line(s: object) -> str:
     """``s`` as text without line breaks, so a message stays one line whatever a file name or record holds."""
     return str(s).replace("\r", "\\r").replace("\n", "\\n")

@@ -130,7 +130,7 @@ def tokenize_part(job: PartJob) -> dict:
     dtype = token_dtype(tok.vocab_size)
     stem = _stem(Path(job.directory), job.index)
     src = job.cfg.sources[job.source_index]
-    stream = SourceStream(src, job.cfg, Path(job.cache_dir), resolved=([Path(s[0]) for s in job.stamps], job.fmt),
+    stream = SourceStream(src, job.cfg, Path(job.cache_dir), resolved=([s[0] for s in job.stamps], job.fmt),
                           stamps=job.stamps, name=job.name)
     ends: list[int] = []
     total = [0]

@@ -1,6 +1,7 @@
 """Sources: resolve a ``SourceConfig`` to a sorted file list and stream its documents, checked, through HF ``datasets``.
 
-One document is one record: a whole file for text sources, one line for jsonl, one row for parquet.
+One document is one record: a whole file for text sources, one line for jsonl, one row for parquet. A source at
+a URL (``https://``, ``s3://``, ...) is listed, stamped and opened through remote.py and read by the same readers.
 
 Our own readers (run as a ``datasets`` generator: streaming, or through an Arrow cache) decide what is a
 document and what is a *bad record* (docs/data.md is the policy):
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from hybridtron.configs.job import DataConfig, SourceConfig
 
+from . import remote
 from .errors import (
     BadRecordError,
     DataError,
@@ -111,12 +113,14 @@ def _stdlib_files() -> list[Path]:
     return sorted(f for f in files if f.is_file())
 
 
-def _format_of(path: Path) -> str:
-    return _EXT_FORMAT.get(path.suffix.lower(), "text")
+def _format_of(path: Path | str) -> str:
+    suffix = remote.url_suffix(path) if remote.is_url(path) else path.suffix
+    return _EXT_FORMAT.get(suffix.lower(), "text")
 
 
-def resolve_files(src: SourceConfig) -> tuple[list[Path], str]:
-    """(sorted files, format). Sorting makes document order, hence the split and shards, reproducible."""
+def resolve_files(src: SourceConfig) -> tuple[list[Path | str], str]:
+    """(sorted files, format). Sorting makes document order, hence the split and shards, reproducible.
+    A source at a URL (remote.py) gives its files as URL strings."""
     try:
         return _resolve_files(src)
     except OSError as e:  # an unreadable directory on the way
@@ -126,18 +130,22 @@ def resolve_files(src: SourceConfig) -> tuple[list[Path], str]:
         raise UnreadableFileError(f"cannot list source {src.path!r}: {where}: {e.strerror or e}; fix its permissions") from None
 
 
-def _resolve_files(src: SourceConfig) -> tuple[list[Path], str]:
+def _resolve_files(src: SourceConfig) -> tuple[list[Path | str], str]:
     if src.path == "stdlib":
         files, fmt = _stdlib_files(), "text"
     else:
-        p = Path(src.path).expanduser()
-        if p.is_file():
-            files = [p]
-        elif p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.parts))
+        if remote.is_url(src.path):
+            files, is_dir = remote.list_files(src.path)
         else:
-            files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
-        if src.format != "auto" and src.format != "text" and p.is_dir():
+            p = Path(src.path).expanduser()
+            is_dir = p.is_dir()
+            if p.is_file():
+                files = [p]
+            elif is_dir:
+                files = sorted(f for f in p.rglob("*") if f.is_file() and not any(s.startswith(".") for s in f.parts))
+            else:
+                files = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+        if src.format != "auto" and src.format != "text" and is_dir:
             # a directory often holds a README beside the data; keep only files of the asked format
             files = [f for f in files if _format_of(f) == src.format]
         fmt = src.format
@@ -157,8 +165,11 @@ def _resolve_files(src: SourceConfig) -> tuple[list[Path], str]:
     return files, fmt
 
 
-def file_stamp(f: Path) -> list:
-    """[path, size, mtime_ns]: what the shard manifests record of each source file, with its content hash."""
+def file_stamp(f: Path | str) -> list:
+    """[path, size, mtime_ns]: what the shard manifests record of each source file, with its content hash.
+    A remote file's: [url, size, version] (remote.stamp), compared the same way."""
+    if remote.is_url(f):
+        return remote.stamp(f)
     try:
         st = f.stat()
     except OSError as e:
@@ -168,10 +179,20 @@ def file_stamp(f: Path) -> list:
 
 def file_hash(f: str | Path) -> str:
     h = hashlib.blake2b(digest_size=16)
-    with open(f, "rb") as fh:
-        while chunk := fh.read(READ_CHUNK):
-            h.update(chunk)
+    try:
+        with open_source_file(f) as fh:
+            while chunk := fh.read(READ_CHUNK):
+                h.update(chunk)
+    except Exception as e:
+        if remote.is_url(f) and not isinstance(e, DataError):
+            raise remote.remote_error(str(f), e) from None
+        raise
     return h.hexdigest()
+
+
+def open_source_file(path: str | Path):
+    """A source file opened for binary reading: a local one with ``open``, a URL through fsspec (remote.py)."""
+    return remote.open_file(path) if remote.is_url(path) else open(path, "rb")
 
 
 # ---- cutting long texts ---------------------------------------------------------------------------------------
@@ -260,6 +281,9 @@ def binary_reason(head: bytes) -> str | None:
 
 
 def _check_unchanged(fh, stamp: list) -> None:
+    if remote.is_url(stamp[0]):
+        remote.check_unchanged(fh, stamp)
+        return
     st = os.fstat(fh.fileno())
     if (st.st_size, st.st_mtime_ns) != (stamp[1], stamp[2]):
         raise UnreadableFileError(
@@ -279,7 +303,7 @@ def _read_text(stamp: list, piece_chars: int, max_bytes: int) -> Iterator[dict]:
         yield from _skip_file(stamp, "too_large", path, f"{size:,} bytes, above data.max_record_mb={max_bytes >> 20}")
         return
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as fh:
+    with open_source_file(path) as fh:
         chunk = fh.read(READ_CHUNK)
         why = binary_reason(chunk)
         if why:
@@ -356,7 +380,7 @@ def _read_jsonl(stamp: list, field_name: str, piece_chars: int, max_bytes: int) 
     """One document per line; blank lines are not records. A ``.json`` file holding one array: one per element."""
     path = stamp[0]
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as fh:
+    with open_source_file(path) as fh:
         head = fh.read(SNIFF_BYTES)
         why = binary_reason(head)
         if why:
@@ -432,15 +456,25 @@ def _read_json_array(fh, stamp: list, field_name: str, piece_chars: int, max_byt
 
 def _read_parquet(stamp: list, field_name: str, piece_chars: int, max_bytes: int) -> Iterator[dict]:
     """One document per row of the text column, read 64 rows at a time."""
+    if remote.is_url(stamp[0]):  # pyarrow reads the fsspec file object (ranged reads of the footer and columns)
+        with remote.open_file(stamp[0]) as fh:
+            yield from _parquet_rows(stamp, fh, field_name, piece_chars, max_bytes)
+    else:
+        yield from _parquet_rows(stamp, None, field_name, piece_chars, max_bytes)
+
+
+def _parquet_rows(stamp: list, fh, field_name: str, piece_chars: int, max_bytes: int) -> Iterator[dict]:
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     path = stamp[0]
     try:
-        pf = pq.ParquetFile(path, buffer_size=READ_CHUNK)
+        pf = pq.ParquetFile(path if fh is None else fh, buffer_size=READ_CHUNK)
         schema = pf.schema_arrow
     except (pa.ArrowException, OSError) as e:
+        if fh is not None and not isinstance(e, pa.ArrowException):
+            raise  # a network failure: _read_files stops with it rather than skip the file
         yield from _skip_file(stamp, "unreadable_file", path, f"not a readable Parquet file ({str(e)[:200]})")
         return
     n_rows = pf.metadata.num_rows
@@ -487,10 +521,15 @@ def _read_parquet(stamp: list, field_name: str, piece_chars: int, max_bytes: int
                     yield _piece(p, j == len(pieces) - 1)
             row += len(sizes)
     except (pa.ArrowException, OSError) as e:
+        if fh is not None and not isinstance(e, pa.ArrowException):
+            raise
         yield from _skip_file(stamp, "unreadable_file", f"{path} row {row}", f"cannot read further ({str(e)[:200]})")
         return
-    with open(path, "rb") as fh:
+    if fh is not None:
         _check_unchanged(fh, stamp)
+    else:
+        with open(path, "rb") as fh:
+            _check_unchanged(fh, stamp)
     yield _file_done(stamp, file_hash(path))
 
 
@@ -508,7 +547,14 @@ def _read_files(
                 yield from _read_jsonl(stamp, text_field, piece_chars, max_bytes)
             else:
                 yield from _read_parquet(stamp, text_field, piece_chars, max_bytes)
-        except OSError as e:  # permission denied, a file removed since the listing, a read error
+        except DataError:
+            raise
+        except Exception as e:
+            if remote.is_url(path):  # unreachable, gone, denied: stop naming it, never skip it as a bad record
+                raise remote.remote_error(path, e) from None
+            if not isinstance(e, OSError):
+                raise
+            # permission denied, a file removed since the listing, a read error
             yield from _skip_file(stamp, "unreadable_file", path, f"cannot read it: {e.strerror or e}")
 
 
@@ -594,7 +640,7 @@ class SourceStream:
         src: SourceConfig,
         cfg: DataConfig,
         cache_dir: Path,
-        resolved: tuple[list[Path], str] | None = None,
+        resolved: tuple[list[Path | str], str] | None = None,
         stamps: list[list] | None = None,
         name: str = "",
         piece_chars: int | None = None,
@@ -668,7 +714,7 @@ def iter_documents(
     streaming: bool,
     cache_dir: Path,
     batch_size: int = 256,
-    resolved: tuple[list[Path], str] | None = None,
+    resolved: tuple[list[Path | str], str] | None = None,
 ) -> Iterator[list[str]]:
     """Batches of whole document texts in file order, bad records skipped. Joins pieces: for tests and tools;
     ``prepare`` consumes ``SourceStream`` to keep memory bounded."""
