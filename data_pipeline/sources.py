@@ -680,7 +680,11 @@ class SourceStream:
         )
 
     def __iter__(self) -> Iterator[tuple[str, bool] | None]:
-        from datasets.exceptions import DatasetGenerationError
+        try:
+            from datasets.exceptions import DatasetGenerationError
+        except ImportError:
+            self._dataset()  # raises the one line that names the missing package
+            raise
 
         report = self.report
         in_doc = False
