@@ -178,8 +178,9 @@ def merge_report(report: SourceReport, part: dict) -> None:
     report.files.extend(r["files"])
 
 
-def _prepare_parts_dir(directory: Path, plan: dict, log: Callable) -> None:
-    """Keep the parts of the same plan; anything else there (another plan, scratch of dead workers) goes."""
+def _prepare_parts_dir(directory: Path, plan: dict, log: Callable) -> dict[int, dict]:
+    """Keep the parts of the same plan; anything else there (another plan, scratch of dead workers) goes. Returns
+    the records of the complete parts, by index."""
     try:
         old = json.loads((directory / PLAN).read_text())
     except (OSError, ValueError):
@@ -190,26 +191,26 @@ def _prepare_parts_dir(directory: Path, plan: dict, log: Callable) -> None:
         shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_text_atomic(directory / PLAN, json.dumps(plan))
-    complete = {f"part-{i:05d}{ext}" for i in range(len(plan["parts"])) if part_done(directory, i)
-                for ext in (".bin", ".idx", ".json")}
+    done = {i: rec for i in range(len(plan["parts"])) if (rec := part_done(directory, i)) is not None}
+    keep = {f"part-{i:05d}{ext}" for i in done for ext in (".bin", ".idx", ".json")}
     for f in directory.iterdir():
-        if f.name != PLAN and f.name not in complete:
+        if f.name != PLAN and f.name not in keep:
             f.unlink()
+    return done
 
 
 def part_documents(cfg: DataConfig, i: int, name: str, key: str, digest: str, stamps: list, fmt: str,
-                   tokenizer_dir: Path, out: Path, report: SourceReport, log: Callable,
+                   ranges: list[tuple[int, int]], tokenizer_dir: Path, out: Path, report: SourceReport, log: Callable,
                    progress: Progress | None = None) -> Iterator[np.ndarray]:
     """Every document of source ``i`` (its tokens, without EOS) in file order, tokenized in parts by worker
     processes; ``report`` gets the parts' counts in order, ``progress`` each part's bytes once it is taken."""
     directory = out / name / PARTS_DIR
-    ranges = plan_parts([s[1] for s in stamps], cfg.part_mb * 1e6)
     plan = {"key": key, "inputs_digest": digest, "part_mb": cfg.part_mb, "parts": [list(r) for r in ranges]}
-    _prepare_parts_dir(directory, plan, log)
+    done = _prepare_parts_dir(directory, plan, log)
     workers = workers_for(cfg, len(ranges))
     threads = threads_per_worker(cfg, workers)
-    todo = [k for k in range(len(ranges)) if part_done(directory, k) is None]
-    log(f"{name}: {len(ranges)} parts of <= {cfg.part_mb:g} MB, {len(ranges) - len(todo)} done; "
+    todo = [k for k in range(len(ranges)) if k not in done]
+    log(f"{name}: {len(ranges)} parts of <= {cfg.part_mb:g} MB, {len(done)} done; "
         f"{workers} worker processes x {threads} tokenizer threads")
     import multiprocessing
 
@@ -228,11 +229,12 @@ def part_documents(cfg: DataConfig, i: int, name: str, key: str, digest: str, st
                 except BrokenProcessPool:
                     raise WorkerDiedError(
                         f"a tokenizing worker of source {name!r} died (killed, or out of memory) in part {k} of "
-                        f"{len(ranges)}; run prepare again: it keeps the {sum(part_done(directory, j) is not None for j in range(len(ranges)))} "
-                        f"complete parts and tokenizes the rest"
+                        f"{len(ranges)}; run prepare again: it keeps the "
+                        f"{sum(part_done(directory, j) is not None for j in range(len(ranges)))} complete parts and "
+                        f"tokenizes the rest"
                     ) from None
             else:
-                rec = part_done(directory, k)
+                rec = done[k]
             merge_report(report, rec)
             stem = _stem(directory, k)
             ends = np.fromfile(stem.with_suffix(".idx"), dtype=np.int64)

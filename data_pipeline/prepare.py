@@ -343,10 +343,11 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
 
     log(f"{name}: tokenizing {len(files)} files ({fmt}) from {src.path}")
     progress = Progress(f"{name}: tokenizing", sum(s[1] for s in stamps), log)
-    if workers_for(cfg, len(plan_parts([s[1] for s in stamps], cfg.part_mb * 1e6))) > 1:  # parts.py
+    ranges = plan_parts([s[1] for s in stamps], cfg.part_mb * 1e6)
+    if workers_for(cfg, len(ranges)) > 1:  # parts.py
         report = SourceReport(name, cfg.on_bad_record)
-        for ids in part_documents(cfg, i, name, key, digest, stamps, fmt, out / "tokenizer", out, report, log,
-                                  progress):
+        for ids in part_documents(cfg, i, name, key, digest, stamps, fmt, ranges, out / "tokenizer", out, report,
+                                  log, progress):
             doc = begin()
             if doc.parts is not None:
                 doc.parts.append(ids)
