@@ -60,6 +60,16 @@ def cmd_prepare(args) -> int:
     cfg, run_dir = resolve_job(args)
     resolve_data_dir(cfg, run_dir)  # the directory `train` with these arguments would use
     check_output_dir(Path(cfg.data.out_dir).expanduser(), f"data.out_dir={cfg.data.out_dir}")
+    if args.stage is not None:  # the jobs of `hybridtron submit prepare` (data_pipeline/prepare_tasks.py)
+        from hybridtron.data_pipeline import prepare_tasks
+
+        if args.stage == "plan":
+            prepare_tasks.plan_stage(cfg.data, log=_log)
+        else:
+            if args.task is None or args.tasks is None:
+                raise ConfigError("--stage task needs --task K and --tasks N (this is task K of N, K from 0)")
+            prepare_tasks.task_stage(cfg.data, args.task, args.tasks, log=_log)
+        return 0
     from hybridtron.data_pipeline import prepare_data  # (numpy, the tokenizer trainers: after the checks)
 
     prepared = prepare_data(cfg.data, log=_log)  # on bad input, it removes the directories it made
@@ -373,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = add_subcommand("prepare", help="build the tokenizer and token shards")
     common(sp)
+    g = sp.add_argument_group("stages of `hybridtron submit prepare` (its jobs run these; docs/data.md)")
+    g.add_argument("--stage", choices=("plan", "task"), default=None,
+                   help="plan: the tokenizer and the parts' plan only; task: tokenize task K's parts of N only (the "
+                        "merge is a plain prepare)")
+    g.add_argument("--task", type=int, default=None, metavar="K", help="--stage task: this task's number, from 0")
+    g.add_argument("--tasks", type=int, default=None, metavar="N", help="--stage task: the number of tasks")
     sp.set_defaults(func=cmd_prepare)
     sp = add_subcommand("train", help="train (resumes from the run directory's latest checkpoint)")
     common(sp)
@@ -444,11 +460,15 @@ def build_parser() -> argparse.ArgumentParser:
     from hybridtron.slurm import status as slurm_status
     from hybridtron.slurm import submit as slurm_submit
 
-    sp = add_subcommand("submit", help="submit a training job to SLURM (sbatch): multi-node, requeued at its time limit")
+    sp = add_subcommand("submit", help="submit a training job to SLURM (sbatch): multi-node, requeued at its time "
+                        "limit; `submit prepare` tokenizes the data as SLURM tasks across nodes",
+                        usage="hybridtron submit [prepare] [options] [--section.field VALUE ...]")
     common(sp)
+    sp.add_argument("--what", choices=("train", "prepare"), default="train", help=argparse.SUPPRESS)
     slurm_submit.add_arguments(sp)
     sp.set_defaults(func=slurm_submit.cmd_submit)
-    sp = add_subcommand("status", help="a SLURM run: job state, last step and loss, latest checkpoint, logs")
+    sp = add_subcommand("status", help="a SLURM run: job state, last step and loss, latest checkpoint, logs; or a "
+                        "data directory: parts done, rates, time left")
     slurm_status.add_arguments(sp)
     sp.set_defaults(func=slurm_status.cmd_status)
     for name, sp in sub.choices.items():
@@ -565,6 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     if launched():  # a worker of torchrun: ends when its launcher dies, instead of training on as an orphan
         watch_parent()
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["submit"] and argv[1:2] in (["prepare"], ["train"]):
+        # `submit prepare`: a word after the subcommand, which an optional positional would take from the dotted
+        # overrides' values (argparse gives it the first leftover word), so it becomes the hidden --what
+        argv = ["submit", "--what", argv[1], *argv[2:]]
     args, rest = parser.parse_known_args(argv)
     debug = bool(getattr(args, "debug", False)) or "--debug" in rest or \
         os.environ.get("HYBRIDTRON_DEBUG", "").strip().lower() not in ("", "0", "false", "no")

@@ -45,6 +45,7 @@ from .sources import N_EXAMPLES, SourceReport
 
 PARTS_DIR = ".parts"
 PLAN = "plan.json"
+FILES = "files.json"  # the source's [path, size, mtime] in plan order: what `hybridtron status` sizes the parts by
 # seconds a worker sleeps after each part (tests: to kill a worker mid-prepare); never set by users
 TEST_PART_DELAY = "HYBRIDTRON_TEST_PART_DELAY"
 
@@ -129,6 +130,7 @@ def tokenize_part(job: PartJob) -> dict:
     tok.num_threads = job.threads
     dtype = token_dtype(tok.vocab_size)
     stem = _stem(Path(job.directory), job.index)
+    started = time.time()
     src = job.cfg.sources[job.source_index]
     stream = SourceStream(src, job.cfg, Path(job.cache_dir), resolved=([s[0] for s in job.stamps], job.fmt),
                           stamps=job.stamps, name=job.name)
@@ -149,8 +151,10 @@ def tokenize_part(job: PartJob) -> dict:
 
     write_file_atomic(stem.with_suffix(".bin"), write)
     write_file_atomic(stem.with_suffix(".idx"), lambda p: np.asarray(ends, dtype=np.int64).tofile(p))
+    # bytes, started, finished: for `hybridtron status DATA_DIR` (rates and time left); never read by the merge
     rec = {"index": job.index, "n_docs": len(ends), "n_tokens": total[0], "dtype": dtype.name,
-           "files": [s[0] for s in job.stamps], "report": stream.report.to_json()}
+           "files": [s[0] for s in job.stamps], "report": stream.report.to_json(),
+           "bytes": sum(s[1] for s in job.stamps), "started": started, "finished": time.time()}
     write_text_atomic(stem.with_suffix(".json"), json.dumps(rec))
     if delay := float(os.environ.get(TEST_PART_DELAY, "0") or 0):
         time.sleep(delay)
@@ -178,9 +182,10 @@ def merge_report(report: SourceReport, part: dict) -> None:
     report.files.extend(r["files"])
 
 
-def _prepare_parts_dir(directory: Path, plan: dict, log: Callable) -> dict[int, dict]:
-    """Keep the parts of the same plan; anything else there (another plan, scratch of dead workers) goes. Returns
-    the records of the complete parts, by index."""
+def _prepare_parts_dir(directory: Path, plan: dict, log: Callable, stamps: list | None = None) -> dict[int, dict]:
+    """Keep the parts of the same plan; anything else there (another plan, scratch of dead workers, part locks) goes.
+    Returns the records of the complete parts, by index. Only under the data directory's exclusive lock, which no
+    array task (prepare_tasks.py) holds beside: their scratch is live."""
     try:
         old = json.loads((directory / PLAN).read_text())
     except (OSError, ValueError):
@@ -191,12 +196,19 @@ def _prepare_parts_dir(directory: Path, plan: dict, log: Callable) -> dict[int, 
         shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
     write_text_atomic(directory / PLAN, json.dumps(plan))
+    if stamps is not None:
+        write_text_atomic(directory / FILES, json.dumps([s[:3] for s in stamps]))
     done = {i: rec for i in range(len(plan["parts"])) if (rec := part_done(directory, i)) is not None}
     keep = {f"part-{i:05d}{ext}" for i in done for ext in (".bin", ".idx", ".json")}
     for f in directory.iterdir():
-        if f.name != PLAN and f.name not in keep:
+        if f.name not in (PLAN, FILES) and f.name not in keep:
             f.unlink()
     return done
+
+
+def parts_plan(key: str, digest: str, part_mb: float, ranges: list[tuple[int, int]]) -> dict:
+    """A source's plan.json: the same whoever plans it (a prepare, or `submit prepare`'s plan job)."""
+    return {"key": key, "inputs_digest": digest, "part_mb": part_mb, "parts": [list(r) for r in ranges]}
 
 
 def part_documents(cfg: DataConfig, i: int, name: str, key: str, digest: str, stamps: list, fmt: str,
@@ -205,8 +217,8 @@ def part_documents(cfg: DataConfig, i: int, name: str, key: str, digest: str, st
     """Every document of source ``i`` (its tokens, without EOS) in file order, tokenized in parts by worker
     processes; ``report`` gets the parts' counts in order, ``progress`` each part's bytes once it is taken."""
     directory = out / name / PARTS_DIR
-    plan = {"key": key, "inputs_digest": digest, "part_mb": cfg.part_mb, "parts": [list(r) for r in ranges]}
-    done = _prepare_parts_dir(directory, plan, log)
+    plan = parts_plan(key, digest, cfg.part_mb, ranges)
+    done = _prepare_parts_dir(directory, plan, log, stamps)
     workers = workers_for(cfg, len(ranges))
     threads = threads_per_worker(cfg, workers)
     todo = [k for k in range(len(ranges)) if k not in done]

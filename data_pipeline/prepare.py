@@ -41,7 +41,7 @@ from .data_dir import data_dir, describe_recipe, tokenizer_recipe
 from .data_lock import hold_data_dir
 from .encode import encode_documents
 from .errors import DataError, EmptySourceError, SourceChangedError, one_line
-from .parts import part_documents, plan_parts, remove_parts, workers_for
+from .parts import PARTS_DIR, PLAN, part_documents, plan_parts, remove_parts, workers_for
 from .progress import Progress
 from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
 from .sources import (
@@ -287,6 +287,14 @@ class _Sink:
         self.writers[split].add([*doc.parts, self.eos])
 
 
+def source_changed(name: str, change: str, out: Path) -> SourceChangedError:
+    return SourceChangedError(
+        f"source {name!r}: {change} since its shards in {out / name} were prepared; restore it, or set "
+        f"data.on_source_change=rebuild to re-tokenize this source (the tokenizer is kept; a resumed run "
+        f"then reads other data), or use another data.out_dir"
+    )
+
+
 def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Path, log: Callable,
                     resolved: tuple[list[Path], str]) -> dict:
     """Shards for source ``i`` (or none, when complete and current) from its ``resolved`` files and format;
@@ -308,11 +316,7 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
                     w.save_source({**recorded, "files": refreshed}, digest)
             return recorded
         if cfg.on_source_change == "error":
-            raise SourceChangedError(
-                f"source {name!r}: {change} since its shards in {out / name} were prepared; restore it, or set "
-                f"data.on_source_change=rebuild to re-tokenize this source (the tokenizer is kept; a resumed run "
-                f"then reads other data), or use another data.out_dir"
-            )
+            raise source_changed(name, change, out)
         log(f"{name}: {change}; rebuilding its shards (data.on_source_change=rebuild)")
         for w in writers.values():
             w.reset(digest)
@@ -344,7 +348,9 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
     log(f"{name}: tokenizing {len(files)} files ({fmt}) from {src.path}")
     progress = Progress(f"{name}: tokenizing", sum(s[1] for s in stamps), log)
     ranges = plan_parts([s[1] for s in stamps], cfg.part_mb * 1e6)
-    if workers_for(cfg, len(ranges)) > 1:  # parts.py
+    # parts.py; also with one worker where parts were planned (a `submit prepare` job's plan, an interrupted
+    # parallel prepare): the complete ones are kept, and the shards are the same bytes either way
+    if workers_for(cfg, len(ranges)) > 1 or (out / name / PARTS_DIR / PLAN).is_file():
         report = SourceReport(name, cfg.on_bad_record)
         for ids in part_documents(cfg, i, name, key, digest, stamps, fmt, ranges, out / "tokenizer", out, report,
                                   log, progress):

@@ -26,12 +26,17 @@ TAIL_BYTES = 1 << 16  # the end of metrics.jsonl holds the last steps; a long ru
 
 
 def add_arguments(sp) -> None:
-    sp.add_argument("run_dir", help="the run directory given to hybridtron submit")
+    sp.add_argument("run_dir", metavar="RUN_OR_DATA_DIR",
+                    help="the run directory given to hybridtron submit, or a data directory (data.out_dir; or a "
+                         "source's .parts): parts done, rates and time left, or that the data is ready")
     sp.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
 
 def read_jobs(run_dir: Path) -> list[dict]:
-    path = run_dir / "slurm" / JOBS_FILE
+    return read_jobs_file(run_dir / "slurm" / JOBS_FILE)
+
+
+def read_jobs_file(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     jobs = []
@@ -112,7 +117,8 @@ def tail_metrics(run_dir: Path) -> tuple[dict | None, dict | None, dict | None]:
 def collect(run_dir: Path) -> dict:
     run_dir = Path(run_dir).resolve()
     if not run_dir.is_dir():
-        raise ConfigError(f"no run directory {run_dir}; give the --run-dir that hybridtron submit printed")
+        raise ConfigError(f"no run directory {run_dir}; give the --run-dir that hybridtron submit printed (or a data "
+                          f"directory, data.out_dir, for how its preparation stands)")
     jobs = read_jobs(run_dir)  # the run's history: every submission's jobs (a --chain is one submission)
     scripts = list(dict.fromkeys(j.get("script") for j in jobs))
     out: dict = {"run_dir": str(run_dir), "jobs": [], "submissions": len(scripts)}
@@ -214,7 +220,27 @@ def format_status(s: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def collect_data(path: Path) -> dict:
+    """A data directory's preparation (data_pipeline/prepare_tasks.py) and the jobs `submit prepare` made for it."""
+    from hybridtron.data_pipeline.prepare_tasks import data_status
+
+    from .submit import PREPARE_DIR
+
+    s = data_status(path)
+    jobs = read_jobs_file(Path(s["data_dir"]) / PREPARE_DIR / JOBS_FILE)
+    s["jobs"] = [{"job_id": j["job_id"], "stage": j.get("stage"), **query_job(j["job_id"])} for j in jobs[-3:]]
+    for j in s["jobs"]:
+        j["line"] = _job_line(j)
+    return s
+
+
 def cmd_status(args) -> int:
+    from hybridtron.data_pipeline.prepare_tasks import format_data_status, is_data_dir
+
+    if is_data_dir(Path(args.run_dir)):
+        s = collect_data(Path(args.run_dir))
+        print(json.dumps(s) if args.json else format_data_status(s))
+        return 0
     s = collect(Path(args.run_dir))
     print(json.dumps(s) if args.json else format_status(s))
     return 0
