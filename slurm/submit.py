@@ -28,6 +28,8 @@ from pathlib import Path
 from hybridtron.configs import ConfigError
 
 TEMPLATE = Path(__file__).with_name("template.sbatch")
+PREPARE_TEMPLATE = Path(__file__).with_name("prepare.sbatch")  # `submit prepare`: data_pipeline/prepare_tasks.py
+PREPARE_DIR = ".slurm"  # DATA_DIR/.slurm: `submit prepare`'s scripts, configs, logs and jobs.jsonl
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 JOBS_FILE = "jobs.jsonl"  # RUN_DIR/slurm/jobs.jsonl: one line per submitted job, read by `hybridtron status`
 DEFAULT_WARNING_S = 300
@@ -69,6 +71,10 @@ def add_arguments(sp) -> None:
     g.add_argument("--chain", type=int, default=1, metavar="N",
                    help="submit N jobs, each starting when the previous one ends (afterany), each resuming the run")
     g.add_argument("--dependency", default=None, help="sbatch --dependency of the (first) job, e.g. afterok:123")
+    g = sp.add_argument_group("submit prepare (tokenize across nodes; docs/data.md)")
+    g.add_argument("--array", type=int, default=None, metavar="N",
+                   help="`submit prepare`: N array tasks of one node each (default: one job of --nodes nodes, a task "
+                        "on each)")
     g = sp.add_argument_group("script")
     g.add_argument("--template", default=None, help=f"your own sbatch template (default {TEMPLATE})")
     g.add_argument("--dry-run", action="store_true", help="print the script; write and submit nothing")
@@ -404,12 +410,15 @@ def submit(args, out=print) -> list[str]:
 def command_line(args, resubmit: bool = False) -> str:
     """The ``hybridtron submit`` command these arguments came from; ``resubmit``: the one that continues the run
     (absolute run directory, from the same working directory, without chain or dependency)."""
-    parts = ["hybridtron", "submit"]
+    prepare = getattr(args, "what", "train") == "prepare"
+    parts = ["hybridtron", "submit"] + (["prepare"] if prepare else [])
     skip = {"chain", "dependency"} if resubmit else set()
+    if prepare:  # a CPU job; --nodes 1 with --array
+        skip |= {"gpus_per_node", "warning_seconds", "max_restarts"} | ({"nodes"} if args.nodes == 1 else set())
     defaults = {"warning_seconds": DEFAULT_WARNING_S, "chain": 1, "max_restarts": DEFAULT_MAX_RESTARTS}
     for dest in ("config", "run_dir", "nodes", "gpus_per_node", "nproc_per_node", "cpus_per_node", "partition", "time",
                  "account", "qos", "constraint", "job_name", "container_image", "container_mounts", "warning_seconds",
-                 "max_restarts", "chain", "dependency", "template"):
+                 "max_restarts", "chain", "dependency", "template", "array"):
         value = getattr(args, dest, None)
         if value is not None and dest not in skip and defaults.get(dest) != value:
             if dest == "run_dir" and resubmit:
@@ -421,8 +430,145 @@ def command_line(args, resubmit: bool = False) -> str:
 
 
 def cmd_submit(args) -> int:
+    prepare = getattr(args, "what", "train") == "prepare"
     if args.show_template:
-        print(TEMPLATE.read_text(), end="")
+        print((PREPARE_TEMPLATE if prepare else TEMPLATE).read_text(), end="")
         return 0
+    if prepare:
+        submit_prepare(args)
+        return 0
+    if args.array is not None:
+        raise ConfigError("--array is for `hybridtron submit prepare` (tokenizing across nodes); a training job takes "
+                          "--nodes")
     submit(args)
     return 0
+
+
+# ---- submit prepare -----------------------------------------------------------------------------
+def _prepare_checks(args) -> None:
+    if args.array is not None and args.array < 1:
+        raise ConfigError(f"--array {args.array} must be at least 1 (the number of tasks)")
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes {args.nodes} must be at least 1")
+    if args.array is not None and args.nodes != 1:
+        raise ConfigError(f"--array {args.array} with --nodes {args.nodes}: each array task is one node; give one of "
+                          f"them (--array N: N tasks as nodes free up; --nodes N: one job, a task on each node)")
+    for name, default in (("chain", 1), ("container_image", None), ("nproc_per_node", None)):
+        if getattr(args, name) != default:
+            raise ConfigError(f"--{name.replace('_', '-')} is for training jobs; `submit prepare` takes --array or "
+                              f"--nodes, --cpus-per-node and the allocation options")
+    if args.cpus_per_node is not None and args.cpus_per_node < 1:
+        raise ConfigError(f"--cpus-per-node {args.cpus_per_node} must be at least 1")
+    if args.time is not None:
+        parse_time(args.time)
+
+
+def build_prepare_job(args) -> tuple[Path, Path, Path, str, str, list[list[str]]]:
+    """Validate and render `submit prepare`: (data dir, config path, script path, script, config YAML, the sbatch
+    argument lists of its stages, a stage's job id written as {plan} / {tasks})."""
+    from hybridtron.data_pipeline.data_lock import LOCK_FILE
+    from hybridtron.train.run_dir import check_output_dir, resolve_data_dir, resolve_job
+
+    _prepare_checks(args)
+    cfg, run_dir = resolve_job(args)
+    resolve_data_dir(cfg, run_dir)
+    out = Path(cfg.data.out_dir).expanduser().resolve()
+    cfg.data.out_dir = str(out)  # the jobs may start in another working directory's view: absolute
+    check_path(out, "data.out_dir")
+    check_output_dir(out, f"data.out_dir={out}")
+    check_path(Path.cwd(), "the working directory")
+    check_sources(cfg)
+    from hybridtron.dir_lock import probe_holder
+
+    holder = probe_holder(out / LOCK_FILE)
+    if holder is not None and not (args.dependency or args.dry_run):
+        raise ConfigError(f"data.out_dir={out} is being written by another process ({holder}); wait for it to end, "
+                          f"or submit with --dependency afterany:JOB to start after it")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    sdir = out / PREPARE_DIR
+    config_path, script_path, log_dir = sdir / f"prepare-{stamp}.yaml", sdir / f"prepare-{stamp}.sbatch", sdir / "logs"
+    template_path = Path(args.template) if args.template else PREPARE_TEMPLATE
+    try:
+        template = template_path.read_text()
+    except OSError as e:
+        raise ConfigError(f"--template {template_path}: {e.strerror or e}; give a readable file") from None
+    opts = copy.copy(args)
+    opts.gpus_per_node = 0  # tokenizing uses CPUs
+    values = {
+        "template": str(template_path.resolve()),
+        "command": command_line(args),
+        "job_name": args.job_name or f"hx-prepare-{out.name}",
+        "nodes": str(args.nodes),
+        "sbatch_options": "\n".join(f"#SBATCH {o}" for o in sbatch_options(opts)) or "#",
+        "workdir": str(Path.cwd()),
+        "log_dir": str(log_dir),
+        "log_dir_q": shlex.quote(str(log_dir)),
+        "config_q": shlex.quote(str(config_path)),
+        "python_q": shlex.quote(sys.executable),
+    }
+    dep = [f"--dependency={args.dependency}"] if args.dependency else []
+    if args.array is None:  # one job: plan, a task per node, merge
+        stages = [[*dep, str(script_path), "all"]]
+    else:
+        n = args.array
+        stages = [
+            [*dep, "--nodes=1", f"--output={log_dir}/prepare-%j.plan.out", str(script_path), "plan"],
+            # a failed plan cancels what waits for it (kill-on-invalid-dep) instead of leaving it pending forever
+            ["--dependency=afterok:{plan}", "--kill-on-invalid-dep=yes", "--nodes=1", f"--array=0-{n - 1}",
+             f"--output={log_dir}/prepare-%A.task%a.out", str(script_path), "task"],
+            # after every task however it ended: the merge finishes the parts of a task that failed
+            ["--dependency=afterok:{plan},afterany:{tasks}", "--kill-on-invalid-dep=yes", "--nodes=1",
+             f"--output={log_dir}/prepare-%j.merge.out", str(script_path), "merge"],
+        ]
+    return out, config_path, script_path, render(template, values, str(template_path)), cfg.to_yaml(), stages
+
+
+def _shown(arg: str) -> str:
+    """An sbatch argument as a shell line writes it, an earlier stage's job id as its variable."""
+    return f'"{arg.replace("{", "$").replace("}", "")}"' if "{" in arg else shlex.quote(arg)
+
+
+def submit_prepare(args, out=print) -> list[str]:
+    data, config_path, script_path, script, config_yaml, stages = build_prepare_job(args)
+    names = ["job"] if len(stages) == 1 else ["plan", "tasks", "merge"]
+    if args.dry_run:
+        out(script + "\n# submitted with:" + "".join(
+            f"\n# {name}=$(sbatch --parsable {' '.join(_shown(a) for a in argv)})"
+            for name, argv in zip(names, stages, strict=True)))
+        check_partition(args.partition, args.nodes,
+                        note=lambda msg: print(f"hybridtron submit: {msg}", file=sys.stderr))
+        return []
+    sbatch_bin = slurm_binary("sbatch")
+    check_partition(args.partition, args.nodes, note=out)
+    (data / PREPARE_DIR / "logs").mkdir(parents=True, exist_ok=True)
+    config_path.write_text(config_yaml)
+    script_path.write_text(script)
+    script_path.chmod(0o755)
+    ids: dict[str, str] = {}
+    for name, argv in zip(names, stages, strict=True):
+        argv = [a.format(**ids) if "{" in a else a for a in argv]
+        try:
+            res = subprocess.run([sbatch_bin, "--parsable", *argv], capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired:
+            raise SlurmError("sbatch did not answer within 120 s (slurmctld down or unreachable?); check `sinfo`, "
+                             "then submit again") from None
+        if res.returncode != 0:
+            why = " ".join(ln.strip() for ln in (res.stderr or res.stdout).strip().splitlines()) or \
+                f"exit {res.returncode}"
+            done = f" (submitted before it: {', '.join(f'{k} {v}' for k, v in ids.items())}; scancel them)" if ids \
+                else ""
+            raise SlurmError(f"sbatch refused the {name} job: {why}; the script is {script_path}{done}")
+        ids[name] = res.stdout.strip().split(";")[0]
+        with open(data / PREPARE_DIR / JOBS_FILE, "a") as f:
+            f.write(json.dumps({"job_id": ids[name], "stage": name, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                "script": str(script_path), "config": str(config_path),
+                                "array": args.array, "nodes": args.nodes}) + "\n")
+    if len(ids) == 1:
+        out(f"submitted job {ids['job']} (plan, one task on each of {args.nodes} nodes, merge)")
+    else:
+        out(f"submitted jobs: plan {ids['plan']}, tasks {ids['tasks']} (array of {args.array}), merge {ids['merge']}")
+    out(f"data directory: {data}")
+    out(f"script:         {script_path}")
+    out(f"logs:           {data / PREPARE_DIR / 'logs'}/prepare-<job>*.out")
+    out(f"status:         hybridtron status {data}")
+    return list(ids.values())
