@@ -191,8 +191,7 @@ def task_stage(cfg: DataConfig, task: int, tasks: int, log: Callable = print) ->
                 a, b = ranges[k]
                 jobs.append(PartJob(cfg, i, names[i], k, stamps[a:b], fmt, str(out / "tokenizer"), str(directory),
                                     str(out / ".hf_cache"), 1))
-            workers = workers_for(cfg, len(jobs))
-            threads = threads_per_worker(cfg, workers)
+            workers, threads = _task_processes(cfg, len(jobs))
             for j in jobs:
                 j.threads = threads
             log(f"task {task} of {tasks} on {socket.gethostname()} (pid {os.getpid()}): {len(mine)} of "
@@ -204,6 +203,30 @@ def task_stage(cfg: DataConfig, task: int, tasks: int, log: Callable = print) ->
             for fd in locks:
                 os.close(fd)
     return len(jobs)
+
+
+def node_cores() -> int:
+    """The cores this task may use: SLURM's CPUs per task where it says, else this process's CPU affinity (a node
+    shared with other jobs has more cores than are this task's)."""
+    try:
+        return max(1, int(os.environ.get("SLURM_CPUS_PER_TASK", "")))
+    except ValueError:
+        pass
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _task_processes(cfg: DataConfig, n_jobs: int) -> tuple[int, int]:
+    """(worker processes, tokenizer threads each) of a task: data.workers and data.num_workers where set, else the
+    task's cores (node_cores) shared out."""
+    if cfg.workers:
+        workers = workers_for(cfg, n_jobs)
+    else:
+        workers = max(1, min(node_cores(), n_jobs))
+    threads = cfg.num_workers or (threads_per_worker(cfg, workers) if cfg.workers else max(1, node_cores() // workers))
+    return workers, threads
 
 
 def _run_jobs(jobs: list[PartJob], workers: int, threads: int, task: int, tasks: int, log: Callable) -> None:

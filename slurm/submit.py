@@ -153,7 +153,7 @@ def check_layout(cfg, nodes: int, nproc: int, gpus_per_node: int) -> int:
 def check_sources(cfg) -> None:
     """Every data source names something that exists (relative to this directory, the job's too)."""
     for src in cfg.data.sources:
-        if src.path == "stdlib":
+        if src.path == "stdlib" or "://" in src.path:  # a URL: prepare checks it before any work (remote.py)
             continue
         p = Path(src.path).expanduser()
         if not p.exists() and not glob.glob(str(p), recursive=True):

@@ -206,3 +206,13 @@ def test_prepare_on_the_command_line_refuses_while_tasks_write(tmp_path):
     assert res.returncode == 2, res.stderr
     assert "array tasks of a `hybridtron submit prepare`" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert (out / "keep").read_text() == "a task's part"
+
+
+def test_a_task_uses_the_cpus_slurm_gave_it(monkeypatch):
+    from hybridtron.data_pipeline.prepare_tasks import _task_processes
+
+    cfg = stdlib_cfg(Path("unused"))
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")
+    assert _task_processes(cfg, 100) == (6, 1) and _task_processes(cfg, 2) == (2, 3)
+    cfg.workers, cfg.num_workers = 4, 2  # the config's, where set
+    assert _task_processes(cfg, 100) == (4, 2)

@@ -2,7 +2,8 @@
 one task per node (--nodes 2) or by an array of 2 tasks (--array 2), then merged, give a data directory whose
 tokenizer, shards and manifests are byte-identical to a one-process `hybridtron prepare` of the same sources; an
 array task killed with SIGKILL mid-way leaves parts that the merge job finishes, to the same bytes. The commands
-run as users run them, in a subprocess. Without a cluster: tests/data_pipeline/test_prepare_tasks.py."""
+run as users run them, in a subprocess. Without a cluster: the dry runs and refusals here, and
+tests/data_pipeline/test_prepare_tasks.py."""
 
 from __future__ import annotations
 
@@ -17,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
          "PREEMPTED"}
 N_FILES = 14
@@ -26,7 +25,7 @@ N_FILES = 14
 
 def data_args(corpus: Path, out: Path) -> list[str]:
     return ["--data.sources", f"[{{path: {corpus}}}]", "--data.tokenizer.kind", "bpe",
-            "--data.tokenizer.vocab_size", "300", "--data.tokenizer.sample_mb", "0.1", "--data.part_mb", "0.03",
+            "--data.tokenizer.vocab_size", "300", "--data.tokenizer.sample_mb", "0.1", "--data.part_mb", "0.015",
             "--data.workers", "1", "--data.shard_docs", "4", "--data.out_dir", str(out)]
 
 
@@ -85,6 +84,7 @@ def cancel(cluster, ids: list[str]) -> None:
         cluster.run("scancel", *ids)
 
 
+@pytest.mark.slow
 def test_one_task_per_node_writes_the_one_process_bytes(slurm_cluster, corpus, reference, tmp_path):
     data = tmp_path / "data"
     res = cli("submit", "prepare", "--nodes", "2", *data_args(corpus, data))
@@ -97,6 +97,8 @@ def test_one_task_per_node_writes_the_one_process_bytes(slurm_cluster, corpus, r
         assert [k for k in got if got[k] != reference[k]] == []
         text = logs(data)
         assert "task 0 of 2" in text and "task 1 of 2" in text, text  # one on each node
+        n, done = map(int, re.search(r"(\d+) parts of <= [\d.]+ MB, (\d+) done", text).groups())
+        assert n >= 4 and done == n, text  # the tasks did every part; the merge only merged
         assert not list(data.glob("*/.parts")), "the merge removes the parts"
         status = cli("status", str(data))
         assert status.returncode == 0 and "ready:" in status.stdout, status.stdout + status.stderr
@@ -104,11 +106,12 @@ def test_one_task_per_node_writes_the_one_process_bytes(slurm_cluster, corpus, r
         cancel(slurm_cluster, [job])
 
 
+@pytest.mark.slow
 def test_array_task_killed_midway_is_finished_to_the_same_bytes(slurm_cluster, corpus, reference, tmp_path):
     data = tmp_path / "data"
-    # each part then takes over a second, so the kill comes while the task still has parts to do
+    # each part then takes a second more, so the kill comes while the task still has parts to do
     res = cli("submit", "prepare", "--array", "2", *data_args(corpus, data),
-              env={"HYBRIDTRON_TEST_PART_DELAY": "1.5"})
+              env={"HYBRIDTRON_TEST_PART_DELAY": "1.0"})
     assert res.returncode == 0, res.stderr
     m = re.search(r"plan (\d+), tasks (\d+) \(array of 2\), merge (\d+)", res.stdout)
     assert m, res.stdout
@@ -136,3 +139,82 @@ def test_array_task_killed_midway_is_finished_to_the_same_bytes(slurm_cluster, c
         assert data_bytes(data) == reference
     finally:
         cancel(slurm_cluster, [plan, tasks, merge])
+
+
+# ---- without a cluster: the script, and what is refused before sbatch ------------------------------------------
+@pytest.fixture
+def no_cluster(monkeypatch):
+    from hybridtron.slurm import cluster
+
+    monkeypatch.setattr(cluster, "find_binary", lambda name: None)
+
+
+def submit(argv, capsys) -> tuple[int, str, str]:
+    from hybridtron.cli import main
+
+    code = main(["submit", "prepare", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_dry_run_prints_the_script_and_the_three_sbatch_lines_and_writes_nothing(no_cluster, corpus, tmp_path,
+                                                                                  capsys):
+    data = tmp_path / "data"
+    code, script, err = submit(["--array", "16", "--partition", "cpu", "--time", "04:00:00", "--cpus-per-node", "32",
+                                *data_args(corpus, data), "--dry-run"], capsys)
+    assert code == 0, err
+    lines = script.splitlines()
+    for line in ("#SBATCH --partition=cpu", "#SBATCH --time=04:00:00", "#SBATCH --cpus-per-task=32",
+                 f"#SBATCH --output={data}/.slurm/logs/prepare-%j.out"):
+        assert line in lines, line
+    assert not [ln for ln in lines if ln.startswith(("#SBATCH --gpus", "#SBATCH --gres"))]  # tokenizing: CPUs
+    plan = next(ln for ln in lines if ln.startswith("# plan=$(sbatch"))
+    tasks = next(ln for ln in lines if ln.startswith("# tasks=$(sbatch"))
+    merge = next(ln for ln in lines if ln.startswith("# merge=$(sbatch"))
+    assert plan.endswith(" plan)") and "--dependency" not in plan
+    assert '"--dependency=afterok:$plan"' in tasks and "--array=0-15" in tasks and tasks.endswith(" task)")
+    assert '"--dependency=afterok:$plan,afterany:$tasks"' in merge and merge.endswith(" merge)")
+    assert "--stage task --task \"$SLURM_ARRAY_TASK_ID\" --tasks \"$SLURM_ARRAY_TASK_COUNT\"" in script
+    assert "Submitted as:  hybridtron submit prepare --cpus-per-node 32 --partition cpu --time 04:00:00 --array 16" \
+        in script
+    assert not data.exists()
+    path = tmp_path / "prepare.sbatch"
+    path.write_text(script)
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_nodes_is_one_job_with_a_task_per_node(no_cluster, corpus, tmp_path, capsys):
+    code, script, err = submit(["--nodes", "4", *data_args(corpus, tmp_path / "d"), "--dry-run"], capsys)
+    assert code == 0, err
+    assert "#SBATCH --nodes=4" in script.splitlines()
+    assert '--stage task --task "$SLURM_PROCID" --tasks "$SLURM_NTASKS"' in script
+    assert [ln for ln in script.splitlines() if ln.startswith("# job=$(sbatch")][0].endswith(" all)")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--array", "0"], "--array 0 must be at least 1"),
+    (["--array", "2", "--nodes", "2"], "each array task is one node; give one of them"),
+    (["--chain", "2"], "--chain is for training jobs"),
+    (["--time", "soon"], "--time 'soon' is not a SLURM time limit"),
+    (["--data.sources", "[{path: /no/such/corpus}]"], "data source '/no/such/corpus' matches no file"),
+])
+def test_bad_prepare_submissions_are_refused_in_one_line(no_cluster, argv, message, tmp_path, capsys):
+    code, _out, err = submit(["--data.out_dir", str(tmp_path / "d"), "--dry-run", *argv], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "d").exists()
+
+
+def test_array_is_refused_for_a_training_job(no_cluster, tmp_path, capsys):
+    from hybridtron.cli import main
+
+    assert main(["submit", "--run-dir", str(tmp_path / "r"), "--array", "4", "--dry-run"]) == 2
+    assert "--array is for `hybridtron submit prepare`" in capsys.readouterr().err
+
+
+def test_show_template_of_prepare(capsys):
+    from hybridtron.cli import main
+    from hybridtron.slurm.submit import PREPARE_TEMPLATE
+
+    assert main(["submit", "prepare", "--show-template"]) == 0
+    assert capsys.readouterr().out == PREPARE_TEMPLATE.read_text()
