@@ -359,7 +359,7 @@ def format_data_status(s: dict) -> str:
     if p:
         text = f"{p['parts_done']} of {p['parts']} parts, {size(p['bytes_done'])} of {size(p['bytes'])}"
         if p["mb_s"] is not None:
-            text += (f", {p['mb_s']:.2f} MB/s, {p['tokens_s']:,.0f} tokens/s over {duration(p['elapsed_s'])}")
+            text += (f", {size(p['mb_s'] * 1e6)}/s, {p['tokens_s']:,.0f} tokens/s over {duration(p['elapsed_s'])}")
         if p["parts_done"] == p["parts"]:
             text += "; all parts done: the merge writes the shards (or run `hybridtron prepare` to merge)"
         elif p["eta_s"] is not None:

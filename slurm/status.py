@@ -231,6 +231,13 @@ def collect_data(path: Path) -> dict:
     s["jobs"] = [{"job_id": j["job_id"], "stage": j.get("stage"), **query_job(j["job_id"])} for j in jobs[-3:]]
     for j in s["jobs"]:
         j["line"] = _job_line(j)
+        if j.get("stage") == "tasks":  # an array: its tasks' states, counted (squeue shows the first task alone)
+            res = _run(["squeue", "-h", "-t", "all", "-r", "-j", str(j["job_id"]), "-o", "%T"])
+            states = res.stdout.split() if res is not None and res.returncode == 0 else []
+            if states:
+                count = {st: states.count(st) for st in dict.fromkeys(states)}
+                j["tasks"] = count
+                j["line"] = f"{len(states)} tasks: " + ", ".join(f"{n} {st}" for st, n in count.items())
     return s
 
 

@@ -165,8 +165,8 @@ def test_status_says_parts_done_rates_and_time_left(tmp_path):
     assert (s["parts"]["parts_done"], s["parts"]["parts"]) == (3, 10)
     text = format_data_status(s)
     assert "books     parts 3 of 10 done, 3.00 MB of 10.00 MB, 750,000 tokens" in text, text
-    assert "progress  3 of 10 parts, 3.00 MB of 10.00 MB, 0.10 MB/s, 25,000 tokens/s over 30 s, about 1 min 10 s " \
-           "left" in text, text
+    assert "progress  3 of 10 parts, 3.00 MB of 10.00 MB, 100.00 kB/s, 25,000 tokens/s over 30 s, about 1 min 10 " \
+           "s left" in text, text
     assert data_status(out / "books" / PARTS_DIR, now=1030.0)["parts"] == s["parts"]  # a source's .parts: the same
 
 

@@ -127,6 +127,8 @@ def test_array_task_killed_midway_is_finished_to_the_same_bytes(slurm_cluster, c
         os.kill(pid, signal.SIGKILL)
         mid = cli("status", str(data))  # while the merge has not yet run: parts left, a time estimate
         assert mid.returncode == 0 and re.search(r"parts \d+ of \d+ done", mid.stdout), mid.stdout + mid.stderr
+        assert "plan: COMPLETED" in mid.stdout and re.search(r"tasks: 2 tasks: \d", mid.stdout) and \
+            re.search(r"of \d+ parts, .* tokens/s over", mid.stdout), mid.stdout  # the jobs, the rates
         assert wait_end(slurm_cluster, merge, data) == "COMPLETED", logs(data)
         merged = (data / ".slurm" / "logs" / f"prepare-{merge}.merge.out").read_text()
         n, done = map(int, re.search(r"(\d+) parts of <= [\d.]+ MB, (\d+) done", merged).groups())
