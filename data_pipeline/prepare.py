@@ -41,7 +41,7 @@ from .data_dir import data_dir, describe_recipe, tokenizer_recipe
 from .data_lock import hold_data_dir
 from .encode import encode_documents
 from .errors import DataError, EmptySourceError, SourceChangedError, one_line
-from .parts import PARTS_DIR, PLAN, part_documents, plan_parts, remove_parts, workers_for
+from .parts import PARTS_DIR, PLAN, part_documents, plan_source, remove_parts
 from .progress import Progress
 from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
 from .sources import (
@@ -347,10 +347,13 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
 
     log(f"{name}: tokenizing {len(files)} files ({fmt}) from {src.path}")
     progress = Progress(f"{name}: tokenizing", sum(s[1] for s in stamps), log)
-    ranges = plan_parts([s[1] for s in stamps], cfg.part_mb * 1e6)
-    # parts.py; also with one worker where parts were planned (a `submit prepare` job's plan, an interrupted
-    # parallel prepare): the complete ones are kept, and the shards are the same bytes either way
-    if workers_for(cfg, len(ranges)) > 1 or (out / name / PARTS_DIR / PLAN).is_file():
+    # parts.py, with more than one worker and more than one part; also with one worker where parts were planned (a
+    # `submit prepare` job's plan, an interrupted parallel prepare): the complete ones are kept, and the shards are
+    # the same bytes either way. One worker plans nothing (planning cuts big files: seeks and reads of their footers)
+    planned = (out / name / PARTS_DIR / PLAN).is_file()
+    ranges = plan_source(stamps, fmt, cfg.part_mb * 1e6) if planned or (cfg.workers or os.cpu_count() or 1) > 1 \
+        else []
+    if len(ranges) > 1 or planned:
         report = SourceReport(name, cfg.on_bad_record)
         for ids in part_documents(cfg, i, name, key, digest, stamps, fmt, ranges, out / "tokenizer", out, report,
                                   log, progress):

@@ -47,8 +47,9 @@ from .parts import (
     _init_worker,
     _prepare_parts_dir,
     part_done,
+    part_job,
     parts_plan,
-    plan_parts,
+    plan_source,
     threads_per_worker,
     tokenize_part,
     workers_for,
@@ -74,7 +75,7 @@ def _source_inputs(cfg: DataConfig, i: int, resolved) -> tuple[list, str, str, l
 
     files, fmt = resolved
     stamps = [file_stamp(f) for f in files]
-    ranges = plan_parts([s[1] for s in stamps], cfg.part_mb * 1e6)
+    ranges = plan_source(stamps, fmt, cfg.part_mb * 1e6)
     return stamps, _inputs_digest(stamps), _source_key(cfg, i, fmt), ranges
 
 
@@ -188,8 +189,7 @@ def task_stage(cfg: DataConfig, task: int, tasks: int, log: Callable = print) ->
                     continue
                 _clear_part(directory, k)
                 stamps, fmt, ranges = inputs[i]
-                a, b = ranges[k]
-                jobs.append(PartJob(cfg, i, names[i], k, stamps[a:b], fmt, str(out / "tokenizer"), str(directory),
+                jobs.append(part_job(cfg, i, names[i], k, ranges[k], stamps, fmt, out / "tokenizer", directory,
                                     str(out / ".hf_cache"), 1))
             workers, threads = _task_processes(cfg, len(jobs))
             for j in jobs:
@@ -232,7 +232,7 @@ def _task_processes(cfg: DataConfig, n_jobs: int) -> tuple[int, int]:
 def _run_jobs(jobs: list[PartJob], workers: int, threads: int, task: int, tasks: int, log: Callable) -> None:
     if not jobs:
         return
-    total = sum(s[1] for j in jobs for s in j.stamps)
+    total = sum(j.nbytes for j in jobs)
     t0 = time.monotonic()
     got = {"bytes": 0, "tokens": 0, "parts": 0}
 

@@ -177,11 +177,14 @@ def file_stamp(f: Path | str) -> list:
     return [str(f), st.st_size, st.st_mtime_ns]
 
 
-def file_hash(f: str | Path) -> str:
+def file_hash(f: str | Path, stop=None) -> str | None:
+    """The blake2b of the file's bytes, as the manifests record it; None when ``stop()`` said to give up."""
     h = hashlib.blake2b(digest_size=16)
     try:
         with open_source_file(f) as fh:
             while chunk := fh.read(READ_CHUNK):
+                if stop is not None and stop():
+                    return None
                 h.update(chunk)
     except Exception as e:
         if remote.is_url(f) and not isinstance(e, DataError):
@@ -254,6 +257,32 @@ def _bad(reason: str, where: str, detail: str, n: int = 1) -> dict:
 
 def _file_done(stamp: list, digest: str | None) -> dict:
     return {"text": "", "end": False, "event": json.dumps({"file": [*stamp, digest]})}
+
+
+def _piece_done(lines: int) -> dict:
+    """The end of a piece of a file (parts.py cuts big files), read to its end: the file is not done (no stamp,
+    no digest: the parent hashes the whole file), and ``lines`` is how many lines the piece held."""
+    return {"text": "", "end": False, "event": json.dumps({"piece_lines": lines})}
+
+
+def piece_where(path: str, line: int, start: int) -> str:
+    """A jsonl line's place in a piece that starts at byte ``start`` > 0 of its file: a worker cannot know the lines
+    before it, so the number counts from the piece's start and the parent rebases it (``rebase_where``)."""
+    return f"{path} line +{line} (from byte {start})"
+
+
+def rebase_where(text: str, path: str, start: int, lines_before: int) -> str:
+    """``text`` (a bad record's place, or a message that starts with it) with a piece's relative line number
+    (``piece_where``) made the line number in the whole file."""
+    head = f"{one_line(path)} line +"
+    if not text.startswith(head):
+        return text
+    digits = text[len(head):].split(" ", 1)[0]
+    tail = f" (from byte {start})"
+    rest = text[len(head) + len(digits):]
+    if not digits.isdigit() or not rest.startswith(tail):
+        return text
+    return f"{one_line(path)} line {lines_before + int(digits)}{rest[len(tail):]}"
 
 
 def _skip_file(stamp: list, reason: str, where: str, detail: str, n: int = 1) -> tuple[dict, dict]:
@@ -376,35 +405,45 @@ def _record_rows(obj, where: str, field_name: str, piece_chars: int, max_bytes: 
     yield _piece(prev, True)
 
 
-def _read_jsonl(stamp: list, field_name: str, piece_chars: int, max_bytes: int) -> Iterator[dict]:
-    """One document per line; blank lines are not records. A ``.json`` file holding one array: one per element."""
+def _read_jsonl(stamp: list, field_name: str, piece_chars: int, max_bytes: int,
+                piece: list | None = None) -> Iterator[dict]:
+    """One document per line; blank lines are not records. A ``.json`` file holding one array: one per element.
+    ``piece`` [start, end): only the lines that start in those bytes (start and end are line starts, parts.py)."""
     path = stamp[0]
+    start, end = piece or (0, None)
     h = hashlib.blake2b(digest_size=16)
     with open_source_file(path) as fh:
         head = fh.read(SNIFF_BYTES)
         why = binary_reason(head)
         if why:
-            yield from _skip_file(stamp, "binary_file", path, why)
+            if start == 0:
+                yield from _skip_file(stamp, "binary_file", path, why)
+            else:  # the file's first piece reports it; the parent drops the file's later pieces
+                yield _file_done(stamp, None)
             return
-        fh.seek(0)
-        if head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[") and path.lower().endswith(".json"):
+        fh.seek(start)
+        if piece is None and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[") and path.lower().endswith(".json"):
             yield from _read_json_array(fh, stamp, field_name, piece_chars, max_bytes)
             return
-        n = 0
-        while raw := fh.readline(max_bytes + 1):
+        n, pos = 0, start
+        while (end is None or pos < end) and (raw := fh.readline(max_bytes + 1)):
             n += 1
-            h.update(raw)
-            where = f"{path} line {n}"
+            pos += len(raw)
+            if piece is None:
+                h.update(raw)
+            where = f"{path} line {n}" if start == 0 else piece_where(path, n, start)
             if len(raw) > max_bytes and not raw.endswith(b"\n"):
                 size = len(raw)
                 while rest := fh.readline(READ_CHUNK):  # skip the rest of the line in bounded reads
-                    h.update(rest)
+                    if piece is None:
+                        h.update(rest)
                     size += len(rest)
                     if rest.endswith(b"\n"):
                         break
+                pos += size - len(raw)
                 yield _bad("too_large", where, f"a line of {size:,} bytes, above data.max_record_mb={max_bytes >> 20}")
                 continue
-            if n == 1 and raw.startswith(b"\xef\xbb\xbf"):
+            if n == 1 and start == 0 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]  # a UTF-8 byte order mark
             if not raw.strip():
                 continue
@@ -421,7 +460,7 @@ def _read_jsonl(stamp: list, field_name: str, piece_chars: int, max_bytes: int) 
                 continue
             yield from _record_rows(obj, where, field_name, piece_chars, max_bytes)
         _check_unchanged(fh, stamp)
-    yield _file_done(stamp, h.hexdigest())
+    yield _piece_done(n) if piece is not None else _file_done(stamp, h.hexdigest())
 
 
 def _read_json_array(fh, stamp: list, field_name: str, piece_chars: int, max_bytes: int) -> Iterator[dict]:
@@ -454,16 +493,19 @@ def _read_json_array(fh, stamp: list, field_name: str, piece_chars: int, max_byt
     yield _file_done(stamp, digest)
 
 
-def _read_parquet(stamp: list, field_name: str, piece_chars: int, max_bytes: int) -> Iterator[dict]:
-    """One document per row of the text column, read 64 rows at a time."""
+def _read_parquet(stamp: list, field_name: str, piece_chars: int, max_bytes: int,
+                  piece: list | None = None) -> Iterator[dict]:
+    """One document per row of the text column, read 64 rows at a time; ``piece`` [first, end): only those row
+    groups (parts.py)."""
     if remote.is_url(stamp[0]):  # pyarrow reads the fsspec file object (ranged reads of the footer and columns)
         with remote.open_file(stamp[0]) as fh:
-            yield from _parquet_rows(stamp, fh, field_name, piece_chars, max_bytes)
+            yield from _parquet_rows(stamp, fh, field_name, piece_chars, max_bytes, piece)
     else:
-        yield from _parquet_rows(stamp, None, field_name, piece_chars, max_bytes)
+        yield from _parquet_rows(stamp, None, field_name, piece_chars, max_bytes, piece)
 
 
-def _parquet_rows(stamp: list, fh, field_name: str, piece_chars: int, max_bytes: int) -> Iterator[dict]:
+def _parquet_rows(stamp: list, fh, field_name: str, piece_chars: int, max_bytes: int,
+                  piece: list | None = None) -> Iterator[dict]:
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -491,9 +533,10 @@ def _parquet_rows(stamp: list, fh, field_name: str, piece_chars: int, max_bytes:
             yield _bad("not_string", f"{path} row 0", f"column {field_name!r} holds {t}, not strings", n_rows)
         yield _file_done(stamp, None)
         return
-    row = 0
+    groups = range(*piece) if piece is not None else None
+    row = sum(pf.metadata.row_group(g).num_rows for g in range(piece[0])) if piece is not None else 0
     try:
-        for batch in pf.iter_batches(batch_size=64, columns=[field_name]):
+        for batch in pf.iter_batches(batch_size=64, columns=[field_name], row_groups=groups):
             col = batch.column(0)
             if pa.types.is_dictionary(col.type):
                 col = col.dictionary_decode()
@@ -530,23 +573,26 @@ def _parquet_rows(stamp: list, fh, field_name: str, piece_chars: int, max_bytes:
     else:
         with open(path, "rb") as fh:
             _check_unchanged(fh, stamp)
-    yield _file_done(stamp, file_hash(path))
+    yield _piece_done(0) if piece is not None else _file_done(stamp, file_hash(path))
 
 
 def _read_files(
-    files: list[str], stamps: list[list], fmt: str, text_field: str, piece_chars: int, max_bytes: int, version: int
+    files: list[str], stamps: list[list], fmt: str, text_field: str, piece_chars: int, max_bytes: int, version: int,
+    pieces: list | None = None,
 ) -> Iterator[dict]:
-    """The generator behind the dataset; ``files`` and ``stamps`` are parallel lists (datasets shards them).
-    ``stamps`` and ``version`` are arguments so that they key datasets' Arrow cache."""
-    for stamp in stamps:
+    """The generator behind the dataset; ``files``, ``stamps`` and ``pieces`` are parallel lists (datasets shards
+    them). ``stamps`` and ``version`` are arguments so that they key datasets' Arrow cache. A piece is None (the
+    whole file) or the part of a cut file to read (parts.py): [start, end) bytes of jsonl, row groups of parquet."""
+    for j, stamp in enumerate(stamps):
         path = stamp[0]
+        piece = pieces[j] if pieces is not None else None
         try:
             if fmt == "text":
                 yield from _read_text(stamp, piece_chars, max_bytes)
             elif fmt == "jsonl":
-                yield from _read_jsonl(stamp, text_field, piece_chars, max_bytes)
+                yield from _read_jsonl(stamp, text_field, piece_chars, max_bytes, piece)
             else:
-                yield from _read_parquet(stamp, text_field, piece_chars, max_bytes)
+                yield from _read_parquet(stamp, text_field, piece_chars, max_bytes, piece)
         except DataError:
             raise
         except Exception as e:
@@ -644,8 +690,11 @@ class SourceStream:
         stamps: list[list] | None = None,
         name: str = "",
         piece_chars: int | None = None,
+        pieces: list | None = None,
     ):
         self.src, self.cfg, self.cache_dir = src, cfg, Path(cache_dir)
+        self.pieces = pieces  # per file, None or the piece of it to read (parts.py); None: every file whole
+        self.piece_lines = 0  # lines the pieces read (a jsonl piece's; parts.py rebases the next piece's places)
         self.files, self.fmt = resolved or resolve_files(src)
         self.stamps = stamps if stamps is not None else [file_stamp(f) for f in self.files]
         self.piece_chars = piece_chars or PIECE_CHARS  # read at call time: tests lower it
@@ -669,6 +718,8 @@ class SourceStream:
             "max_bytes": self.cfg.max_record_mb << 20,
             "version": READER_VERSION,
         }
+        if self.pieces is not None:  # only then: the whole files' Arrow cache keeps its key
+            gen_kwargs["pieces"] = self.pieces
         if self.cfg.streaming:
             return datasets.IterableDataset.from_generator(_read_files, gen_kwargs=gen_kwargs)
         features = datasets.Features(
@@ -698,6 +749,9 @@ class SourceStream:
                     yield row["text"], row["end"]
                     continue
                 e = json.loads(ev)
+                if "piece_lines" in e:
+                    self.piece_lines += e["piece_lines"]
+                    continue
                 if "file" in e:
                     report.files.append(e["file"])
                     continue
