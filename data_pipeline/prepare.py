@@ -89,7 +89,10 @@ def _training_texts(cfg: DataConfig, reports: list, log: Callable) -> Iterator[s
     t0 = time.monotonic()
     samples: list = []
     progress = Progress("tokenizer: sampling", cfg.tokenizer.sample_mb * 1e6, log)
-    yield from sample_texts(cfg, reports, lambda n: progress.add(n, docs=1), samples)
+    try:
+        yield from sample_texts(cfg, reports, lambda n: progress.add(n, docs=1), samples)
+    finally:
+        progress.close()
     corpus = sum(s.starts[-1] for s in samples)
     files = sum(len(s.stamps) for s in samples)
     log(f"tokenizer: sampled {size(progress.bytes)} of {size(corpus)} ({progress.docs:,} documents from "
@@ -353,27 +356,30 @@ def _prepare_source(cfg: DataConfig, i: int, name: str, tok: Tokenizer, out: Pat
     planned = (out / name / PARTS_DIR / PLAN).is_file()
     ranges = plan_source(stamps, fmt, cfg.part_mb * 1e6) if planned or (cfg.workers or os.cpu_count() or 1) > 1 \
         else []
-    if len(ranges) > 1 or planned:
-        report = SourceReport(name, cfg.on_bad_record)
-        for ids in part_documents(cfg, i, name, key, digest, stamps, fmt, ranges, out / "tokenizer", out, report,
-                                  log, progress):
-            doc = begin()
-            if doc.parts is not None:
-                doc.parts.append(ids)
-            sink.add(doc)
-            progress.add(docs=1, tokens=len(ids))
-    else:
-        stream = SourceStream(src, cfg, out / ".hf_cache", resolved=(files, fmt), stamps=stamps, name=name)
-        counted = [0]  # files of the stream's report already counted as read
+    try:
+        if len(ranges) > 1 or planned:
+            report = SourceReport(name, cfg.on_bad_record)
+            for ids in part_documents(cfg, i, name, key, digest, stamps, fmt, ranges, out / "tokenizer", out, report,
+                                      log, progress):
+                doc = begin()
+                if doc.parts is not None:
+                    doc.parts.append(ids)
+                sink.add(doc)
+                progress.add(docs=1, tokens=len(ids))
+        else:
+            stream = SourceStream(src, cfg, out / ".hf_cache", resolved=(files, fmt), stamps=stamps, name=name)
+            counted = [0]  # files of the stream's report already counted as read
 
-        def done(doc: _Doc) -> None:
-            sink.add(doc)
-            read = stream.report.files
-            progress.add(sum(f[1] for f in read[counted[0]:]), 1, sum(len(p) for p in doc.parts or ()))
-            counted[0] = len(read)
+            def done(doc: _Doc) -> None:
+                sink.add(doc)
+                read = stream.report.files
+                progress.add(sum(f[1] for f in read[counted[0]:]), 1, sum(len(p) for p in doc.parts or ()))
+                counted[0] = len(read)
 
-        encode_documents(stream, tok, dtype, begin, done, drop)
-        report = stream.report
+            encode_documents(stream, tok, dtype, begin, done, drop)
+            report = stream.report
+    finally:
+        progress.close()  # the bar, where there is one, ends before the lines below
     sink.close()
     report.check(cfg)  # too many malformed records, or no document: stop before marking anything complete
     source = report.to_json()

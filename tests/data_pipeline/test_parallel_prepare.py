@@ -160,7 +160,7 @@ def test_progress_lines_say_how_much_is_done_the_rate_and_the_time_left():
 
     now = [100.0]
     said: list[str] = []
-    p = Progress("text: tokenizing", 3_000_000_000, said.append, every_s=30, clock=lambda: now[0])
+    p = Progress("text: tokenizing", 3_000_000_000, said.append, every_s=30, clock=lambda: now[0], bar=False)
     now[0] += 10
     p.add(100_000_000, docs=1000, tokens=25_000_000)
     assert said == []  # under every_s since the start: no line yet
@@ -175,6 +175,7 @@ def test_prepare_logs_progress_up_to_the_whole_source(workers, corpus, tokenizer
     from hybridtron.data_pipeline import progress
 
     monkeypatch.setattr(progress, "EVERY_S", 0.0)  # a line at every step: the test cannot wait 30 s
+    monkeypatch.setattr(progress, "bar_wanted", lambda: False)  # lines, also under `pytest -s` in a terminal
     said: list[str] = []
     prepare_data(_cfg(corpus, tmp_path / "out", tokenizer_json, workers=workers, part_mb=PART_MB,
                       sources=[SourceConfig(path=str(corpus / "text"))]), log=said.append)
