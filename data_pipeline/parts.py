@@ -185,7 +185,7 @@ class PartJob:
     cache_dir: str
     threads: int
     piece: list | None = None  # a cut file's piece: [lo, hi) (plan_source), None: the whole files
-    nbytes: int = 0  # the source's bytes the part reads
+    nbytes: int | None = None  # the source's bytes the part reads (None: its files' sizes)
 
 
 def part_job(cfg: DataConfig, i: int, name: str, k: int, part, stamps: list, fmt: str, tokenizer_dir, directory,
@@ -257,7 +257,7 @@ def tokenize_part(job: PartJob) -> dict:
     # bytes, started, finished: for `hybridtron status DATA_DIR` (rates and time left); never read by the merge
     rec = {"index": job.index, "n_docs": len(ends), "n_tokens": total[0], "dtype": dtype.name,
            "files": [s[0] for s in job.stamps], "report": stream.report.to_json(),
-           "bytes": job.nbytes, "started": started, "finished": time.time()}
+           "bytes": sum(s[1] for s in job.stamps) if job.nbytes is None else job.nbytes, "started": started, "finished": time.time()}
     if job.piece is not None:  # lines: the parent rebases the places of the file's next pieces by them
         rec.update(piece=job.piece, lines=stream.piece_lines)
     write_text_atomic(stem.with_suffix(".json"), json.dumps(rec))

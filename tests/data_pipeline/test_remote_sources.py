@@ -332,3 +332,25 @@ def test_missing_s3_object_is_one_line(s3_url, tmp_path):
     url = f"{s3_url[0]}/nothing-here.jsonl"
     with pytest.raises(RemoteSourceError, match=re.escape(f"cannot list {url}: not found")):
         resolve_files(SourceConfig(path=url))
+
+
+def test_http_jsonl_cut_into_pieces_reads_as_the_local_file(corpus, http_url, tmp_path, tokenizer_json):
+    """A remote jsonl file bigger than a part is cut at the same line starts as its local copy (ranged reads), and
+    each piece tokenizes to the local piece's bytes; in this process, as test_http_part_of_a_parallel_prepare."""
+    from hybridtron.data_pipeline.parts import part_job, plan_source, tokenize_part
+    from hybridtron.data_pipeline.sources import file_stamp
+
+    out = {}
+    for side, base in (("local", str(corpus)), ("remote", http_url)):
+        cfg = _cfg(base, tmp_path / side, tokenizer_json)
+        files, fmt = resolve_files(cfg.sources[1])
+        stamps = [file_stamp(f) for f in files]
+        plan = plan_source(stamps, fmt, 200)
+        (tmp_path / side / "parts").mkdir(parents=True)
+        recs = [tokenize_part(part_job(cfg, 1, "records", k, part, stamps, fmt, tokenizer_json.parent,
+                                       tmp_path / side / "parts", tmp_path / side / "cache", 1))
+                for k, part in enumerate(plan)]
+        out[side] = (plan, [(r["n_docs"], r["lines"], r["report"]["skipped"]) for r in recs],
+                     {p.name: p.read_bytes() for p in (tmp_path / side / "parts").iterdir() if p.suffix != ".json"})
+    assert len(out["local"][0]) > 3 and out["remote"] == out["local"]
+    assert sum(n for n, _, _ in out["local"][1]) == len(RECORDS)
