@@ -26,8 +26,9 @@ file order. A piece that starts mid-file numbers its lines from its start (a wor
 it) and counts them; the parent, which takes the pieces in order, adds the lines of the file's earlier pieces to
 the places it reports. A file given up on in a piece (binary, unreadable) is given up on there, as one pass does:
 its later pieces are dropped. A cut file's digest (the manifests' record of the file, for a touched file's check)
-is the hash of the whole file, which the parent computes in a thread while the workers tokenize. A worker that dies (kill -9, out of memory) ends the prepare with one line; the next run redoes only
-the parts that are not complete.
+is the hash of the whole file, which the parent computes in a thread while the workers tokenize. A worker that
+dies (kill -9, out of memory) ends the prepare with one line; the next run redoes only the parts that are not
+complete.
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ def tokenize_part(job: PartJob) -> dict:
     # bytes, started, finished: for `hybridtron status DATA_DIR` (rates and time left); never read by the merge
     rec = {"index": job.index, "n_docs": len(ends), "n_tokens": total[0], "dtype": dtype.name,
            "files": [s[0] for s in job.stamps], "report": stream.report.to_json(),
-           "bytes": sum(s[1] for s in job.stamps) if job.nbytes is None else job.nbytes, "started": started, "finished": time.time()}
+           "bytes": sum(s[1] for s in job.stamps) if job.nbytes is None else job.nbytes, "started": started,
+           "finished": time.time()}
     if job.piece is not None:  # lines: the parent rebases the places of the file's next pieces by them
         rec.update(piece=job.piece, lines=stream.piece_lines)
     write_text_atomic(stem.with_suffix(".json"), json.dumps(rec))
