@@ -21,10 +21,10 @@ from .test_data_parallel import (
     assert_same_steps,
     assert_same_weights,
     dump_grads,
+    ranks,
     resume_from_step_2,
     rolled_back,
     steps,
-    torchrun,
 )
 
 # Two layers of the hybrid model (a Gated DeltaNet layer, then attention) over packed documents: under context
@@ -76,7 +76,7 @@ def trained(small_data_dir, small_argv, tmp_path_factory):
             assert main(small_argv(small_data_dir, run, extra)) == 0
         else:
             nproc, extra, model, _ = LAYOUTS[name]
-            res = torchrun(small_argv(small_data_dir, run, [*STEPS, *extra, *dump_grads(GRADS[model])]), nproc=nproc)
+            res = ranks(small_argv(small_data_dir, run, [*STEPS, *extra, *dump_grads(GRADS[model])]), nproc=nproc)
             assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
             (run / "stdout.log").write_text(res.stdout + res.stderr)
         done[name] = run

@@ -28,6 +28,8 @@ from hybridtron.train.checkpoint import SHARDED, CheckpointManager, verify_manif
 from hybridtron.train.metrics import read_metrics
 from hybridtron.train.model_hooks import structure_for_step
 
+from . import forked_ranks
+
 pytestmark = pytest.mark.slow
 
 STEPS = ["--train.max_steps", "4", "--checkpoint.every", "2", "--train.eval_every", "0",
@@ -98,6 +100,12 @@ def assert_same_grads(run, ref) -> None:
                                    msg=lambda m, k=k: f"{k}: {m}")
 
 
+def ranks(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node nproc -m hybridtron.cli *argv`` for the layout checks: the ranks forked from a warm
+    interpreter (forked_ranks.py; a third of torchrun's CPU), with the environment torchrun gives them."""
+    return forked_ranks.run(argv, nproc)
+
+
 def torchrun(argv: list[str], nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -138,16 +146,16 @@ def assert_same_weights(run, ref, step: int = 4) -> dict[str, torch.Tensor]:
 
 
 def train_runs(root, argv_for, singles: dict[str, list[str]], layouts: dict[str, tuple]) -> dict:
-    """One-process runs (name: extra arguments) and torchrun runs (name: (processes, extra arguments, ...)) under
-    ``root``; ``argv_for(run_dir, extra)`` makes the command line. Returns name -> run directory, and
-    name + ".log" -> a torchrun run's output."""
+    """One-process runs (name: extra arguments) and multi-process runs (name: (processes, extra arguments, ...);
+    their ranks forked from a warm interpreter, forked_ranks.py) under ``root``; ``argv_for(run_dir, extra)`` makes
+    the command line. Returns name -> run directory, and name + ".log" -> a multi-process run's output."""
     out = {}
     for name, extra in singles.items():
         out[name] = root / name
         assert main(argv_for(out[name], extra)) == 0
     for name, (nproc, extra, *_rest) in layouts.items():
         out[name] = root / name
-        res = torchrun(argv_for(out[name], extra), nproc=nproc)
+        res = ranks(argv_for(out[name], extra), nproc=nproc)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         out[name + ".log"] = res.stdout + res.stderr
     return out
@@ -176,8 +184,8 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
                         ("ddp_guided", [*LAYOUTS["ddp"], *GUIDED])):
         out[name] = root / name
         extra = [*extra, *HEADWISE] if name.endswith("headwise") else extra
-        res = torchrun(small_argv(small_data_dir, out[name], [*STEPS, *extra, *dump_grads(variant(name))]),
-                       nproc=NPROC.get(name, 2))
+        res = ranks(small_argv(small_data_dir, out[name], [*STEPS, *extra, *dump_grads(variant(name))]),
+                    nproc=NPROC.get(name, 2))
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         out[name + ".log"] = res.stdout + res.stderr
     return out
@@ -286,7 +294,7 @@ def resume_from_step_2(argv: list[str], one_process: bool, nproc: int = 2) -> No
     if one_process:
         assert main(argv) == 0
     else:
-        res = torchrun(argv, nproc=nproc)
+        res = ranks(argv, nproc=nproc)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         assert "resumed from" in res.stdout and "step 2" in res.stdout
 
@@ -298,7 +306,7 @@ def test_tp2_run_stopped_midway_resumes_at_zero3_and_at_one_process(small_data_d
     ref = tmp_path / "ref"  # not the module's runs: this test alone trains 4 runs, not 20
     assert main(small_argv(small_data_dir, ref, [*STEPS, "--train.grad_accum_steps", "2"])) == 0
     first = tmp_path / "tp2"
-    res = torchrun(small_argv(small_data_dir, first, [*STEPS, *LAYOUTS["tp2"], "--train.exit_interval", "2"]))
+    res = ranks(small_argv(small_data_dir, first, [*STEPS, *LAYOUTS["tp2"], "--train.exit_interval", "2"]))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "stopped at step 2/4 (exit_interval)" in res.stdout
     assert CheckpointManager(first).latest().name == "step_00000002"

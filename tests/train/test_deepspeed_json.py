@@ -19,7 +19,7 @@ from hybridtron.cli import main
 from hybridtron.configs import ConfigError, load_config
 from hybridtron.train.parallel.deepspeed_engine import EFFECTIVE, deepspeed_config
 
-from .test_data_parallel import STEPS, assert_same_steps, assert_same_weights, steps, torchrun
+from .test_data_parallel import STEPS, assert_same_steps, assert_same_weights, ranks, steps
 
 CPU = torch.device("cpu")
 DS = [("parallel.engine", "deepspeed"), ("parallel.zero_stage", "2")]
@@ -98,7 +98,7 @@ def test_a_users_json_trains_on_two_processes_like_one_process(small_data_dir, s
         "optimizer": {"type": "AdamW", "params": {"lr": t.lr, "betas": [t.beta1, t.beta2], "weight_decay": "auto"}}}))
     single, ds = tmp_path / "single", tmp_path / "ds"
     assert main(small_argv(small_data_dir, single, [*STEPS, "--train.grad_accum_steps", "2"])) == 0
-    res = torchrun(small_argv(small_data_dir, ds, [*STEPS, "--parallel.engine", "deepspeed",
+    res = ranks(small_argv(small_data_dir, ds, [*STEPS, "--parallel.engine", "deepspeed",
                                                    "--parallel.zero_stage", "2", "--parallel.deepspeed_config",
                                                    str(user)]))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -23,7 +23,7 @@ from hybridtron.train.parallel import fp8  # noqa: E402
 from hybridtron.train.parallel.layout import Layout  # noqa: E402
 from hybridtron.train.parallel.mesh import Mesh  # noqa: E402
 
-from .test_data_parallel import torchrun  # noqa: E402
+from .test_data_parallel import ranks  # noqa: E402
 
 RUN = ["--train.max_steps", "20", "--checkpoint.every", "10", "--train.eval_every", "0", "--train.warmup_steps", "2",
        "--train.micro_batch_size", "4"]
@@ -207,7 +207,7 @@ def test_fsdp2_fp8_all_gather_at_two_ranks(small_data_dir, small_argv, tmp_path,
     scales are precomputed after each step; its loss tracks the one-process run without FP8."""
     monkeypatch.setenv(backend.FP8_EMULATE_ENV, "1")
     run = tmp_path / "zero3"
-    res = torchrun(small_argv(small_data_dir, run, [*RUN, "--train.micro_batch_size", "2", "--train.fp8",
+    res = ranks(small_argv(small_data_dir, run, [*RUN, "--train.micro_batch_size", "2", "--train.fp8",
                                                     "tensorwise", "--parallel.zero_stage", "3"]))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "FP8 all-gather in FSDP2" in res.stdout + res.stderr
@@ -244,7 +244,7 @@ def test_tensor_parallel_fp8_at_two_ranks(small_data_dir, small_argv, tmp_path, 
     move float8 tensors: gloo has no float8 types, "Invalid scalar type", so that pairing runs on NCCL only.)"""
     monkeypatch.setenv(backend.FP8_EMULATE_ENV, "1")
     run = tmp_path / "tp2"
-    res = torchrun(small_argv(small_data_dir, run, [*RUN, "--train.fp8", "rowwise", "--parallel.tp", "2"]))
+    res = ranks(small_argv(small_data_dir, run, [*RUN, "--train.fp8", "rowwise", "--parallel.tp", "2"]))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "linears converted" in res.stdout + res.stderr
     assert _losses(run) == pytest.approx(_losses(runs["none"]), rel=0.005)

@@ -20,9 +20,9 @@ from .test_data_parallel import (
     assert_same_steps,
     assert_same_weights,
     dump_grads,
+    ranks,
     rolled_back,
     steps,
-    torchrun,
 )
 
 HSDP = ["--parallel.zero_stage", "3", "--parallel.dp_shard", "2"]
@@ -35,12 +35,12 @@ def runs(small_data_dir, small_argv, tmp_path_factory):
     root = tmp_path_factory.mktemp("hsdp")
     out = {"single": root / "single", "hsdp": root / "hsdp"}
     assert main(small_argv(small_data_dir, out["single"], [*STEPS, "--train.grad_accum_steps", "4", *dump_grads()])) == 0
-    res = torchrun(small_argv(small_data_dir, out["hsdp"], [*STEPS, *HSDP, *dump_grads()]), nproc=4)
+    res = ranks(small_argv(small_data_dir, out["hsdp"], [*STEPS, *HSDP, *dump_grads()]), nproc=4)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out["hsdp.log"] = res.stdout + res.stderr
     # 2 micro-batches of 2 per rank: the cross-group all-reduce waits for the last one (set_requires_all_reduce)
     out["hsdp_accum"] = root / "hsdp_accum"
-    res = torchrun(small_argv(small_data_dir, out["hsdp_accum"], [*STEPS, *HSDP, "--train.micro_batch_size", "2",
+    res = ranks(small_argv(small_data_dir, out["hsdp_accum"], [*STEPS, *HSDP, "--train.micro_batch_size", "2",
                                                                  "--train.grad_accum_steps", "2", *dump_grads()]),
                    nproc=4)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -82,7 +82,7 @@ def test_checkpoint_resumes_across_hybrid_sharding(src, dst, runs, small_data_di
     if nproc == 1:
         assert main(argv) == 0
     else:
-        res = torchrun(argv, nproc=nproc)
+        res = ranks(argv, nproc=nproc)
         assert res.returncode == 0 and "resumed from" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
     assert_same_steps(steps(run), steps(runs["single"]))
 

@@ -11,7 +11,7 @@ import pytest
 
 from hybridtron.cli import main
 
-from .test_data_parallel import assert_same_grads, assert_same_steps, dump_grads, steps, torchrun
+from .test_data_parallel import assert_same_grads, assert_same_steps, dump_grads, ranks, steps
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def test_uneven_labels_train_alike_at_every_layout(layout, single):
     if nproc == 1:
         assert main(_argv(single / "data", run, extra)) == 0
     else:
-        res = torchrun(_argv(single / "data", run, extra), nproc=nproc)
+        res = ranks(_argv(single / "data", run, extra), nproc=nproc)
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert_same_steps(steps(run), steps(single / "single"))
     assert_same_grads(run, single / "single")
