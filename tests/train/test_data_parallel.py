@@ -1,4 +1,5 @@
-"""Data and tensor parallel on the CPU for real: `torchrun` starts two (or four) processes with the gloo backend.
+"""Data and tensor parallel on the CPU for real: two (or four) processes with the gloo backend, started as torchrun
+starts them (forked from one warm interpreter, forked_ranks.py; the kill tests use torchrun itself).
 
 Each layout (DDP, FSDP2 as ZeRO-2 and ZeRO-3, MoE under DDP, under DDP a self-guided structured FFN whose
 guide weights leave the model mid-run, tensor parallel tp2 (tied and untied output, elementwise and headwise
