@@ -74,34 +74,46 @@ def hold_data_dir(out: Path, is_main: bool | None = None, warn: Callable[[str], 
         lock.release()
 
 
-def _no_tasks(path: Path, patience_s: float) -> bool:
-    """Whether no array task holds the tasks' file ``path`` (waiting up to ``patience_s``); a free one is removed,
-    under an exclusive lock: a task that opened it meanwhile then finds ``.prepare.lock`` held and stands back."""
+def _flock_patiently(path: Path, mode: int, patience_s: float, create: bool) -> tuple[int | None, str]:
+    """Open ``path`` (created when ``create``) and ``flock(mode)`` it, trying for up to ``patience_s``: (descriptor,
+    "held"), or (None, why): "busy" (others hold it), "missing" (no such file, not ``create``), "unsupported" (the
+    file system cannot lock)."""
     deadline = time.monotonic() + patience_s
+    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_CLOEXEC
     while True:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, flags, 0o644)
         except FileNotFoundError:
-            return True
+            if create:  # its directory is missing: the caller's error
+                raise
+            return None, "missing"
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return fd, "held"
         except BlockingIOError:
             os.close(fd)
             if time.monotonic() >= deadline:
-                return False
+                return None, "busy"
             time.sleep(0.05)
-            continue
         except OSError as e:
             os.close(fd)
             if e.errno in dir_lock.UNSUPPORTED:
-                return True
+                return None, "unsupported"
             raise
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        os.close(fd)
-        return True
+
+
+def _no_tasks(path: Path, patience_s: float) -> bool:
+    """Whether no array task holds the tasks' file ``path`` (waiting up to ``patience_s``); a free one is removed,
+    under an exclusive lock: a task that opened it meanwhile then finds ``.prepare.lock`` held and stands back."""
+    fd, why = _flock_patiently(path, fcntl.LOCK_EX, patience_s, create=False)
+    if fd is None:
+        return why != "busy"
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    os.close(fd)
+    return True
 
 
 def flock_path(path: Path, mode: int, patience_s: float = 0.0) -> int | None:
@@ -111,20 +123,9 @@ def flock_path(path: Path, mode: int, patience_s: float = 0.0) -> int | None:
     always on the file the path names."""
     deadline = time.monotonic() + patience_s
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.05)
-            continue
-        except OSError as e:
-            os.close(fd)
-            if e.errno in dir_lock.UNSUPPORTED:
-                return UNLOCKED
-            raise
+        fd, why = _flock_patiently(path, mode, max(0.0, deadline - time.monotonic()), create=True)
+        if fd is None:
+            return None if why == "busy" else UNLOCKED
         try:
             same = os.path.samestat(os.fstat(fd), os.stat(path))
         except FileNotFoundError:
