@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,6 +222,25 @@ def _init_worker(threads: int) -> None:
     os.environ["RAYON_NUM_THREADS"] = str(threads)
 
 
+@contextmanager
+def worker_pool(workers: int, threads: int) -> Iterator[ProcessPoolExecutor]:
+    """``workers`` tokenizing processes of ``threads`` tokenizer threads each, started fresh (spawn, not fork: the
+    parent's tokenizer threads and open files stay its own). On an error, a full disk or an interrupt they are killed
+    at once, not after their parts."""
+    import multiprocessing
+
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(threads,))
+    try:
+        yield pool
+    except BaseException:
+        for proc in list(getattr(pool, "_processes", {}).values()):
+            proc.kill()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def tokenize_part(job: PartJob) -> dict:
     """In a worker: the part's documents into part-NNNNN.{bin,idx}, then its .json. Returns the record."""
     from .encode import encode_documents
@@ -349,6 +369,12 @@ class _Hasher:
     def stop(self) -> None:
         self.stopped = True
 
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
 
 class _CutFile:
     """The merge's state of a cut file: the lines of its pieces merged so far, and whether one gave up on it."""
@@ -381,14 +407,10 @@ def part_documents(cfg: DataConfig, i: int, name: str, key: str, digest: str, st
     log(f"{name}: {len(ranges)} parts of <= {cfg.part_mb:g} MB"
         + (f" ({cut} of them pieces of {len({r[0] for r in ranges if len(r) > 2})} big files)" if cut else "")
         + f", {len(done)} done; {workers} worker processes x {threads} tokenizer threads")
-    import multiprocessing
-
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(threads,))
     hasher = _Hasher(list(dict.fromkeys(stamps[r[0]][0] for r in ranges if len(r) > 2)))
     files: dict[int, _CutFile] = {}
     futures: dict[int, Future] = {}
-    try:
+    with worker_pool(workers, threads) as pool, hasher:  # the hasher stops, then the workers
         for k in todo:
             futures[k] = pool.submit(tokenize_part, part_job(cfg, i, name, k, ranges[k], stamps, fmt, tokenizer_dir,
                                                              directory, out / ".hf_cache", threads))
@@ -433,13 +455,6 @@ def part_documents(cfg: DataConfig, i: int, name: str, key: str, digest: str, st
                 start = end
             if progress is not None:
                 progress.add(part_bytes(part, stamps))
-    except BaseException:  # an error, a full disk, an interrupt: the workers stop now, not after their parts
-        for proc in list(getattr(pool, "_processes", {}).values()):
-            proc.kill()
-        raise
-    finally:
-        hasher.stop()
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def remove_parts(out: Path, name: str) -> None:

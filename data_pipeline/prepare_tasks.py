@@ -30,7 +30,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import as_completed
 from pathlib import Path
 
 from hybridtron.configs.job import DataConfig
@@ -52,6 +52,7 @@ from .parts import (
     plan_source,
     threads_per_worker,
     tokenize_part,
+    worker_pool,
     workers_for,
 )
 from .progress import duration, size
@@ -252,20 +253,10 @@ def _run_jobs(jobs: list[PartJob], workers: int, threads: int, task: int, tasks:
         for j in jobs:
             report({**tokenize_part(j), "source": j.name})
         return
-    import multiprocessing
-
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_init_worker, initargs=(threads,))
-    try:
+    with worker_pool(workers, threads) as pool:
         futures = {pool.submit(tokenize_part, j): j for j in jobs}
         for f in as_completed(futures):
             report({**f.result(), "source": futures[f].name})
-    except BaseException:
-        for proc in list(getattr(pool, "_processes", {}).values()):
-            proc.kill()
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
 
 
 # ---- hybridtron status DATA_DIR -----------------------------------------------------------------
