@@ -110,6 +110,11 @@ def forced(choices: dict[str, str], device_type: str):
         _forced.update(saved)
 
 
+def forced_choice(op: str, device_type: str) -> str | None:
+    """The backend `forced` holds for ``op`` on ``device_type`` now, or None."""
+    return _forced.get((op, device_type))
+
+
 def _constant_under_compile(fn):
     """What ``torch.compiler.assume_constant_result`` does (torch 2.13: it sets this mark), without importing
     torch._dynamo when this module is imported: that import costs ~3.5 s of CPU in every process (every rank,

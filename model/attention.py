@@ -156,7 +156,7 @@ class GatedAttention(nn.Module):
                 doc_ids_from_mask(attn_mask) if attn_mask is not None else None)))
 
         if self.context_parallel is not None and cache is None:  # x is one piece of the sequence: ring attention
-            out = self.context_parallel.attention(q, k, v, doc_ids)  # over all pieces' keys and values
+            out = self.context_parallel.attention(q, k, v, doc_ids, self.kernel_backend)  # all pieces' keys
         else:
             docs = doc_ids is not None or attn_mask is not None  # decoding (a cache) runs SDPA: nothing to measure
             shape = attention_shape(q, k, v, self.gate, docs) if cache is None else None

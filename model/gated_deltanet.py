@@ -94,13 +94,10 @@ class GatedDeltaNet(nn.Module):
         mixed = self.in_proj_qkv(x)  # (B, T, conv_dim)
         past = None if cache is None else cache.get("conv_state")
         cp = self.context_parallel if cache is None else None  # x is one piece of each sequence
-        if cp is not None:  # the convolution window reaches into the previous piece
+        if cp is not None:  # the convolution window reaches into the chunk before each of the rank's two
             K = self.conv1d.kernel_size[0]
-            halo, halo_ids, zero = cp.conv_halo(mixed, doc_ids, K - 1)
-            ids = None if doc_ids is None else torch.cat([halo_ids, doc_ids], dim=1)
-            conv_out = F.silu(causal_conv(torch.cat([halo, mixed], dim=1), self.conv1d.weight, ids)[:, K - 1:])
-            if zero is not None:  # carries the gradient of this piece's tail back from the next rank
-                conv_out = conv_out + zero.to(conv_out.dtype)
+            x2, ids = cp.conv_input(mixed, doc_ids, K - 1)
+            conv_out = cp.unstack(F.silu(causal_conv(x2, self.conv1d.weight, ids)[:, K - 1:]))
         else:
             conv_out = short_conv(mixed, self.conv1d.weight, doc_ids, past, backend=self.conv_backend)
         if cache is not None:
@@ -128,10 +125,8 @@ class GatedDeltaNet(nn.Module):
         rule = functools.partial(gated_delta_rule, chunk_size=self.chunk_size, backend=self.delta_rule_backend,
                                  algo="recurrent" if self.algo == "recurrent" or (cache is not None and T == 1)
                                  else "chunked")
-        if cp is not None:  # the state comes from the previous piece and goes on to the next
-            if resets is not None:
-                resets[:, 0] = cp.first_is_doc_start(doc_ids)
-            o = cp.delta_rule(rule, q, k, v, g, beta, resets)
+        if cp is not None:  # the state comes from the chunks before and goes on to the ones after
+            o = cp.delta_rule(rule, q, k, v, g, beta, None if doc_ids is None else cp.chunk_resets(doc_ids))
         else:
             o, state = rule(q, k, v, g, beta, resets=resets, initial_state=state, output_final_state=cache is not None)
         if cache is not None:

@@ -171,11 +171,13 @@ class GatedLM(nn.Module):
         (train/step.py)."""
         T = input_ids.shape[1]
         start = 0 if cache is None else cache.pos
-        if self.context_parallel is not None:  # attention builds its own mask over the whole sequence
-            self.context_parallel.begin(doc_ids)
-            start = self.context_parallel.offset(T)
-        cos, sin = self.rotary(start + T)
-        cos, sin = cos[start:], sin[start:]
+        cp = self.context_parallel
+        if cp is not None:  # input_ids are this rank's piece of each sequence: rotary at its global positions
+            cp.begin(doc_ids)
+            cos, sin = (x[cp.positions(T, x.device)] for x in self.rotary(cp.n * T))
+        else:
+            cos, sin = self.rotary(start + T)
+            cos, sin = cos[start:], sin[start:]
         h = self.embed_tokens(input_ids)  # (B, T, d)
         # Documents travel as ids: the fused kernels take their bounds, and only the reference attention
         # builds a (T x T) mask, in the layer that needs it.

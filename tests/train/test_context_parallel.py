@@ -37,15 +37,21 @@ def test_context_layouts_that_cannot_work_are_refused():
 
     assert layout() == 1
     assert layout(world=4) == 2  # dp = 2: gradients averaged over dp x cp = 4 ranks
-    with pytest.raises(ConfigError, match=r"data.seq_len=129 is not divisible by parallel.cp=2"):
-        layout(("data.seq_len", "129"))
+    for seq in ("129", "130"):  # the zig-zag layout cuts sequences into 2 cp chunks
+        with pytest.raises(ConfigError, match=rf"data.seq_len={seq} is not a multiple of 2 x parallel.cp = 4"):
+            layout(("data.seq_len", seq))
+    with pytest.raises(ConfigError, match=r"chunks of 2 positions, fewer than the Gated DeltaNet convolution reads"):
+        layout(("data.seq_len", "8"), ("model.layer_pattern", "LA"), ("model.n_layers", "2"))
+    for backend in ("flex", "flash-attn"):
+        with pytest.raises(ConfigError, match=rf"attention={backend} with parallel.cp=2: ring attention runs its "):
+            layout(("model.kernels.attention", backend))
     with pytest.raises(ConfigError, match=r"parallel.pp=2 with dp x cp = 1 x 2 needs parallel.zero_stage 2 or 3"):
         layout(("parallel.pp", "2"), ("train.grad_accum_steps", "2"), world=4)
     with pytest.raises(ConfigError, match=r"tp=2 with dp x cp = 1 x 2 needs parallel.zero_stage 2 or 3"):
         layout(("parallel.tp", "2"), world=4)
     assert layout(("parallel.tp", "2"), ("parallel.zero_stage", "3"), world=4) == 1
-    with pytest.raises(ConfigError, match=r"pieces of 33 positions, .* multiple of cp x tp = 4"):
-        layout(("parallel.tp", "2"), ("parallel.zero_stage", "3"), ("data.seq_len", "66"), world=4)
+    with pytest.raises(ConfigError, match=r"pieces of 36 positions, .* multiple of cp x tp = 16"):
+        layout(("parallel.tp", "8"), ("parallel.zero_stage", "3"), ("data.seq_len", "72"), world=16)
     with pytest.raises(ConfigError, match=r"parallel.cp > 1 works with parallel.engine=torch only"):
         layout(("parallel.engine", "deepspeed"))
 
@@ -114,3 +120,31 @@ def test_context_parallel_checkpoint_resumes_on_one_process(runs, small_data_dir
     run = rolled_back(runs["cp4_hybrid"], tmp_path / "run")
     resume_from_step_2(small_argv(small_data_dir, run, [*BASE, *HYBRID]), one_process=True)
     assert_same_steps(steps(run), steps(runs["single_hybrid"]))
+
+
+@pytest.mark.slow
+def test_memory_follows_the_tokens_per_rank_not_the_sequence(capfd):
+    """plan --measure at a fixed 256 tokens per rank: cp 2 over 512-token sequences (two gloo processes) holds what
+    one process holds over 256 (ring attention through SDPA's CPU flash kernel keeps q, k, v, the output and the
+    log-sum-exp of its rank's tokens; no block's scores), and the plan predicts it."""
+    import json
+
+    from hybridtron.cli import main
+
+    from .test_data_parallel import torchrun
+
+    small = ["--model.n_layers", "2", "--model.d_model", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+             "--model.kernels.attention", "sdpa", "--model.doc_mask", "false", "--model.max_seq_len", "512"]
+
+    def measured(out):
+        return json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+
+    assert main(["plan", "--config", "tiny", "--measure", "--json", *small, "--data.seq_len", "256"]) == 0
+    one = measured(capfd.readouterr().out)
+    res = torchrun(["plan", "--config", "tiny", "--measure", "--json", *small, "--data.seq_len", "512",
+                    "--parallel.cp", "2"])
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    two = measured(res.stdout)
+    assert two["cp"] == 2 and 0.98 <= two["predicted_over_measured"] <= 1.02, two
+    ratio = two["measured_gib"]["total"] / one["measured_gib"]["total"]
+    assert 0.99 <= ratio <= 1.01, (ratio, one["measured_gib"], two["measured_gib"])

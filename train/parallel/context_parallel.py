@@ -1,17 +1,30 @@
-"""Context parallelism: the ``cp`` ranks of one data-parallel group split every sequence into cp contiguous
-pieces of seq_len / cp positions, and each runs the whole model on its piece.
+"""Context parallelism: the ``cp`` ranks of one data-parallel group split every sequence, and each runs the whole
+model on its piece.
 
-Only the sequence mixers need the other pieces:
+**Layout (zig-zag).** Each sequence is cut into 2 cp chunks of seq_len / (2 cp) positions, and rank r holds chunks r
+and 2 cp - 1 - r, in that order (``local_piece``): under a causal mask the late chunks see the most keys, so pairing
+an early with a late chunk gives every rank the same attention work (with cp contiguous pieces the last rank would
+do cp times the first's). Rotary tables are taken at the chunks' global positions (``positions``).
 
-- **Attention**: ring attention. The key/value blocks of the pieces pass round the ring of cp ranks; each rank
-  scores its queries against every block it holds (causal and document masks at global positions; later
-  pieces skipped) and merges the partial results by their log-sum-exp, and in the backward the blocks go round
-  again carrying their gradients home (``_RingAttention``). Rotary positions are the global ones.
-- **Gated DeltaNet**: the short convolution reads the last conv_size - 1 inputs of the previous piece (sent
-  point to point; the gradient goes back the same way). The delta rule's state is affine in the state a piece
-  starts from, so every rank runs its piece at once and learns that map (one run, ``delta_rule``); the maps
-  are all-gathered, and each rank composes the state its piece starts from and corrects its outputs. A
-  document boundary between two pieces resets the state as it would on one device.
+Only the sequence mixers need the other ranks' chunks:
+
+- **Attention**: ring attention. The key/value blocks pass round the ring of cp ranks (each send overlapped with
+  the step before it); each rank attends with its queries to every block by the attention backend the model chose
+  (``kernels/gated_attention/blocks.py``: torch's fused SDPA kernels, our Triton kernel, or the pure-torch
+  reference), and merges the partial results by their log-sum-exp; in the backward the blocks go round again,
+  carrying their key and value gradients home (``_RingAttention``). Under zig-zag every step is the same work:
+  step 0 the rank's own block (causal), then from an earlier rank its first chunk against all the queries, from a
+  later rank all its keys against the second query chunk (both unmasked: those keys all precede those queries).
+  Documents: a key block that precedes its queries shares at most one document with them, the one its last key is
+  in, whose queries are a prefix of the rank's and whose keys a suffix of the block; so each such step is one
+  unmasked rectangle per batch row (bounds found once per forward, one host sync), and the own block is causal
+  within documents. No block's scores exist outside the kernels.
+- **Gated DeltaNet**: the short convolution reads the last conv_size - 1 inputs of the chunk before each of the
+  rank's chunks (all-gathered: a few positions per chunk; the gradient returns through the gather). The delta
+  rule's state is affine in the state a chunk starts from, so every rank runs its two chunks at once (as a batch of
+  2 B rows) and learns those maps (one run, ``delta_rule``); the maps are all-gathered, and each rank composes, in
+  sequence order, the states its chunks start from and corrects their outputs. A document boundary between two
+  chunks resets the state as it would on one device.
 
 The loss of each rank is the mean over its own positions, so gradients are averaged over dp x cp ranks (the
 data-parallel wrapper runs over both) and the logged loss is the mean over them, which is the one-device loss
@@ -26,56 +39,123 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...kernels.backend import BackendError, forced_choice, resolve
+from ...kernels.gated_attention import blocks
+
+RING = 8  # message tags of ring attention's blocks (RING + i for the i-th tensor passed on)
+
+
+def zigzag(x: torch.Tensor, n: int, r: int, dim: int = 1) -> torch.Tensor:
+    """Rank r's piece of ``x`` along ``dim``: chunks r and 2n - 1 - r of its 2n equal chunks, in that order."""
+    chunks = x.chunk(2 * n, dim=dim)
+    return torch.cat([chunks[r], chunks[2 * n - 1 - r]], dim=dim)
+
 
 def local_piece(batch: dict, mesh) -> dict:
     """This rank's piece of every (B, T) tensor of ``batch`` (all cp ranks read the same batches)."""
     if mesh is None or mesh.cp == 1:
         return batch
-    r, n = mesh.cp_rank, mesh.cp
-    return {k: v.chunk(n, dim=1)[r].contiguous() for k, v in batch.items()}
+    return {k: zigzag(v, mesh.cp, mesh.cp_rank).contiguous() for k, v in batch.items()}
 
 
-HALO, RING = 2, 8  # message tags: the convolution halo; ring attention's blocks (RING + i for the i-th tensor)
+def ring_backend(requested: str, device: torch.device, docs: bool) -> str:
+    """The block backend of ring attention for ``model.kernels.attention``: reference, sdpa and triton as asked;
+    ``auto`` the reference on the CPU, and on CUDA our Triton kernel with documents (bounds, one call) and SDPA's
+    flash kernel without (the faster of the two at D 128 in our H100 measurement of whole attention); flex and
+    flash-attn have no block form here (refused when the config loads)."""
+    held = forced_choice("attention", device.type)  # the planner's fake run: the kernels of the GPU it plans for
+    if held is not None:
+        return held if held in blocks.RING_BACKENDS else "triton"
+    if requested == "auto":
+        if device.type != "cuda":
+            return "reference"
+        requested = "triton" if docs else "sdpa"
+    if requested not in blocks.RING_BACKENDS:
+        raise BackendError(f"model.kernels.attention={requested} has no ring-attention form under context "
+                           f"parallelism; choose one of auto, {', '.join(blocks.RING_BACKENDS)}")
+    if requested != "reference":
+        resolve("attention", requested, device)  # refuses what cannot run here (triton on a CPU without interpreter)
+    return requested
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+class _Documents:
+    """One forward's documents as this rank needs them (``ContextParallel.begin``): the whole sequences'
+    document numbers in sequence order (``canon``, a run of equal ids = one document, numbered 0, 1, ...), each
+    rank's zig-zag piece of them, this rank's as a `blocks.Docs`, and ring attention's rectangles per step."""
+
+    def __init__(self, cp: ContextParallel, doc_ids: torch.Tensor):
+        n, r = cp.n, cp.rank
+        parts = [torch.empty_like(doc_ids) for _ in range(n)]
+        dist.all_gather(parts, doc_ids.contiguous(), group=cp.group)
+        c = doc_ids.shape[1] // 2
+        chunks: list = [None] * (2 * n)
+        for j, part in enumerate(parts):
+            chunks[j], chunks[2 * n - 1 - j] = part[:, :c], part[:, c:]
+        whole = torch.cat(chunks, dim=1)  # (B, T) in sequence order
+        first = torch.zeros_like(whole, dtype=torch.bool)
+        first[:, 1:] = whole[:, 1:] != whole[:, :-1]
+        self.canon = first.long().cumsum(1)
+        self.pieces = [zigzag(self.canon, n, j) for j in range(n)]
+        self.local = blocks.Docs(self.pieces[r])
+        # Step i > 0 attends to the block of rank src = r - i: with documents only the document its last key is in
+        # can reach the queries: (q0, q1, k0, k1) per batch row, counted (its queries a prefix, its keys a suffix).
+        mine, spans = self.pieces[r], []
+        for i in range(1, n):
+            src = (r - i) % n
+            keys = self.pieces[src][:, :c] if src < r else self.pieces[src]
+            last = keys[:, -1:]
+            q_lo = 0 if src < r else c
+            a = (mine[:, q_lo:] == last).sum(1)
+            b = (keys == last).sum(1)
+            spans.append(torch.stack([torch.full_like(a, q_lo), q_lo + a, keys.shape[1] - b,
+                                      torch.full_like(b, keys.shape[1])], dim=1))
+        # (n - 1, B, 4): one host sync per forward. A fake tensor (the planner's) has no values: the rectangles are
+        # then taken whole, as without documents (the most any step of a real run does).
+        self.spans = None if _is_fake(doc_ids) else torch.stack(spans).tolist() if spans else []
 
 
 class ContextParallel:
-    """The hooks the LM and its sequence mixers call under context parallelism (``context_parallel`` attribute).
-
-    The convolution halos form a chain (rank r - 1 -> r forward, r -> r - 1 backward). Every send is
-    non-blocking and only receives wait, so no rank waits on one that is itself waiting, whatever order
-    autograd runs a rank's backward nodes in; the exchanges use a process group of their own."""
+    """The hooks the LM and its sequence mixers call under context parallelism (``context_parallel`` attribute)."""
 
     def __init__(self, group):
         self.group = group
         self.n = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._global = [dist.get_global_rank(group, i) for i in range(self.n)]
-        self._pending: list = []  # (work, tensor) of sends not known to be complete
-        self.whole_ids: torch.Tensor | None = None
+        self.docs: _Documents | None = None
         # A pipeline runs several micro-batches' forwards before their backwards (and recomputation runs a forward
-        # again in the backward): the whole document ids of each piece's doc_ids, by that tensor's identity.
-        self._wholes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # again in the backward): each forward's documents, by its doc_ids tensor's identity.
+        self._docs: dict[int, tuple[torch.Tensor, _Documents]] = {}
 
     # ---- shared -----------------------------------------------------------------------------------------------
     def begin(self, doc_ids: torch.Tensor | None) -> None:
-        """At the start of every forward: the sends of the last step are complete, and the whole sequence's
-        document ids (attention masks, convolution halos and state resets need them) are known."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
-        self.whole_ids = None
+        """At the start of every forward: the whole sequences' documents (attention's rectangles, the convolution
+        halos' ids and the state resets need them)."""
+        self.docs = None
         if doc_ids is not None:
-            parts = [torch.empty_like(doc_ids) for _ in range(self.n)]
-            dist.all_gather(parts, doc_ids.contiguous(), group=self.group)
-            self.whole_ids = torch.cat(parts, dim=1)
-            if len(self._wholes) >= 64:  # a step's micro-batches at most are in flight at once
-                self._wholes.pop(next(iter(self._wholes)))
-            self._wholes[id(doc_ids)] = (doc_ids, self.whole_ids)
+            self.docs = _Documents(self, doc_ids)
+            if len(self._docs) >= 64:  # a step's micro-batches at most are in flight at once
+                self._docs.pop(next(iter(self._docs)))
+            self._docs[id(doc_ids)] = (doc_ids, self.docs)
 
-    def whole(self, doc_ids: torch.Tensor) -> torch.Tensor:
-        """The whole sequences' document ids of which ``doc_ids`` is this rank's piece (seen by ``begin``)."""
-        known = self._wholes.get(id(doc_ids))
-        return known[1] if known is not None and known[0] is doc_ids else self.whole_ids
+    def documents(self, doc_ids: torch.Tensor | None) -> _Documents | None:
+        """The documents of the forward whose piece ``doc_ids`` is (seen by ``begin``)."""
+        if doc_ids is None:
+            return None
+        known = self._docs.get(id(doc_ids))
+        return known[1] if known is not None and known[0] is doc_ids else self.docs
+
+    def positions(self, local_len: int, device=None) -> torch.Tensor:
+        """(local_len,) the global positions of this rank's piece (its two chunks)."""
+        c = local_len // 2
+        a, b = self.rank * c, (2 * self.n - 1 - self.rank) * c
+        return torch.cat([torch.arange(a, a + c, device=device), torch.arange(b, b + c, device=device)])
 
     def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """A count tensor summed over the pieces (MoE expert loads: the balance loss is over whole sequences)."""
@@ -83,224 +163,226 @@ class ContextParallel:
         dist.all_reduce(counts, group=self.group)
         return counts
 
-    def offset(self, local_len: int) -> int:
-        """The global position of this piece's first token."""
-        return self.rank * local_len
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        """(n, *t.shape): every rank's ``t``, differentiable (the backward returns each its gradient)."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
 
-    def _send(self, t: torch.Tensor, to: int, tag: int) -> None:
-        t = t.detach().contiguous()
-        self._pending.append((dist.isend(t, dst=self._global[to], group=self.group, tag=tag), t))
+        return all_gather_tensor_autograd(t.unsqueeze(0).contiguous(), gather_dim=0, group=self.group)
 
-    def _recv(self, like: tuple, frm: int, tag: int) -> torch.Tensor:
-        shape, dtype, device = like
-        t = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(t, src=self._global[frm], group=self.group, tag=tag)
-        return t
+    def _where(self, chunk: int) -> tuple[int, int]:
+        """(rank, slot) holding global chunk ``chunk``."""
+        return (chunk, 0) if chunk < self.n else (2 * self.n - 1 - chunk, 1)
 
-    def from_previous(self, shape, dtype, device, tag: int) -> torch.Tensor:
-        """What the previous rank sent with ``to_next``; its gradient goes back there in the backward."""
-        anchor = torch.zeros((), device=device, requires_grad=torch.is_grad_enabled())  # puts the receive in the graph
-        return _FromPrevious.apply(anchor, self, (tuple(shape), dtype, device), tag)
+    def _mine(self) -> tuple[int, int]:
+        return self.rank, 2 * self.n - 1 - self.rank
 
-    def to_next(self, t: torch.Tensor, tag: int) -> torch.Tensor:
-        """Send ``t`` to the next rank; returns a zero to add to an output, whose backward fetches t's gradient."""
-        return _ToNext.apply(t, self, tag)
+    @staticmethod
+    def stack(x: torch.Tensor) -> torch.Tensor:
+        """(B, 2c, ...) -> (2B, c, ...): the rank's two chunks as batch rows (row 2b + j: chunk j of row b)."""
+        B, t = x.shape[:2]
+        return x.reshape(B * 2, t // 2, *x.shape[2:])
+
+    @staticmethod
+    def unstack(x: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``stack``."""
+        B2, c = x.shape[:2]
+        return x.reshape(B2 // 2, 2 * c, *x.shape[2:])
 
     # ---- attention ---------------------------------------------------------------------------------------------
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None):
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None,
+                  backend: str = "reference"):
         """Ring attention of this piece's queries over every piece's keys and values: (B, t, H, D) q and
         (B, t, KV, D) k, v -> (B, t, H, D), causal at global positions and within documents (``_RingAttention``)."""
-        return _RingAttention.apply(q, k, v, doc_ids, self)
+        docs = self.documents(doc_ids)
+        return _RingAttention.apply(q, k, v, self, ring_backend(backend, q.device, docs is not None), docs)
 
-    def _rotate(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Send ``tensors`` to the next rank of the ring and receive the previous rank's, of the same shapes."""
+    def _start_rotate(self, tensors: list[torch.Tensor], tag: int = RING) -> tuple[list, list[torch.Tensor]]:
+        """Send ``tensors`` to the next rank of the ring and post the receives of the previous rank's, of the same
+        shapes: (requests, receive buffers); ``_finish`` waits."""
         nxt, prv = self._global[(self.rank + 1) % self.n], self._global[(self.rank - 1) % self.n]
-        out = [torch.empty_like(t) for t in tensors]
-        works = [dist.isend(t.contiguous(), dst=nxt, group=self.group, tag=RING + i) for i, t in enumerate(tensors)]
-        works += [dist.irecv(o, src=prv, group=self.group, tag=RING + i) for i, o in enumerate(out)]
+        out = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), nxt, self.group, tag + i) for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, o, prv, self.group, tag + i) for i, o in enumerate(out)]
+        return dist.batch_isend_irecv(ops), out
+
+    @staticmethod
+    def _finish(pending) -> list[torch.Tensor]:
+        works, out = pending
         for w in works:
             w.wait()
         return out
 
-    def _block_mask(self, src: int, t: int, doc_ids: torch.Tensor | None, device) -> torch.Tensor | None:
-        """(B or 1, 1, t, t) bool: which keys of piece ``src`` this piece's queries see; None when none does."""
-        if src > self.rank:  # a later piece: causally invisible
-            return None
-        if src == self.rank:
-            mask = torch.ones(t, t, dtype=torch.bool, device=device).tril()[None, None]
-        else:
-            mask = torch.ones(1, 1, t, t, dtype=torch.bool, device=device)
-        if doc_ids is not None:
-            keys = self.whole(doc_ids)[:, src * t:(src + 1) * t]
-            mask = mask & (doc_ids[:, None, :, None] == keys[:, None, None, :])
-        return mask
+    def _segments(self, step: int, t: int, docs: _Documents | None):
+        """The (rows, q0, q1, k0, k1) rectangles of ring step ``step`` > 0 (rows: a batch slice)."""
+        c = t // 2
+        src = (self.rank - step) % self.n
+        if docs is None or docs.spans is None:
+            yield (slice(None), 0, t, 0, c) if src < self.rank else (slice(None), c, t, 0, t)
+            return
+        for b, (q0, q1, k0, k1) in enumerate(docs.spans[step - 1]):
+            if q1 > q0 and k1 > k0:
+                yield slice(b, b + 1), q0, q1, k0, k1
 
     # ---- Gated DeltaNet ----------------------------------------------------------------------------------------
-    def conv_halo(self, mixed: torch.Tensor, doc_ids: torch.Tensor | None, width: int):
-        """(halo, halo document ids, zero): the previous piece's last ``width`` convolution inputs (zeros on the
-        first rank, whose halo id -1 matches no token) for a causal convolution over [halo | piece], and a zero
-        to add to the convolution's output that carries this piece's tail gradient back from the next rank."""
-        zero = self.to_next(mixed[:, -width:], HALO) if self.rank < self.n - 1 else None
-        if self.rank == 0:
-            halo = torch.zeros_like(mixed[:, :width])
-        else:
-            halo = self.from_previous((mixed.shape[0], width, mixed.shape[2]), mixed.dtype, mixed.device, HALO)
-        halo_ids = None
-        if doc_ids is not None:
-            t = doc_ids.shape[1]
-            halo_ids = (self.whole(doc_ids)[:, self.rank * t - width:self.rank * t] if self.rank
-                        else torch.full_like(doc_ids[:, :width], -1))
-        return halo, halo_ids, zero
+    def conv_input(self, mixed: torch.Tensor, doc_ids: torch.Tensor | None, width: int):
+        """(x, ids): the rank's two chunks as batch rows (``stack``), each after the last ``width`` convolution
+        inputs of the chunk before it in the sequence (zeros before the first chunk, whose halo id -1 matches no
+        token): (2B, width + c, C), and their document numbers (2B, width + c) or None. A causal convolution over
+        it, minus the first ``width`` outputs, is the one-device convolution of the chunks."""
+        B, t, C = mixed.shape
+        c = t // 2
+        tails = self._gather(mixed.view(B, 2, c, C)[:, :, c - width:])  # (n, B, 2, width, C)
+        halos = []
+        for j in self._mine():
+            if j == 0:
+                halos.append(mixed.new_zeros(B, width, C))
+            else:
+                rank, slot = self._where(j - 1)
+                halos.append(tails[rank, :, slot])
+        x = torch.cat([torch.stack(halos, dim=1), mixed.view(B, 2, c, C)], dim=2).view(2 * B, width + c, C)
+        docs = self.documents(doc_ids)
+        if docs is None:
+            return x, None
+        ids = []
+        for j in self._mine():
+            ids.append(torch.full_like(docs.canon[:, :width], -1) if j == 0
+                       else docs.canon[:, j * c - width:j * c])
+            ids[-1] = torch.cat([ids[-1], docs.canon[:, j * c:(j + 1) * c]], dim=1)
+        return x, torch.stack(ids, dim=1).view(2 * B, width + c)
 
-    def first_is_doc_start(self, doc_ids: torch.Tensor) -> torch.Tensor:
-        """(B,) True where this piece's first token starts a document the previous piece did not end in."""
-        if self.rank == 0:
-            return torch.zeros(doc_ids.shape[0], dtype=torch.bool, device=doc_ids.device)
-        return doc_ids[:, 0] != self.whole(doc_ids)[:, self.rank * doc_ids.shape[1] - 1]
+    def chunk_resets(self, doc_ids: torch.Tensor) -> torch.Tensor:
+        """(2B, c) bool, in ``stack``'s rows: where a document starts in each of the rank's chunks, its first
+        token included when the chunk before it ended another document."""
+        canon = self.documents(doc_ids).canon
+        c = doc_ids.shape[1] // 2
+        rows = []
+        for j in self._mine():
+            piece = canon[:, j * c:(j + 1) * c]
+            prev = canon[:, j * c - 1:j * c] if j else piece[:, :1]
+            rows.append(torch.cat([prev, piece], dim=1).diff(dim=1) != 0)
+        return torch.stack(rows, dim=1).view(-1, c)
 
     def delta_rule(self, fn, q, k, v, g, beta, resets, **kw):
-        """``fn`` (a delta rule: reference or kernel) on this piece as if the pieces before it had run first, with
-        every rank computing at once.
+        """``fn`` (a delta rule: reference or kernel) on this rank's two chunks as if every chunk before each had
+        run first, with every rank computing at once. Inputs (B, 2c, ...) in the rank's layout; ``resets`` (2B, c)
+        from ``chunk_resets`` or None.
 
-        The piece's state is affine in the state it starts from, S_end = A S_0 + B, and so is every output,
+        A chunk's state is affine in the state it starts from, S_end = A S_0 + B, and so is every output,
         o_t = o_t(0) + S_0^T Q_t. The state's columns evolve independently, so one run of ``fn`` from the
         state [I | 0] with the values [0 | v] gives both at once: the first Dk output columns are Q, the others
-        o(0), and its final state is [A | B]. The ranks all-gather (A, B) (Dk x (Dk + Dv) per head: small),
-        each composes the state its piece starts from, S_r = A_{r-1} S_{r-1} + B_{r-1} with S_0 = 0, and adds
-        S_r^T Q. The all-gather is differentiable: its backward returns each (A, B) its gradient from the
-        later pieces that used it."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
-
+        o(0), and its final state is [A | B]. The ranks all-gather (A, B) of their chunks (Dk x (Dk + Dv) per head:
+        small), each composes in sequence order the states its chunks start from, S_{j+1} = A_j S_j + B_j with
+        S_0 = 0, and adds S_j^T Q. The all-gather is differentiable: its backward returns each (A, B) its gradient
+        from the later chunks that used it."""
         B, T, n_h, Hv, Dv = v.shape
         Dk = k.shape[-1]
+        q, k, v, g, beta = (self.stack(x) for x in (q, k, v, g, beta))
         dtype = torch.promote_types(q.dtype, torch.float32)
-        eye = torch.eye(Dk, dtype=dtype, device=q.device).expand(B, Hv, Dk, Dk)
-        start = torch.cat([eye, eye.new_zeros(B, Hv, Dk, Dv)], dim=-1)  # (B, Hv, Dk, Dk + Dv)
-        values = torch.cat([v.new_zeros(B, T, n_h, Hv, Dk), v], dim=-1)
+        eye = torch.eye(Dk, dtype=dtype, device=q.device).expand(2 * B, Hv, Dk, Dk)
+        start = torch.cat([eye, eye.new_zeros(2 * B, Hv, Dk, Dv)], dim=-1)  # (2B, Hv, Dk, Dk + Dv)
+        values = torch.cat([v.new_zeros(2 * B, T // 2, n_h, Hv, Dk), v], dim=-1)
         out, final = fn(q, k, values, g, beta, resets=resets, initial_state=start, output_final_state=True, **kw)
-        q_eff, o = out.split([Dk, Dv], dim=-1)  # (B, T, Hv, Dk): Q; (B, T, Hv, Dv): the output from a zero state
-        pieces = all_gather_tensor_autograd(final.unsqueeze(0).contiguous(), gather_dim=0, group=self.group)
-        if self.rank == 0:  # starts from zero; the zero term keeps the gather in its graph, so that its backward
-            return o + (pieces.sum() * 0).to(o.dtype)  # (a collective) runs here as on the ranks that use it
-        state = None
-        for j in range(self.rank):  # (B, Hv, Dk, Dk) A_j and (B, Hv, Dk, Dv) B_j of the pieces before this one
-            a, b = pieces[j].split([Dk, Dv], dim=-1)
+        q_eff, o = out.split([Dk, Dv], dim=-1)  # (2B, c, Hv, Dk): Q; (2B, c, Hv, Dv): the output from a zero state
+        maps = self._gather(final.view(B, 2, Hv, Dk, Dk + Dv))  # (n, B, 2, Hv, Dk, Dk + Dv)
+        first, second = self._mine()
+        starts, state = {}, None
+        for j in range(second):  # the chunks before the rank's later one, in sequence order
+            if j == first:
+                starts[j] = state
+            rank, slot = self._where(j)
+            a, b = maps[rank][:, slot].split([Dk, Dv], dim=-1)  # (B, Hv, Dk, Dk), (B, Hv, Dk, Dv)
             state = b if state is None else a @ state + b
-        return o + torch.einsum("bthk,bhkv->bthv", q_eff.to(state.dtype), state).to(o.dtype)
-
-
-class _FromPrevious(torch.autograd.Function):
-    """Forward: receive from the previous cp rank. Backward: send the gradient back to it (without waiting)."""
-
-    @staticmethod
-    def forward(ctx, anchor, cp, like, tag):
-        ctx.cp, ctx.tag = cp, tag
-        return cp._recv(like, cp.rank - 1, tag)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.cp._send(grad, ctx.cp.rank - 1, ctx.tag)
-        return torch.zeros((), device=grad.device), None, None, None
-
-
-class _ToNext(torch.autograd.Function):
-    """Forward: send to the next cp rank (without waiting), return a zero. Backward: receive the gradient."""
-
-    @staticmethod
-    def forward(ctx, t, cp, tag):
-        ctx.cp, ctx.tag, ctx.like = cp, tag, (t.shape, t.dtype, t.device)
-        cp._send(t, cp.rank + 1, tag)
-        return t.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _grad):
-        return ctx.cp._recv(ctx.like, ctx.cp.rank + 1, ctx.tag), None, None
+        starts[second] = state
+        c = T // 2
+        o, q_eff = o.reshape(B, 2, c, Hv, Dv), q_eff.reshape(B, 2, c, Hv, Dk)
+        outs = []
+        for slot, j in enumerate((first, second)):
+            s, oj = starts[j], o[:, slot]
+            if s is not None:  # (chunk 0 starts from zero)
+                oj = oj + torch.einsum("bthk,bhkv->bthv", q_eff[:, slot].to(s.dtype), s).to(o.dtype)
+            outs.append(oj)
+        return torch.stack(outs, dim=1).reshape(B, T, Hv, Dv)
 
 
 class _RingAttention(torch.autograd.Function):
     """Softmax attention of a piece's queries over all pieces' keys and values, the blocks passed round the ring.
 
-    Forward: each rank starts with its own (k, v) block and passes it on cp - 1 times, so every block visits
-    every rank; a block from a later piece is skipped (causally invisible), the others are scored under the
-    causal / document mask, and the partial outputs are merged by their log-sum-exp (the online softmax).
-    Backward: the blocks go round again, now with their key and value gradients travelling along: each rank
-    adds its queries' contribution and passes them on, and after cp passes every block is home with its whole
-    gradient. The scores of one block exist at a time, (B, H, t, t) for t = T / cp: nothing of size T x T.
-    Computation in fp32 at least; grouped-query heads map query head h to kv head h // (H / KV)."""
+    Forward: each rank starts with its own (k, v) block and passes it on cp - 1 times (the next send posted before
+    the current block is computed), so every block visits every rank; each step's rectangles run through the
+    block backend and merge into a float32 (at least) output by their log-sum-exp. Backward: the blocks go round
+    again, now with their key and value gradients travelling along: each rank adds its queries' share (the
+    backend's backward with the merged output and log-sum-exp) and passes them on, and after cp passes every block
+    is home with its whole gradient. Kernels see their own dtype: the autocast dtype under autocast."""
 
     @staticmethod
-    def forward(ctx, q, k, v, doc_ids, cp):
+    def forward(ctx, q, k, v, cp, backend, docs):
+        dtype = q.dtype
+        if backend != "reference" and torch.is_autocast_enabled(q.device.type):
+            dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (x.to(dtype) for x in (q, k, v))
         B, t, H, D = q.shape
-        f32 = torch.promote_types(q.dtype, torch.float32)
-        qh = q.to(f32).transpose(1, 2) * D**-0.5  # (B, H, t, D)
-        out = torch.zeros(B, H, t, D, dtype=f32, device=q.device)
+        scale = D ** -0.5
+        f32 = torch.promote_types(dtype, torch.float32)
+        acc = torch.zeros(B, t, H, D, dtype=f32, device=q.device)
         lse = torch.full((B, H, t), float("-inf"), dtype=f32, device=q.device)
+        out, lse0 = blocks.forward(backend, q, k, v, causal=True, scale=scale,
+                                   docs=docs.local if docs is not None else None)
+        _merge(acc, lse, out, lse0, slice(None), 0, t)
         block = [k, v]
-        for step in range(cp.n):
-            src = (cp.rank - step) % cp.n
-            mask = cp._block_mask(src, t, doc_ids, q.device)
-            if mask is not None:
-                kb, vb, scores = _block_scores(qh, block[0], block[1], mask)
-                blk = torch.logsumexp(scores, dim=-1)  # (B, H, t): -inf where a row sees nothing here
-                new = torch.logaddexp(lse, blk)
-                safe = torch.where(torch.isinf(new), 0.0, new)[..., None]
-                p = torch.exp(scores - safe)
-                out = out * torch.exp(lse[..., None] - safe) + p @ vb
-                lse = new
-            if step < cp.n - 1:
-                block = cp._rotate(block)
-        ctx.save_for_backward(q, k, v, doc_ids, out, lse)
-        ctx.cp = cp
-        return out.transpose(1, 2).to(q.dtype)
+        pending = cp._start_rotate(block) if cp.n > 1 else None
+        for step in range(1, cp.n):
+            block = cp._finish(pending)
+            pending = cp._start_rotate(block) if step < cp.n - 1 else None
+            for rows, q0, q1, k0, k1 in cp._segments(step, t, docs):
+                o, l_ = blocks.forward(backend, q[rows, q0:q1], block[0][rows, k0:k1], block[1][rows, k0:k1],
+                                       causal=False, scale=scale)
+                _merge(acc, lse, o, l_, rows, q0, q1)
+        out = acc.to(dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.backend, ctx.docs, ctx.scale = cp, backend, docs, scale
+        return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, doc_ids, out, lse = ctx.saved_tensors
-        cp = ctx.cp
-        B, t, H, D = q.shape
-        KV = k.shape[2]
-        f32 = out.dtype
-        qh = q.to(f32).transpose(1, 2) * D**-0.5
-        do = dout.to(f32).transpose(1, 2)  # (B, H, t, D)
-        delta = (do * out).sum(-1, keepdim=True)  # (B, H, t, 1): rowsum(dO * O)
-        safe = torch.where(torch.isinf(lse), 0.0, lse)[..., None]
-        dq = torch.zeros_like(qh)
-        block = [k, v, torch.zeros(k.shape, dtype=f32, device=k.device), torch.zeros(v.shape, dtype=f32,
-                                                                                    device=v.device)]
-        for step in range(cp.n):
-            src = (cp.rank - step) % cp.n
-            mask = cp._block_mask(src, t, doc_ids, q.device)
-            if mask is not None:
-                kb, vb, scores = _block_scores(qh, block[0], block[1], mask)
-                p = torch.exp(scores - safe)  # the final softmax's probabilities of this block's keys
-                dp = do @ vb.transpose(-1, -2)
-                ds = p * (dp - delta)
-                dq += ds @ kb
-                block[2] += _kv_heads(ds.transpose(-1, -2) @ qh, KV).transpose(1, 2)  # (B, t, KV, D)
-                block[3] += _kv_heads(p.transpose(-1, -2) @ do, KV).transpose(1, 2)
-            block = cp._rotate(block)  # after cp passes every block, with its gradients, is back home
-        dq = (dq * D**-0.5).transpose(1, 2)
-        return dq.to(q.dtype), block[2].to(k.dtype), block[3].to(v.dtype), None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        cp, backend, docs, scale = ctx.cp, ctx.backend, ctx.docs, ctx.scale
+        dout = dout.to(q.dtype)
+        t = q.shape[1]
+        f32 = lse.dtype
+        dq, dk, dv = blocks.backward(backend, dout, q, k, v, out, lse, causal=True, scale=scale,
+                                     docs=docs.local if docs is not None else None)
+        dq = dq.to(f32)
+        grads = [dk.to(f32), dv.to(f32)]
+        block = [k, v]
+        kv = cp._start_rotate(block) if cp.n > 1 else None
+        for step in range(1, cp.n):
+            grads = cp._finish(cp._start_rotate(grads, RING + 2))  # the block's gradients so far go on with it
+            block = cp._finish(kv)
+            kv = cp._start_rotate(block) if step < cp.n - 1 else None  # the next block, while this one computes
+            for rows, q0, q1, k0, k1 in cp._segments(step, t, docs):
+                sq = (rows, slice(q0, q1))
+                gq, gk, gv = blocks.backward(backend, dout[sq], q[sq], block[0][rows, k0:k1],
+                                             block[1][rows, k0:k1], out[sq], lse[rows, :, q0:q1], causal=False,
+                                             scale=scale)
+                dq[sq] += gq
+                grads[0][rows, k0:k1] += gk
+                grads[1][rows, k0:k1] += gv
+        if cp.n > 1:
+            grads = cp._finish(cp._start_rotate(grads, RING + 2))  # the last pass brings every block's home
+        return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
 
 
-def _block_scores(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
-    """One key/value block against the scaled queries qh (B, H, t, D): its keys and values per query head
-    (B, H, t, D), in qh's dtype, and the masked scores (B, H, t, t)."""
-    group = qh.shape[1] // k.shape[2]
-    kb, vb = (_heads(x.to(qh.dtype), group) for x in (k, v))
-    return kb, vb, (qh @ kb.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
-
-
-def _heads(x: torch.Tensor, group: int) -> torch.Tensor:
-    """(B, t, KV, D) -> (B, KV * group, t, D): kv head j serves query heads j * group .. (j + 1) * group - 1."""
-    return x.transpose(1, 2).repeat_interleave(group, dim=1)
-
-
-def _kv_heads(x: torch.Tensor, kv: int) -> torch.Tensor:
-    """(B, H, t, D) gradients per query head -> (B, KV, t, D), summed over each kv head's query heads."""
-    B, H, t, D = x.shape
-    return x.view(B, kv, H // kv, t, D).sum(2)
+def _merge(acc, lse, out, blk, rows, q0: int, q1: int) -> None:
+    """Merge a block's (out (b, q, H, D), lse (b, H, q)) into the running (acc, lse) at rows ``rows``, queries
+    [q0, q1), by their log-sum-exp (the online softmax); rows that see nothing (-inf) stay zero."""
+    old = lse[rows, :, q0:q1]
+    new = torch.logaddexp(old, blk.to(old.dtype))
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    w_old = torch.exp(old - safe).transpose(1, 2)[..., None]  # (b, q, H, 1)
+    w_blk = torch.exp(blk.to(old.dtype) - safe).transpose(1, 2)[..., None]
+    acc[rows, q0:q1] = acc[rows, q0:q1] * w_old + out.to(acc.dtype) * w_blk
+    lse[rows, :, q0:q1] = new
 
 
 def apply_context_parallel(model: nn.Module, mesh) -> nn.Module:

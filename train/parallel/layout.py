@@ -288,23 +288,31 @@ def check_expert_parallel(cfg: JobConfig, dp: int) -> None:
 
 
 def check_context_parallel(cfg: JobConfig) -> None:
-    """What context parallelism of degree ``parallel.cp`` needs: sequences that split evenly (into pieces that
-    sequence parallelism splits again)."""
-    p = cfg.parallel
-    if cfg.data.seq_len % p.cp:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.cp={p.cp}: every context-"
-                          f"parallel rank takes an equal piece of each sequence; choose a cp that divides it")
+    """What context parallelism of degree ``parallel.cp`` needs: sequences that split evenly into 2 cp chunks (the
+    zig-zag layout: rank r holds chunks r and 2 cp - 1 - r), pieces that sequence parallelism splits again, chunks no
+    shorter than the Gated DeltaNet convolution's reach, and an attention backend with a ring-attention form."""
+    p, m = cfg.parallel, cfg.model
+    if cfg.data.seq_len % (2 * p.cp):
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} is not a multiple of 2 x parallel.cp = {2 * p.cp}: context "
+                          f"parallelism cuts every sequence into 2 cp equal chunks and gives each rank two of them "
+                          f"(an early and a late one, so the causal work is balanced); choose a cp with seq_len a "
+                          f"multiple of 2 cp")
     piece = cfg.data.seq_len // p.cp
     if p.tp > 1 and piece % p.tp:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} splits into context-parallel pieces of {piece} positions, "
                           f"which sequence parallelism cannot divide by parallel.tp={p.tp}; choose data.seq_len a "
                           f"multiple of cp x tp = {p.cp * p.tp}")
-    attention = cfg.model.kernels.attention
-    if attention in ("triton", "flash-attn"):
+    chunk = piece // 2
+    if "L" in m.layer_types() and chunk < m.deltanet.conv_size - 1:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} at parallel.cp={p.cp} gives chunks of {chunk} positions, "
+                          f"fewer than the Gated DeltaNet convolution reads before each (model.deltanet.conv_size - 1 "
+                          f"= {m.deltanet.conv_size - 1}); use a longer sequence or a smaller cp")
+    attention = m.kernels.attention
+    if attention in ("flex", "flash-attn"):
         raise ConfigError(
-            f"model.kernels.attention={attention} with parallel.cp={p.cp}: context parallel attention is ring "
-            f"attention in pure torch, not the fused kernel; set model.kernels.attention=auto (ring attention under "
-            f"context parallelism) or parallel.cp=1")
+            f"model.kernels.attention={attention} with parallel.cp={p.cp}: ring attention runs its blocks on sdpa "
+            f"(torch's fused kernels), triton (ours) or reference, not {attention}; set model.kernels.attention to "
+            f"auto, sdpa, triton or reference, or parallel.cp=1")
 
 
 def check_tensor_parallel(cfg: JobConfig, dp: int) -> None:

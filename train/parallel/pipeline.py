@@ -116,12 +116,12 @@ class StageModule(nn.Module):
         (``loss_weight``: one per row, all equal; train/step.py)."""
         h = self.embed_tokens(x) if self.first else x
         T = x.shape[1] if self.first else x.shape[1] * self.seq_split
-        start, cp = 0, self.context_parallel
+        cp = self.context_parallel
         if cp is not None:  # context parallel: x is this rank's piece of each sequence, at global positions
             cp.begin(doc_ids)
-            start = cp.offset(T)
-        cos, sin = self.rotary(start + T)
-        cos, sin = cos[start:], sin[start:]
+            cos, sin = (t[cp.positions(T, t.device)] for t in self.rotary(cp.n * T))
+        else:
+            cos, sin = self.rotary(T)
         for layer in self.layers:
             if layer is not None:
                 h = layer(h, cos, sin, None, doc_ids, None)  # documents as ids, as in the whole model
