@@ -82,6 +82,9 @@ QUICK: list[tuple[str, str, list[str], int]] = [
     # each delta-rule backend alone at hybrid_1b's class, so a CUDA fault is named by backend (bench/backend_probe.py:
     # on 2026-11-28 an illegal memory access inside auto's measurement ended bench_hf naming none)
     ("backend_probe", "backend_probe", ["--docs", "0", "--timeout", "40", "--json", "{out}/backend_probe.json"], 90),
+    # ring attention's block kernels (issue 43): a cp-2 rank at 2 x 32k tokens (Llama 3.1 8B's heads) against SDPA's
+    # causal attention over its own 32k, and the simulated ring against whole attention
+    ("ring", "bench_ring", ["--json", "{out}/ring.json"], 60),
     ("kernel_grid", "kernel_grid", ["--budget-s", "150", "--json", "{out}/kernel_grid.json"], 200),
     # the training stall of a 3 GB checkpoint (1 GB of weights + AdamW), synchronous against checkpoint.async
     ("checkpoint_stall", "bench_checkpoint", ["--mb", "1000", "--saves", "2", "--json", "{out}/checkpoint_stall.json"],
@@ -184,6 +187,7 @@ def quick_summary(out: Path, ran: dict[str, tuple]) -> tuple[list[dict], list[st
                                  + (f" ({row['error'][:80]})" if "error" in row else f" ({row['ms']:.1f} ms)"),
                        "value": max(row["rel_err"]) if "rel_err" in row else None, "bound": "no error",
                        "met": "error" not in row})
+    vs += ring_verdicts(out)
     from hybridtron.bench.kernel_grid import verdict_lines
 
     lines = verdict_lines(vs)
@@ -191,6 +195,35 @@ def quick_summary(out: Path, ran: dict[str, tuple]) -> tuple[list[dict], list[st
         lines.append(f"- {name}: {'exit ' + str(rc) if rc is not None else 'not run (deadline)'}"
                      + (f" after {wall:.0f} s" if wall is not None else ""))
     return vs, lines
+
+
+RING_TIME_RATIO = 2.4  # a cp-2 rank attends over 2x the pairs of cp 1's causal attention: 2.0 is equal speed
+RING_MEMORY_RATIO = 1.25
+
+
+def ring_verdicts(out: Path) -> list[dict]:
+    """bench_ring's rows: each block backend's agreement with whole attention, and a cp-2 rank's time and memory
+    against SDPA's causal attention over the rank's own tokens."""
+    vs = []
+    for row in (_load(out / "ring.json") or {}).get("rows", []):
+        b = row["backend"]
+        if "error" in row:
+            vs.append({"target": f"ring attention ({b}) runs ({row['error'][:80]})", "value": None,
+                       "bound": "no error", "met": False})
+            continue
+        err = max(row["rel_err"])
+        vs.append({"target": f"ring attention ({b}, bf16) against whole attention: max rel. error", "value": err,
+                   "bound": "< 0.02", "met": err < 0.02})
+        if "time_ratio" in row:
+            vs.append({"target": f"cp-2 rank ({b}, 2 x {row['tokens_per_rank']:,}) time / SDPA causal over its "
+                                 f"{row['tokens_per_rank']:,} ({row['rank_s'] * 1e3:.0f} / {row['sdpa_cp1_s'] * 1e3:.0f}"
+                                 f" ms)", "value": row["time_ratio"], "bound": f"<= {RING_TIME_RATIO}",
+                       "met": row["time_ratio"] <= RING_TIME_RATIO})
+            if row.get("memory_ratio") is not None:
+                vs.append({"target": f"cp-2 rank ({b}) peak memory / SDPA causal over its tokens",
+                           "value": row["memory_ratio"], "bound": f"<= {RING_MEMORY_RATIO}",
+                           "met": row["memory_ratio"] <= RING_MEMORY_RATIO})
+    return vs
 
 
 def fp8_verdicts(out: Path) -> list[dict]:

@@ -93,6 +93,9 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
             {"op": "delta_rule", "backend": "triton", "docs": False, "size": "full", "rel_err": [4e-3, 6e-3], "ms": 7.5},
             {"op": "delta_rule", "backend": "fla", "docs": False, "size": "small", "after_s": 1.0,
              "error": "AcceleratorError: CUDA error: an illegal memory access was encountered"}]},
+        "ring": {"rows": [{"backend": "sdpa", "rel_err": [0.004, 0.008, 0.006, 0.005], "tokens_per_rank": 32768,
+                           "rank_s": 0.061, "sdpa_cp1_s": 0.028, "time_ratio": 2.18, "memory_ratio": 1.4},
+                          {"backend": "triton", "error": "OutOfResources: shared memory"}]},
         "kernel_grid": {"verdicts": [{"target": "attention T4k D128", "value": 0.97, "bound": ">= 0.95", "met": True}]},
         "train_hybrid": {"rows": [{"tokens_per_s": 60000.0, "mfu": 0.41}], "kernel_choices": {
             "ddp": {"attention[...]": "sdpa", "delta_rule[...]": "fla"}}},
@@ -102,7 +105,8 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     }
     clock = [0.0]
     monkeypatch.setattr(gpu_issues.time, "monotonic", lambda: clock[0])
-    spent = {"backend_probe": 60, "kernel_grid": 150, "checkpoint_stall": 30, "train_hybrid": 110, "hf_hybrid": 100, "train_dense": 100}
+    spent = {"backend_probe": 60, "ring": 30, "kernel_grid": 150, "checkpoint_stall": 30, "train_hybrid": 110,
+             "hf_hybrid": 70, "train_dense": 100}
     ran = []
 
     def fake_run(name, cmd, log, timeout):
@@ -115,7 +119,7 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     monkeypatch.setattr(gpu_issues, "_run", fake_run)
     assert gpu_issues.main(["--quick", "--out", str(tmp_path)]) == 0
     # each command gets its cap or what is left; train_dense gets the 30 s left, and nothing starts after it
-    assert ran == [("backend_probe", 90), ("kernel_grid", 200), ("checkpoint_stall", 60), ("train_hybrid", 110),
+    assert ran == [("backend_probe", 90), ("ring", 60), ("kernel_grid", 200), ("checkpoint_stall", 60), ("train_hybrid", 110),
                    ("hf_hybrid", 100), ("train_dense", 30)]
     assert gpu_issues.missing_packages() == ([], [])  # the dev install has everything the check imports
     out = capsys.readouterr().out
@@ -131,7 +135,10 @@ def test_quick_check_runs_under_one_deadline_and_reads_every_verdict(tmp_path, m
     assert "train_hybrid ddp: auto chose attention[...]: sdpa; delta_rule[...]: fla" in out
     saved = json.loads((tmp_path / "quick.json").read_text())
     assert "| checkpoint stall: async / sync (9.50 s sync, 3,000 MB) | 0.12 | < 1 | met |" in out
-    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 12
+    assert saved["versions"]["gpu"] == "Fake H100" and len(saved["verdicts"]) == 16
+    assert "| cp-2 rank (sdpa, 2 x 32,768) time / SDPA causal over its 32,768 (61 / 28 ms) | 2.18 | <= 2.4 | met |" in out
+    assert "| cp-2 rank (sdpa) peak memory / SDPA causal over its tokens | 1.40 | <= 1.25 | NOT met |" in out
+    assert "| ring attention (triton) runs (OutOfResources: shared memory) | - | no error | NOT met |" in out
     assert "| dense_1b tokens/s: fp8 tensorwise / bf16 | - | >= 1.25 | not measured |" in out
 
 
@@ -171,6 +178,20 @@ def test_fp8_rows_against_their_bf16_rows(tmp_path):
     assert vs["hybrid_1b last-step loss: |fp8 - bf16| / bf16"]["met"] is False  # 2% apart
     (tmp_path / "train_dense_fp8.json").write_text(json.dumps({"rows": [{"tokens_per_s": 110.0, "final_loss": 4.0}]}))
     assert {v["target"]: v for v in gpu_issues.fp8_verdicts(tmp_path)}[dense["target"]]["met"] is False
+
+
+def test_bench_ring_simulates_the_ring_on_the_cpu(tmp_path):
+    """bench_ring end to end at tiny sizes on the CPU (sdpa's CPU kernel, float64 blocks): the simulated ring agrees
+    with whole attention, gradients included, and the timing row has its fields."""
+    import json
+
+    from hybridtron.bench import bench_ring
+
+    assert bench_ring.main(["--backends", "sdpa", "--tokens", "64", "--check-tokens", "32", "--heads", "4,2,16",
+                            "--json", str(tmp_path / "ring.json")]) == 0
+    row = json.loads((tmp_path / "ring.json").read_text())["rows"][0]
+    assert max(row["rel_err"]) < 1e-5, row  # float64 blocks against a float32 reference
+    assert row["time_ratio"] > 0 and row["tokens_per_rank"] == 64
 
 
 def test_kernel_grid_verdicts():

@@ -50,8 +50,8 @@ def test_list_override_of_sources():
         ([("parallel.dp", "0")], ["parallel.dp=0", "-1"]),
         ([("parallel.cp", "2"), ("parallel.engine", "deepspeed")], ["parallel.cp > 1", "engine=torch", "parallel.cp=1"]),
         ([("parallel.pp", "0")], ["parallel.pp=0", "positive"]),
-        ([("parallel.cp", "2"), ("model.kernels.attention", "triton")],
-         ["model.kernels.attention=triton", "parallel.cp=2", "ring attention", "model.kernels.attention=auto"]),
+        ([("parallel.cp", "2"), ("model.kernels.attention", "flash-attn")],
+         ["model.kernels.attention=flash-attn", "parallel.cp=2", "ring attention", "sdpa, triton or reference"]),
         ([("parallel.backend", "mpi")], ["parallel.backend", "'mpi'"]),
     ],
 )
