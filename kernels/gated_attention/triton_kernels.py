@@ -38,6 +38,15 @@ Backward, no atomics:
 3. ``_bwd_dq`` (query tiles x heads): dQ over the same key blocks as the forward.
 Both recompute P = exp2(scores - lse) and dS = P (dP - Delta).
 
+Non-causal rectangle (``CAUSAL`` False; `attn_fwd` / `attn_bwd` with ``causal=False``), for ring attention's
+cross-block steps: queries (Nq rows) against keys and values of another length (NK rows), every query seeing every
+key, no documents, no gate. The same kernels and loop bodies, with constexpr branches (the causal mode compiles as
+before): a query tile's forward and dQ visit key blocks [0, NK), the whole ones unmasked and the ragged last one
+masked at NK; a key tile's dK/dV visit query tiles [0, Nq) alike. Every tile is the same work, so the grids run in
+plain order (no `tile_orders`). The backward takes the *final* output and log-sum-exp, merged over all the key
+blocks, as flash-attention's does (P = exp2(s - lse), Delta = rowsum(dout * out)), so it returns this block's share
+of dq and its dk, dv.
+
 Tile sizes are autotuned per head-dim block (16..256) and dtype on the GPU; under TRITON_INTERPRET=1 one
 small config is used (autotuning would run every config in Python). fp32 inputs use IEEE fp32 dots, not
 TF32, so an fp32 run is as exact as the fp32 reference. bf16 under the interpreter computes what the GPU does where
@@ -149,8 +158,8 @@ def _pruner(table: dict):
 def _autotune(table: dict):
     configs = _configs(table)
     if len(configs) == 1:
-        return triton.autotune(configs=configs, key=["BLOCK_D", "GATE"])
-    return triton.autotune(configs=configs, key=["BLOCK_D", "GATE"],
+        return triton.autotune(configs=configs, key=["BLOCK_D", "GATE", "CAUSAL"])
+    return triton.autotune(configs=configs, key=["BLOCK_D", "GATE", "CAUSAL"],
                            prune_configs_by={"early_config_prune": _pruner(table)})
 
 
@@ -247,9 +256,11 @@ def _kv_source(X, stride_n, N, D, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, 
 def _fwd_range(
     acc, l_i, m_i, q, K, V, sk_n, sv_n, rows, starts, dcols, dmask, n_lo, n_hi, N, qk_scale,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, TMA: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """Online softmax over key blocks [n_lo, n_hi) for one query tile. K, V point at this kv head."""
+    """Online softmax over key blocks [n_lo, n_hi) for one query tile. K, V point at this kv head; N is the key
+    count. MASKED: the causal and document masks (CAUSAL), or only the key-row bound (the ragged last block of a
+    non-causal rectangle)."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cols64 = cols.to(tl.int64)
@@ -257,7 +268,10 @@ def _fwd_range(
         k = _kv_tile(K, n0, cols64, sk_n, dcols, cmask, dmask, MASKED, EVEN_D, TMA)
         s = _dot(q, tl.trans(k), PRECISION, EMU_BF16) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
         if MASKED:
-            ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
+            if CAUSAL:
+                ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
+            else:
+                ok = cmask[None, :]
             s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             # A row whose keys so far are all masked has max -inf: shift by 0 so exp2 gives 0, not NaN.
@@ -322,12 +336,17 @@ def _tile_start(ORDER, pid, BLOCK: tl.constexpr, ORDER_BLOCK: tl.constexpr, HEAV
 def _fwd_kernel(
     Q, K, V, G, OUT, A, LSE, START, ORDER,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, so_n, so_h,
-    N, D, GROUP, qk_scale,
+    N, NK, D, GROUP, qk_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)  # the longest tiles first
+    if CAUSAL:
+        m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)  # the longest tiles first
+        n_keys = N
+    else:  # a rectangle: N queries x NK keys, every tile the same work, in plain order
+        m0 = tl.program_id(0) * BLOCK_M
+        n_keys = NK
     h = tl.program_id(1)
     if m0 < N:  # the last super-tile may be short: its missing tiles have nothing to do
         rows = m0 + tl.arange(0, BLOCK_M)
@@ -335,23 +354,28 @@ def _fwd_kernel(
         rmask = rows < N
         dcols = tl.arange(0, BLOCK_D)
         dmask = dcols < D
-        starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N, MERGE)
+        if CAUSAL:
+            starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N, MERGE)
+        else:  # every key: the whole blocks unmasked, the ragged last one masked at NK
+            starts, b, c, hi = rows, 0, (NK // BLOCK_N) * BLOCK_N, NK
 
         q = _load_tile(Q + rows64[:, None] * sq_n + h * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
         kvh = (h // GROUP).to(tl.int64)
-        Kh = _kv_source(K + kvh * sk_h, sk_n, N, D, BLOCK_N, BLOCK_D, TMA)
-        Vh = _kv_source(V + kvh * sv_h, sv_n, N, D, BLOCK_N, BLOCK_D, TMA)
+        Kh = _kv_source(K + kvh * sk_h, sk_n, n_keys, D, BLOCK_N, BLOCK_D, TMA)
+        Vh = _kv_source(V + kvh * sv_h, sv_n, n_keys, D, BLOCK_N, BLOCK_D, TMA)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N,
-                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
-        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N,
-                                   qk_scale, False, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
-        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N,
-                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
+        if CAUSAL:
+            acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N,
+                                       qk_scale, True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA, CAUSAL)
+        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, n_keys,
+                                   qk_scale, False, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA, CAUSAL)
+        acc, l_i, m_i = _fwd_range(acc, l_i, m_i, q, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, n_keys,
+                                   qk_scale, True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA, CAUSAL)
 
-        l_i = tl.where(l_i > 0, l_i, 1.0)  # only rows past N can have l = 0 (every real row sees its diagonal)
+        # Only rows past N can have l = 0 (every real row sees its diagonal, or, non-causal, NK > 0 keys).
+        l_i = tl.where(l_i > 0, l_i, 1.0)
         attn = acc / l_i[:, None]
         offs = rows64[:, None] * so_n + h * so_h + dcols[None, :]
         omask = rmask[:, None] & dmask[None, :]
@@ -417,9 +441,10 @@ def _bwd_pre_kernel(
 def _dkdv_range(
     dk, dv, k, v, Q, DA, LSE, DELTA, sq_n, sda_n, cols, ends, dcols, dmask, m_lo, m_hi, N, qk_scale,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, CAUSAL: tl.constexpr,
 ):
-    """dK, dV of one key tile from query blocks [m_lo, m_hi) of one query head (Q, DA, LSE, DELTA point at it)."""
+    """dK, dV of one key tile from query blocks [m_lo, m_hi) of one query head (Q, DA, LSE, DELTA point at it);
+    N is the query count. MASKED: the causal and document masks (CAUSAL), or only the query-row bound."""
     for m0 in range(m_lo, m_hi, BLOCK_M):
         rows = m0 + tl.arange(0, BLOCK_M)
         rows64 = rows.to(tl.int64)
@@ -435,7 +460,10 @@ def _dkdv_range(
         s_t = _dot(k, tl.trans(q), PRECISION, EMU_BF16) * qk_scale  # (BLOCK_N, BLOCK_M)
         p_t = tl.math.exp2(s_t - lse[None, :])
         if MASKED:
-            ok = (rows[None, :] >= cols[:, None]) & (rows[None, :] < ends[:, None])
+            if CAUSAL:
+                ok = (rows[None, :] >= cols[:, None]) & (rows[None, :] < ends[:, None])
+            else:
+                ok = rmask[None, :]
             p_t = tl.where(ok, p_t, 0.0)
         dv += _dot_rounded(p_t, da, PRECISION, EMU_BF16)
         dp_t = _dot(v, tl.trans(da), PRECISION, EMU_BF16)
@@ -449,29 +477,37 @@ def _dkdv_range(
 def _bwd_dkdv_kernel(
     Q, K, V, DA, LSE, DELTA, END, ORDER, DK, DV,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdk_s, sdk_n, sdk_h,
-    N, D, GROUP, SPLIT, qk_scale, sm_scale,
+    N, NK, D, GROUP, SPLIT, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    n0 = _tile_start(ORDER, tl.program_id(0), BLOCK_N, ORDER_BLOCK, False)  # the longest tiles first
+    if CAUSAL:
+        n0 = _tile_start(ORDER, tl.program_id(0), BLOCK_N, ORDER_BLOCK, False)  # the longest tiles first
+        n_keys = N
+    else:  # a rectangle: NK keys seen by all N queries, plain order
+        n0 = tl.program_id(0) * BLOCK_N
+        n_keys = NK
     kvh = tl.program_id(1) // SPLIT
     part = tl.program_id(1) % SPLIT  # this program's share of the kv head's query heads
-    if n0 < N:
+    if n0 < n_keys:
         cols = n0 + tl.arange(0, BLOCK_N)
         cols64 = cols.to(tl.int64)
-        cmask = cols < N
+        cmask = cols < n_keys
         dcols = tl.arange(0, BLOCK_D)
         dmask = dcols < D
-        ends = tl.load(END + tl.minimum(cols, N - 1))
-        end_first = tl.load(END + n0)
-        q_hi = tl.load(END + tl.minimum(n0 + BLOCK_N, N) - 1)  # one past the last row that sees any key here
-        # Query-block ranges: [a, b) cut by the diagonal (masked), [b, c) seeing every key of the tile
-        # (unmasked), [c, q_hi) cut by a document end (masked).
-        a = (n0 // BLOCK_M) * BLOCK_M
-        b = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_hi)
-        c = tl.maximum((end_first // BLOCK_M) * BLOCK_M, b)
-        b, c = _merge(b, c, q_hi, MERGE * BLOCK_M)
+        if CAUSAL:
+            ends = tl.load(END + tl.minimum(cols, N - 1))
+            end_first = tl.load(END + n0)
+            q_hi = tl.load(END + tl.minimum(n0 + BLOCK_N, N) - 1)  # one past the last row that sees any key here
+            # Query-block ranges: [a, b) cut by the diagonal (masked), [b, c) seeing every key of the tile
+            # (unmasked), [c, q_hi) cut by a document end (masked).
+            a = (n0 // BLOCK_M) * BLOCK_M
+            b = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, q_hi)
+            c = tl.maximum((end_first // BLOCK_M) * BLOCK_M, b)
+            b, c = _merge(b, c, q_hi, MERGE * BLOCK_M)
+        else:  # every query: the whole blocks unmasked, the ragged last one masked at N
+            ends, b, c, q_hi = cols, 0, (N // BLOCK_M) * BLOCK_M, N
 
         kvh64 = kvh.to(tl.int64)
         k = _load_tile(K + cols64[:, None] * sk_n + kvh64 * sk_h + dcols[None, :], cmask, dmask, True, EVEN_D)
@@ -486,12 +522,13 @@ def _bwd_dkdv_kernel(
             DAh = DA + h * sda_h
             LSEh = LSE + h * N
             DELTAh = DELTA + h * N
+            if CAUSAL:
+                dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
+                                     a, b, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, EMU_BF16, CAUSAL)
             dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                                 a, b, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, EMU_BF16)
+                                 b, c, N, qk_scale, False, EVEN_D, BLOCK_M, PRECISION, EMU_BF16, CAUSAL)
             dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                                 b, c, N, qk_scale, False, EVEN_D, BLOCK_M, PRECISION, EMU_BF16)
-            dk, dv = _dkdv_range(dk, dv, k, v, Qh, DAh, LSEh, DELTAh, sq_n, sda_n, cols, ends, dcols, dmask,
-                                 c, q_hi, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, EMU_BF16)
+                                 c, q_hi, N, qk_scale, True, EVEN_D, BLOCK_M, PRECISION, EMU_BF16, CAUSAL)
         # SPLIT > 1: DK, DV are fp32 partial sums (SPLIT, N, KV, D), summed by the launcher
         offs = part.to(tl.int64) * sdk_s + cols64[:, None] * sdk_n + kvh64 * sdk_h + dcols[None, :]
         mask = cmask[:, None] & dmask[None, :]
@@ -503,8 +540,9 @@ def _bwd_dkdv_kernel(
 def _dq_range(
     dq, q, da, lse, delta, K, V, sk_n, sv_n, rows, starts, dcols, dmask, n_lo, n_hi, N, qk_scale,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, TMA: tl.constexpr,
+    PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, TMA: tl.constexpr, CAUSAL: tl.constexpr,
 ):
+    """dQ of one query tile from key blocks [n_lo, n_hi) (N: the key count; MASKED as in `_fwd_range`)."""
     for n0 in range(n_lo, n_hi, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         cols64 = cols.to(tl.int64)
@@ -514,7 +552,10 @@ def _dq_range(
         s = _dot(q, tl.trans(k), PRECISION, EMU_BF16) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
-            ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
+            if CAUSAL:
+                ok = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= starts[:, None])
+            else:
+                ok = cmask[None, :]
             p = tl.where(ok, p, 0.0)
         dp = _dot(da, tl.trans(v), PRECISION, EMU_BF16)
         ds = p * (dp - delta[:, None])
@@ -527,12 +568,17 @@ def _dq_range(
 def _bwd_dq_kernel(
     Q, K, V, DA, LSE, DELTA, START, ORDER, DQ,
     sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sda_n, sda_h, sdq_n, sdq_h,
-    N, D, GROUP, qk_scale, sm_scale,
+    N, NK, D, GROUP, qk_scale, sm_scale,
     GATE: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr,
     PRECISION: tl.constexpr, EMU_BF16: tl.constexpr, ORDER_BLOCK: tl.constexpr, MERGE: tl.constexpr, TMA: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)
+    if CAUSAL:
+        m0 = _tile_start(ORDER, tl.program_id(0), BLOCK_M, ORDER_BLOCK, True)
+        n_keys = N
+    else:  # as in the forward: plain order, every key
+        m0 = tl.program_id(0) * BLOCK_M
+        n_keys = NK
     h = tl.program_id(1)
     if m0 < N:
         h64 = h.to(tl.int64)
@@ -541,22 +587,26 @@ def _bwd_dq_kernel(
         rmask = rows < N
         dcols = tl.arange(0, BLOCK_D)
         dmask = dcols < D
-        starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N, MERGE)
+        if CAUSAL:
+            starts, a, b, c, hi = _key_ranges(START, m0, rows, N, BLOCK_M, BLOCK_N, MERGE)
+        else:
+            starts, b, c, hi = rows, 0, (NK // BLOCK_N) * BLOCK_N, NK
 
         q = _load_tile(Q + rows64[:, None] * sq_n + h64 * sq_h + dcols[None, :], rmask, dmask, True, EVEN_D)
         da = _load_tile(DA + rows64[:, None] * sda_n + h64 * sda_h + dcols[None, :], rmask, dmask, True, EVEN_D)
         lse = tl.load(LSE + h64 * N + rows, mask=rmask, other=0.0)
         delta = tl.load(DELTA + h64 * N + rows, mask=rmask, other=0.0)
         kvh = (h // GROUP).to(tl.int64)
-        Kh = _kv_source(K + kvh * sk_h, sk_n, N, D, BLOCK_N, BLOCK_D, TMA)
-        Vh = _kv_source(V + kvh * sv_h, sv_n, N, D, BLOCK_N, BLOCK_D, TMA)
+        Kh = _kv_source(K + kvh * sk_h, sk_n, n_keys, D, BLOCK_N, BLOCK_D, TMA)
+        Vh = _kv_source(V + kvh * sv_h, sv_n, n_keys, D, BLOCK_N, BLOCK_D, TMA)
         dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N, qk_scale,
-                       True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
-        dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, N, qk_scale,
-                       False, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
-        dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, N, qk_scale,
-                       True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA)
+        if CAUSAL:
+            dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, a, b, N, qk_scale,
+                           True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA, CAUSAL)
+        dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, b, c, n_keys, qk_scale,
+                       False, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA, CAUSAL)
+        dq = _dq_range(dq, q, da, lse, delta, Kh, Vh, sk_n, sv_n, rows, starts, dcols, dmask, c, hi, n_keys,
+                       qk_scale, True, EVEN_D, BLOCK_N, PRECISION, EMU_BF16, TMA, CAUSAL)
         offs = rows64[:, None] * sdq_n + h64 * sdq_h + dcols[None, :]
         tl.store(DQ + offs, _round(dq * sm_scale, DQ.dtype.element_ty, EMU_BF16),
                  mask=rmask[:, None] & dmask[None, :])
@@ -576,19 +626,19 @@ def _gate_strides(gate: torch.Tensor | None) -> tuple[int, int]:
     return (0, 0) if gate is None else (gate.stride(0), gate.stride(1))
 
 
-def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
+def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> dict:
     N, H, D = q.shape
     block_d = max(16, triton.next_power_of_2(D))
     tma = use_tma(k, v)
     if tma:
         _ensure_allocator(q.device)
     return dict(
-        N=N, D=D, GROUP=H // k.shape[1], EVEN_D=block_d == D, BLOCK_D=block_d,
+        N=N, NK=k.shape[0], D=D, GROUP=H // k.shape[1], EVEN_D=block_d == D, BLOCK_D=block_d,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         EMU_BF16=triton_utils.interpreted(q.device) and q.dtype == torch.bfloat16,  # see `_dot`, `_round`
         ORDER_BLOCK=_order_block(),
         MERGE=1 if interpreter_requested() else 2,  # the tests' short sequences run both the merged and split ranges
-        TMA=tma,
+        TMA=tma, CAUSAL=causal,
     )
 
 
@@ -662,23 +712,53 @@ def _grid(N: int, order_block: int, block: int, heads: int) -> tuple[int, int]:
     return triton.cdiv(N, order_block) * (order_block // block), heads
 
 
-def attn_fwd(q, k, v, gate, start, scale: float, order: torch.Tensor | None = None):
+def _rect_check(fn: str, q, k, v, gate) -> None:
+    """The non-causal rectangle mode's inputs: q (Nq, H, D), k, v (Nk, KV, D), no gate."""
+    if gate is not None:
+        raise ValueError(f"{fn}: causal=False (ring attention's rectangle) takes no gate; got one of shape "
+                         f"{tuple(gate.shape)}")
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[2] != q.shape[2] or k.shape[1] == 0 \
+            or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{fn}: causal=False needs q (Nq, H, D), k = v (Nk, KV, D) with H a multiple of KV; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernels read the last dim at stride 1 (any token and head strides)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def attn_fwd(q, k, v, gate, start, scale: float, order: torch.Tensor | None = None, causal: bool = True):
     """q (N, H, D), k, v (N, KV, D), gate None / (N, H) / (N, H, D), start (N,) int32 ->
     out (N, H, D), A (N, H, D) the ungated attention (empty without a gate: out is A), lse (H, N) fp32 base 2.
-    ``order``: the query tiles' launch order (`tile_orders`), computed here if not given."""
+    ``order``: the query tiles' launch order (`tile_orders`), computed here if not given.
+
+    ``causal=False``: the rectangle of ring attention's cross-block steps. q (Nq, H, D) against k, v (Nk, KV, D),
+    every query row attending every key row; gate must be None, ``start`` and ``order`` are ignored (may be None).
+    Returns out (Nq, H, D), A empty, lse (H, Nq) fp32 base 2; no keys (Nk = 0) give out 0 and lse -inf."""
+    if not causal:
+        _rect_check("attn_fwd", q, k, v, gate)
+        q, k, v = (_rows_contiguous(t) for t in (q, k, v))
     N, H, D = q.shape
     out = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
     attn = torch.empty_like(out) if gate is not None else out.new_empty(0)
     lse = torch.empty((H, N), dtype=torch.float32, device=q.device)
     if N == 0:
         return out, attn, lse
+    if not causal and k.shape[0] == 0:
+        return out.zero_(), attn, lse.fill_(float("-inf"))
     check_interpreted(_fwd_kernel, q.device)
-    common = _common(q, k, v)
-    if order is None:
-        order = tile_orders(start, None, common["ORDER_BLOCK"])[0]
+    common = _common(q, k, v, causal)
     sg = _gate_strides(gate)
-    ob = common["ORDER_BLOCK"]
-    _fwd_kernel[lambda meta: _grid(N, ob, meta["BLOCK_M"], H)](
+    if causal:
+        if order is None:
+            order = tile_orders(start, None, common["ORDER_BLOCK"])[0]
+        ob = common["ORDER_BLOCK"]
+        grid = lambda meta: _grid(N, ob, meta["BLOCK_M"], H)  # noqa: E731
+    else:
+        start = order = None
+        grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), H)  # noqa: E731
+    _fwd_kernel[grid](
         q, k, v, gate, out, attn if gate is not None else None, lse, start, order,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), sg[0], sg[1],
         out.stride(0), out.stride(1), qk_scale=scale * LOG2E, GATE=_gate_mode(gate), **common,
@@ -686,29 +766,43 @@ def attn_fwd(q, k, v, gate, start, scale: float, order: torch.Tensor | None = No
     return out, attn, lse
 
 
-def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float, split: int | None = None):
+def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float, split: int | None = None,
+             causal: bool = True):
     """Gradients of `attn_fwd`: dq (N, H, D), dk, dv (N, KV, D), dgate (gate's shape, contiguous; empty
     without a gate). ``attn`` is the ungated attention output (``out`` itself without a gate). ``split``:
-    programs per kv head in the dK/dV kernel (a divisor of H // KV), `dkdv_split` if None."""
+    programs per kv head in the dK/dV kernel (a divisor of H // KV), `dkdv_split` if None.
+
+    ``causal=False``: the rectangle's backward (see `attn_fwd`), as flash-attention's: gate None, ``start`` and
+    ``end`` ignored (may be None). ``attn`` and ``lse`` (H, Nq, base 2) may be the *final* output and log-sum-exp,
+    merged over several key blocks: P = exp2(s - lse) and Delta = rowsum(dout * attn) then give this block's
+    share of dq and its dk, dv. dout is taken in q's dtype. Returns dq (Nq, H, D), dk, dv (Nk, KV, D) in the
+    inputs' dtypes, dgate empty."""
+    if not causal:
+        _rect_check("attn_bwd", q, k, v, gate)
+        q, k, v, attn = (_rows_contiguous(t) for t in (q, k, v, attn))
+        dout = _rows_contiguous(dout.to(q.dtype))
+        lse = lse.to(torch.float32).contiguous()
     N, H, D = q.shape
-    KV = k.shape[1]
+    NK, KV = k.shape[0], k.shape[1]
     dq = torch.empty((N, H, D), dtype=q.dtype, device=q.device)
     dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if gate is not None else q.new_empty(0)
     if N == 0:
         return dq, torch.zeros_like(k), torch.zeros_like(v), dgate
+    if not causal and NK == 0:
+        return dq.zero_(), torch.empty_like(k), torch.empty_like(v), dgate
     check_interpreted(_bwd_pre_kernel, q.device)
     mode = _gate_mode(gate)
-    common = _common(q, k, v)
+    common = _common(q, k, v, causal)
     group = common["GROUP"]
-    split = dkdv_split(N, KV, group, q.device) if split is None else split
+    split = dkdv_split(NK, KV, group, q.device) if split is None else split
     if split < 1 or group % split:
         raise ValueError(f"attn_bwd: split={split} must divide the {group} query heads per kv head")
     if split == 1:
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         dk_out, dv_out, sdk = dk, dv, (0, dk.stride(0), dk.stride(1))
-    else:  # fp32 partial sums per split, contiguous (split, N, KV, D)
-        dk_out = torch.empty((split, N, KV, D), dtype=torch.float32, device=q.device)
+    else:  # fp32 partial sums per split, contiguous (split, NK, KV, D)
+        dk_out = torch.empty((split, NK, KV, D), dtype=torch.float32, device=q.device)
         dv_out = torch.empty_like(dk_out)
         sdk = dk_out.stride()[:3]
     delta = torch.empty((H, N), dtype=torch.float32, device=q.device)
@@ -723,14 +817,21 @@ def attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale: float, split: in
         num_warps=4 if common["BLOCK_D"] * pre_rows <= 4096 else 8,
     )
     ob = common["ORDER_BLOCK"]
-    q_order, k_order = tile_orders(start, end, ob)
+    if causal:
+        q_order, k_order = tile_orders(start, end, ob)
+        dkdv_grid = lambda meta: _grid(N, ob, meta["BLOCK_N"], KV * split)  # noqa: E731
+        dq_grid = lambda meta: _grid(N, ob, meta["BLOCK_M"], H)  # noqa: E731
+    else:  # every tile the same work: plain order
+        start = end = q_order = k_order = None
+        dkdv_grid = lambda meta: (triton.cdiv(NK, meta["BLOCK_N"]), KV * split)  # noqa: E731
+        dq_grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]), H)  # noqa: E731
     common.update(qk_scale=scale * LOG2E, sm_scale=scale, GATE=mode)
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                da.stride(0), da.stride(1))
-    _bwd_dkdv_kernel[lambda meta: _grid(N, ob, meta["BLOCK_N"], KV * split)](
+    _bwd_dkdv_kernel[dkdv_grid](
         q, k, v, da, lse, delta, end, k_order, dk_out, dv_out, *strides, *sdk, SPLIT=split, **common,
     )
-    _bwd_dq_kernel[lambda meta: _grid(N, ob, meta["BLOCK_M"], H)](
+    _bwd_dq_kernel[dq_grid](
         q, k, v, da, lse, delta, start, q_order, dq, *strides, dq.stride(0), dq.stride(1), **common,
     )
     if split > 1:
