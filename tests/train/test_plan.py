@@ -368,3 +368,19 @@ def test_plan_predicts_the_h100_peak_of_the_presets(preset):
     cfg = load_config(preset, MEASURED_AS)
     predicted = plan_ranks(cfg, 1)[cfg.parallel.zero_stage][0]["memory"]["total"] / GIB
     assert 0.9 <= predicted / H100_PEAKS[preset] <= 1.1, (preset, predicted)
+
+
+def test_fp8_is_planned_for_the_clusters_gpus_not_refused_for_this_host(monkeypatch):
+    """train.fp8 needs FP8 tensor cores on the cluster's GPUs, not here: the plan models torchao's Float8Linear as
+    the GPUs run it (no emulation), and under ZeRO-3 FSDP2 gathers the converted weights in FP8 (1 byte where bf16
+    gathers 2); the table says what of FP8 it does not model."""
+    from hybridtron.kernels import backend
+
+    monkeypatch.delenv(backend.FP8_EMULATE_ENV, raising=False)  # a CPU host without the tests' emulation
+    over = [*SMALL, ("train.dtype", "bf16")]
+    bf16 = plan_table(load_config("tiny", over), 2, 80, stages=(3,))[0]
+    cfg = load_config("tiny", [*over, ("train.fp8", "tensorwise")])
+    fp8 = plan_table(cfg, 2, 80, stages=(3,))[0]
+    assert fp8["gathered"] < bf16["gathered"] and fp8["weights"] == bf16["weights"]
+    assert "train.fp8=tensorwise: memory planned with the blocks' linears as torchao's Float8Linear" in format_table(
+        cfg, [fp8], 2, 80)

@@ -36,6 +36,10 @@ Where fake tensors cannot follow the real run, this is what the plan assumes ins
   a rank's vocabulary shard, is as in a real step). Text is skewed towards frequent tokens.
 - ``parallel.offload: cpu`` (FSDP2's CPU offload): the sharded weights, sharded gradients and optimizer state are
   counted in host memory (``host``), not in the GPU peak; what is gathered for compute stays on the GPU.
+- ``train.fp8``: planned as the cluster's GPUs run it (the rank's layout rules are checked for the cluster, not this
+  host, which needs no FP8 tensor cores): torchao's Float8Linear with its FP8 casts, saved tensors and (tensorwise
+  under FSDP2) FP8 weight all-gathers. The communication volumes and step time below count those weights at their
+  bf16/fp32 bytes and the matmuls at the bf16 peak; the table says so.
 - ZeRO-0 is planned without DDP's wrapper (its C++ reducer cannot run on fake tensors): with
   ``gradient_as_bucket_view`` its buckets are the gradients, so the replicated model holds what the plain one does.
 

@@ -257,7 +257,9 @@ def _known(t: torch.Tensor) -> torch.Tensor | None:
 def fake_world(cfg: JobConfig, world: int, rank: int):
     """The ``Mesh`` rank ``rank`` of a ``world``-process job would get, over a fake process group in this
     process: ``Mesh.setup`` itself builds it (checks, device mesh, expert mesh, context-parallel groups), reading
-    the launcher's variables, which are set for it meanwhile."""
+    the launcher's variables, which are set for it meanwhile. Its layout and kernel rules are checked for the
+    cluster's GPUs (``target_layout``, as the plan checked them before), not for this host's CPU: ``train.fp8``
+    is planned as the cluster runs it (torchao's FP8 matmuls, not refused for want of FP8 tensor cores here)."""
     if dist.is_initialized():
         raise ConfigError("hybridtron plan simulates other layouts in one process: run it without torchrun "
                           "(torchrun is for --measure)")
@@ -273,7 +275,7 @@ def fake_world(cfg: JobConfig, world: int, rank: int):
     try:
         if world > 1:
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-        with Mesh.setup(cfg, torch.device("cpu")) as mesh:
+        with _cluster_layout(), Mesh.setup(cfg, torch.device("cpu")) as mesh:
             yield mesh
     finally:
         if dist.is_initialized():
@@ -283,6 +285,25 @@ def fake_world(cfg: JobConfig, world: int, rank: int):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class _ClusterLayoutRules:
+    """``Mesh.setup``'s layout check (``Layout.from_config`` with the fake devices' type, the CPU) replaced by the
+    cluster's (``target_layout``: its GPUs taken as present, FP8 tensor cores included)."""
+
+    @staticmethod
+    def from_config(cfg: JobConfig, world: int, *_args, **_kwargs):
+        from ..parallel.layout import target_layout
+
+        return target_layout(cfg, world)
+
+
+def _cluster_layout():
+    from unittest import mock
+
+    from ..parallel import mesh as mesh_module
+
+    return mock.patch.object(mesh_module, "Layout", _ClusterLayoutRules)
 
 
 def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp: torch.dtype | None,

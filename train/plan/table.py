@@ -88,6 +88,12 @@ def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: f
                      f"are planned: see 'stage peaks')")
     if cfg.model.moe.n_experts:
         notes.append("MoE routing assumed balanced (every expert gets an equal share of the token assignments)")
+    if cfg.train.fp8 != "none":
+        notes.append(f"train.fp8={cfg.train.fp8}: memory planned with the blocks' linears as torchao's Float8Linear, as "
+                     f"on the cluster's GPUs (FP8 casts and matmuls"
+                     + (", FP8 weight all-gather in FSDP2" if cfg.train.fp8 == "tensorwise" else "")
+                     + "); not modelled: the communication and step-time columns count those weights at their "
+                       "bf16/fp32 bytes and the matmuls at --peak-tflops")
     lines = [head, *notes,
              "| zero_stage | rank (stage) | weights | gathered | grads | optimizer | activations | peak | fits | "
              + " | ".join(f"{k} GB/step" for k in dims) + " | comm GB/step |",
