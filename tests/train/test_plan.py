@@ -384,3 +384,12 @@ def test_fp8_is_planned_for_the_clusters_gpus_not_refused_for_this_host(monkeypa
     assert fp8["gathered"] < bf16["gathered"] and fp8["weights"] == bf16["weights"]
     assert "train.fp8=tensorwise: memory planned with the blocks' linears as torchao's Float8Linear" in format_table(
         cfg, [fp8], 2, 80)
+
+
+def test_the_table_says_compile_is_not_modelled(capsys):
+    """train.compile changes no planned byte (the fake run traces the eager blocks): the table says so."""
+    line = "train.compile=true is not modelled"
+    assert main(["plan", "--gpus-per-node", "1", *argv(SMALL), "--train.compile", "true"]) == 0
+    assert line in capsys.readouterr().out
+    assert main(["plan", "--gpus-per-node", "1", *argv(SMALL)]) == 0
+    assert line not in capsys.readouterr().out

@@ -36,6 +36,8 @@ Where fake tensors cannot follow the real run, this is what the plan assumes ins
   a rank's vocabulary shard, is as in a real step). Text is skewed towards frequent tokens.
 - ``parallel.offload: cpu`` (FSDP2's CPU offload): the sharded weights, sharded gradients and optimizer state are
   counted in host memory (``host``), not in the GPU peak; what is gathered for compute stays on the GPU.
+- ``train.compile``: the blocks are planned eager (torch.compile on fake tensors only falls back to them); compiled,
+  fused elementwise ops keep fewer temporaries, so the real activation peak is typically lower. The table says so.
 - ``train.fp8``: planned as the cluster's GPUs run it (the rank's layout rules are checked for the cluster, not this
   host, which needs no FP8 tensor cores): torchao's Float8Linear with its FP8 casts, saved tensors and (tensorwise
   under FSDP2) FP8 weight all-gathers. The communication volumes and step time below count those weights at their
