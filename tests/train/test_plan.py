@@ -393,3 +393,23 @@ def test_the_table_says_compile_is_not_modelled(capsys):
     assert line in capsys.readouterr().out
     assert main(["plan", "--gpus-per-node", "1", *argv(SMALL)]) == 0
     assert line not in capsys.readouterr().out
+
+
+# pp 2 x dp 2 under ZeRO-3 in bf16, 4 micro-batches: FSDP2 keeps each stage's gradients unsharded (fp32, the reduce
+# dtype) from the first micro-batch to the last, and the stages send each other bf16 (FSDP2 casts every block's
+# inputs to its bf16 parameters).
+PP_FSDP = [*SMALL, ("model.n_layers", "4"), ("train.dtype", "bf16"), ("parallel.pp", "2"),
+           ("train.grad_accum_steps", "4"), ("parallel.zero_stage", "3")]
+
+
+def test_pipeline_with_fsdp_reports_the_gradients_held_between_micro_batches_as_gradients():
+    """The fp32 copies FSDP2 accumulates the unsharded gradients in (``unsharded_accumulated_grad``, made in its
+    post-backward) are gradients: every parameter of the stage, 4 bytes each, at the peak (before they counted as
+    activations and the gradients as 0 on the first stage)."""
+    from hybridtron.train.plan import plan_ranks
+
+    planned = plan_ranks(load_config("tiny", PP_FSDP), 4)[3]
+    assert set(planned) == {0, 2}
+    for rank, r in planned.items():
+        assert r["memory"]["grads"] >= 4 * r["facts"]["params"], (rank, r)
+

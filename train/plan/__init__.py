@@ -28,10 +28,10 @@ Where fake tensors cannot follow the real run, this is what the plan assumes ins
   as torch orders them). torch's runtime itself cannot run on one process (it exchanges shapes and votes with
   the other stages), so the replay keeps what it keeps: one receive buffer per micro-batch for the activations
   and one for their gradients, allocated once, and the received activations' gradients until the next step.
-  Under FSDP the gradients stay unsharded until the last micro-batch, as torch's stages arrange it. zero_bubble
-  splits each backward in an input half (I) and a weight half (W): a micro-batch's activations are held from its
-  forward to its W (the I half keeps the graph for the W half); the gradients the I half keeps for W are not
-  counted.
+  Under FSDP the gradients stay unsharded until the last micro-batch, as torch's stages arrange it, in FSDP2's
+  fp32 accumulation copies: counted as gradients. zero_bubble splits each backward in an input half (I) and a
+  weight half (W): a micro-batch's activations are held from its forward to its W (the I half keeps the graph for
+  the W half); the gradients the I half keeps for W are not counted.
 - The tokens are uniformly random (drawn for real: what is computed from them alone, such as which labels fall in
   a rank's vocabulary shard, is as in a real step). Text is skewed towards frequent tokens.
 - ``parallel.offload: cpu`` (FSDP2's CPU offload): the sharded weights, sharded gradients and optimizer state are

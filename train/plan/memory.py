@@ -614,6 +614,29 @@ class _FSDPMemTracker(_PeakOnly, FSDPMemTracker):
         for handle in self._unmanaged_hooks:
             handle.remove()
 
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig_post_backward):
+        """torch's wrapper, which tags the unsharded gradients before FSDP2's post-backward, then the gradients
+        that post-backward keeps without reducing them: a micro-batch before a pipeline's last (gradient sync off)
+        moves each block's unsharded gradient into ``unsharded_accumulated_grad``, a new tensor in the reduce dtype
+        (fp32 beside bf16 weights), held until the last micro-batch reduces it. torch's tracker counted those as
+        activations (the 405B layout on 512 GPUs: 23 GiB of its pipeline stage's gradients)."""
+        from functools import wraps
+
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig_post_backward)
+
+        @wraps(inner)
+        def tagged(*args, **kwargs):
+            inner(*args, **kwargs)
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group else ():
+                if fsdp_param.unsharded_accumulated_grad is not None:
+                    self._update_and_maybe_create_winfos(fsdp_param.unsharded_accumulated_grad,
+                                                         _FSDPRefType.UNSHARDED_GRAD)
+
+        return tagged
+
 
 class _MemTracker(_PeakOnly, MemTracker):
     """torch's plain tracker, which hooks the gradient of every parameter of a module when the module first runs.
