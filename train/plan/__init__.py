@@ -27,7 +27,8 @@ Where fake tensors cannot follow the real run, this is what the plan assumes ins
   once; 1f1b: stage s runs pp - s forwards first, so it holds up to pp - s micro-batches; interleaved schedules
   as torch orders them). torch's runtime itself cannot run on one process (it exchanges shapes and votes with
   the other stages), so the replay keeps what it keeps: one receive buffer per micro-batch for the activations
-  and one for their gradients, allocated once, and the received activations' gradients until the next step.
+  and one for their gradients, allocated once, and the received activations' gradients until the next step, in
+  the dtype the stages send (bf16 under FSDP2's bf16 mixed precision, which casts every block's inputs; else fp32).
   Under FSDP the gradients stay unsharded until the last micro-batch, as torch's stages arrange it, in FSDP2's
   fp32 accumulation copies: counted as gradients. zero_bubble splits each backward in an input half (I) and a
   weight half (W): a micro-batch's activations are held from its forward to its W (the I half keeps the graph for
@@ -91,8 +92,9 @@ of the rank's tp shard:
       activation checkpointing repeats the forward ones in backward:           + m L 2 f(tp) B T d (s + c)
       the embedding (reduce-scatter, then all-gather in backward) and the output layer (the reverse), on the
       stages that hold them:                                                   m 2 f(tp) B T d s each
-  pp  the stage's output and its input's gradient, (B, T/tp, d) fp32 each (the first stage sends no gradient,
-      the last no output), per stage of the rank:                              m 2 B (T / (cp tp)) d 4
+  pp  the stage's output and its input's gradient, (B, T/tp, d) each, bf16 (b = 2) under FSDP2's mixed precision
+      (ZeRO-2/3 with parallel.mixed_precision auto in bf16 runs), else fp32 (b = 4) (the first stage sends no
+      gradient, the last no output), per stage of the rank:                   m 2 B (T / (cp tp)) d b
       tied embeddings: first and last stage all-reduce the embedding's gradient once per step: V d 4 / tp
   ep  per MoE layer, balanced routing: the routed copies of the tokens (k per token) to their experts' ranks
       and back, and their gradients:                                           m L_moe 2 f(ep) B (T / cp) k d (s + c)

@@ -63,7 +63,9 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
         ends = (facts["embedding"] + facts["head"]) * 2 * f(p.tp) * B * t * d * s
         out["tp"] = mb * (facts["layers"] * per_layer + ends)
     if p.pp > 1:
-        boundary = B * (T // (p.cp * p.tp)) * d * 4
+        # the residual stream in the dtype the stages send (memory.sent_dtype): FSDP2's bf16 under mixed precision
+        sent = 2 if g == 2 and p.zero_stage >= 2 and n > 1 else 4
+        boundary = B * (T // (p.cp * p.tp)) * d * sent
         for stage in facts["stages"]:
             out["pp"] += mb * boundary * ((stage < facts["n_stages"] - 1) + (stage > 0))
         vocab = m.resolve_vocab(cfg.data.tokenizer.vocab_size)
