@@ -146,5 +146,7 @@ def test_memory_follows_the_tokens_per_rank_not_the_sequence(capfd):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     two = measured(res.stdout)
     assert two["cp"] == 2 and 0.98 <= two["predicted_over_measured"] <= 1.02, two
+    # the ring's sends as planned: k, v forward and backward, their fp32 gradients cp times
+    assert two["comm_predicted_gb_by_dim"]["cp"] == pytest.approx(two["comm_measured_gb_by_op"]["send"], rel=1e-9)
     ratio = two["measured_gib"]["total"] / one["measured_gib"]["total"]
     assert 0.99 <= ratio <= 1.01, (ratio, one["measured_gib"], two["measured_gib"])

@@ -228,20 +228,21 @@ def test_communication_per_dimension():
     moe = [("model.moe.n_experts", "4"), ("model.moe.top_k", "2"), ("model.moe.every", "2")]
     assert comm(*moe, ("parallel.ep", "2"))["ep"] == rel(mb * 1 * 2 * 0.5 * B * T * 2 * d * 8)
     # cp: ring attention in the 2 attention layers (2 kv heads of 16): the key and value block passed once in
-    # forward, and twice with their gradients in backward; the gradients are averaged over the cp ranks (DDP)
+    # forward, once more in backward, and their fp32 gradients twice (home); the gradients are averaged over the cp
+    # ranks (DDP)
     cp = comm(("parallel.cp", "2"))
     kv = B * (T // 2) * 2 * 16
-    assert cp["cp"] == rel(mb * 2 * kv * (2 * 4 + 2 * (4 + 4 + 4 + 4)))
+    assert cp["cp"] == rel(mb * 2 * kv * (2 * 4 + 2 * 4 + 2 * (4 + 4)))
     assert cp["dp"] == rel(2 * 0.5 * 4 * n_params(load_config("tiny", SMALL)))
     # with tp2 too, each rank's ring carries its own half of the heads
     both = load_config("tiny", [*SMALL, ("train.grad_accum_steps", str(mb)), ("parallel.cp", "2"), ("parallel.tp", "2")])
     assert plan_table(both, 4, 80, stages=(3,))[0]["comm_gb"]["cp"] * 1e9 == rel(cp["cp"] / 2)
-    # cp over a Gated DeltaNet layer (4 key and value heads of 16, conv width 4): every piece's state map (A | B),
-    # 16 x 32 per head in fp32, gathered and its gradient reduce-scattered, and the 3-row convolution halo of the
-    # 4 x 16 x 3 channels there and back; plus the one attention layer's ring
+    # cp over a Gated DeltaNet layer (4 key and value heads of 16, conv width 4): both chunks' state maps (A | B),
+    # 16 x 32 per head in fp32, gathered and their gradient reduce-scattered, and the 3 convolution inputs of the
+    # 4 x 16 x 3 channels before each chunk likewise; plus the one attention layer's ring
     hybrid = comm(("parallel.cp", "2"), ("model.layer_pattern", "LA"))
     halo = B * 3 * (4 * 16 * 3) * 4
-    assert hybrid["cp"] == rel(mb * (1 * 2 * (B * 4 * 16 * 32 * 4 + halo) + 1 * kv * (2 * 4 + 2 * 16)))
+    assert hybrid["cp"] == rel(mb * (1 * 2 * 2 * (B * 4 * 16 * 32 * 4 + halo) + 1 * kv * (2 * 4 + 2 * 4 + 2 * 8)))
 
 
 def test_layouts_a_zero_stage_cannot_take_are_rows_with_the_reason():

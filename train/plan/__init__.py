@@ -98,11 +98,11 @@ of the rank's tp shard:
       tied embeddings: first and last stage all-reduce the embedding's gradient once per step: V d 4 / tp
   ep  per MoE layer, balanced routing: the routed copies of the tokens (k per token) to their experts' ranks
       and back, and their gradients:                                           m L_moe 2 f(ep) B (T / cp) k d (s + c)
-  cp  per attention layer (ring attention): cp - 1 passes of a key and a value block in forward, cp passes of
-      them with their fp32 gradients in backward:            m L_attn B (T / cp) H_kv D (2 (cp - 1) c + cp (2 c + 8))
-      per delta-rule layer: all-gather of every piece's state map (A | B), fp32, and the reduce-scatter of its
-      gradient; the convolution halo to the next rank and its gradient back:
-                                                     m L_delta 2 B ((cp - 1) H_v D_k (D_k + D_v) 4 + (K - 1) C c)
+  cp  per attention layer (ring attention): cp - 1 passes of a key and a value block in forward, cp - 1 again in
+      backward and cp of their fp32 gradients:                     m L_attn B (T / cp) H_kv D (4 (cp - 1) c + 8 cp)
+      per delta-rule layer: all-gathers of both chunks' state maps (A | B), fp32, and of the K - 1 convolution
+      inputs before each chunk, and the reduce-scatters of their gradients:
+                                                m L_delta 2 (cp - 1) 2 B (H_v D_k (D_k + D_v) 4 + (K - 1) C c)
       document ids (int64) gathered per micro-batch when masked:               m (cp - 1) B (T / cp) 8
 """
 

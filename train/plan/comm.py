@@ -77,13 +77,15 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
         t = T // p.cp
         D = m.resolved_head_dim()
         block = B * t * (m.n_kv_heads // p.tp) * D  # one piece's keys (or values) of this rank's heads: the ring
-        out["cp"] = mb * facts["attention_layers"] * block * (2 * (p.cp - 1) * c + p.cp * (2 * c + 8))
+        # forward: cp - 1 passes of the key and value blocks; backward: cp - 1 again, and cp of their fp32 gradients
+        out["cp"] = mb * facts["attention_layers"] * block * (4 * (p.cp - 1) * c + 8 * p.cp)
         if facts["delta_layers"]:
             n_k, n_v, d_k, d_v = m.deltanet.resolved(m)
             n_h = m.deltanet.n_householder
             conv_dim = n_k * d_k * (1 + n_h) + n_v * d_v * n_h
-            maps = (p.cp - 1) * B * (n_v // p.tp) * d_k * (d_k + d_v) * 4  # the (A | B) of this rank's heads, fp32
-            halo = B * (m.deltanet.conv_size - 1) * (conv_dim // p.tp) * c
+            # all-gathers of both chunks' (A | B) of this rank's heads (fp32) and of their last conv_size - 1 inputs
+            maps = 2 * (p.cp - 1) * B * (n_v // p.tp) * d_k * (d_k + d_v) * 4
+            halo = 2 * (p.cp - 1) * B * (m.deltanet.conv_size - 1) * (conv_dim // p.tp) * c
             out["cp"] += mb * facts["delta_layers"] * 2 * (maps + halo)
         if m.doc_mask:
             out["cp"] += mb * (p.cp - 1) * B * t * 8
