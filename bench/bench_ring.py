@@ -26,14 +26,13 @@ import torch
 import torch.nn.functional as F
 
 from hybridtron.kernels.gated_attention import blocks
-from hybridtron.train.parallel.context_parallel import _merge, zigzag
+from hybridtron.train.parallel.context_parallel import _merge, ring_rectangle, zigzag
 
 
 def _segments(r: int, n: int, step: int, t: int):
-    """The (q0, q1, k0, k1) rectangle of rank r's ring step ``step`` > 0 without documents (as `_segments`)."""
-    c = t // 2
+    """(src, its rectangle) of rank r's ring step ``step`` > 0 without documents."""
     src = (r - step) % n
-    return src, ((0, t, 0, c) if src < r else (c, t, 0, t))
+    return src, ring_rectangle(r, src, t)
 
 
 def rank_forward(backend, r, n, q, k, v):

@@ -58,15 +58,15 @@ class Docs:
             B, t = self.ids.shape
             cut = torch.ones(B, t + 1, dtype=torch.bool, device=self.ids.device)
             cut[:, 1:t] = self.ids[:, 1:] != self.ids[:, :-1]
-            rows, cols = cut.nonzero(as_tuple=True)
-            runs: list[list[tuple[int, int]]] = [[] for _ in range(B)]
             edges: list[list[int]] = [[] for _ in range(B)]
-            for b, c in zip(rows.tolist(), cols.tolist(), strict=True):
+            for b, c in cut.nonzero().tolist():
                 edges[b].append(c)
-            for b, e in enumerate(edges):
-                runs[b] = list(zip(e[:-1], e[1:], strict=True))
-            self._runs = runs
+            self._runs = [list(zip(e[:-1], e[1:], strict=True)) for e in edges]
         return self._runs
+
+    def pieces(self):
+        """(row, begin, end) of every run, row by row."""
+        return ((b, s, e) for b, row in enumerate(self.runs()) for s, e in row)
 
     def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, end) int32 per token of the flattened (B * t) block (`doc_bounds`), on the device."""
@@ -111,12 +111,10 @@ def backward(backend: str, dout, q, k, v, out, lse, *, causal: bool, scale: floa
         return _triton_backward(dout, q, k, v, out, lse, causal, scale, docs)
     if docs is not None and causal:
         grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for b, row in enumerate(docs.runs()):
-            for s, e in row:
-                piece = [t[b:b + 1, s:e] for t in (dout, q, k, v, out)]
-                dq, dk, dv = _sdpa_backward(*piece, lse[b:b + 1, :, s:e], True, scale)
-                for g, d in zip(grads, (dq, dk, dv), strict=True):
-                    g[b:b + 1, s:e] = d
+        for b, s, e in docs.pieces():
+            piece = [t[b:b + 1, s:e] for t in (dout, q, k, v, out)]
+            for g, d in zip(grads, _sdpa_backward(*piece, lse[b:b + 1, :, s:e], True, scale), strict=True):
+                g[b:b + 1, s:e] = d
         return tuple(grads)
     return _sdpa_backward(dout, q, k, v, out, lse, causal, scale)
 
@@ -131,10 +129,8 @@ def _by_runs(fn, qkv, docs: Docs):
     B, t, H, D = q.shape
     out = q.new_zeros(B, t, H, D)
     lse = torch.full((B, H, t), float("-inf"), dtype=_lse_dtype(q), device=q.device)
-    for b, row in enumerate(docs.runs()):
-        for s, e in row:
-            o, l_ = fn(*(x[b:b + 1, s:e] for x in qkv))
-            out[b:b + 1, s:e], lse[b:b + 1, :, s:e] = o, l_
+    for b, s, e in docs.pieces():
+        out[b:b + 1, s:e], lse[b:b + 1, :, s:e] = fn(*(x[b:b + 1, s:e] for x in qkv))
     return out, lse
 
 

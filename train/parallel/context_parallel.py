@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...kernels.backend import BackendError, forced_choice, resolve
+from ...kernels.backend import BackendError, forced_choice, pick
 from ...kernels.gated_attention import blocks
 
 RING = 8  # message tags of ring attention's blocks (RING + i for the i-th tensor passed on)
@@ -74,8 +74,16 @@ def ring_backend(requested: str, device: torch.device, docs: bool) -> str:
         raise BackendError(f"model.kernels.attention={requested} has no ring-attention form under context "
                            f"parallelism; choose one of auto, {', '.join(blocks.RING_BACKENDS)}")
     if requested != "reference":
-        resolve("attention", requested, device)  # refuses what cannot run here (triton on a CPU without interpreter)
+        pick("attention", requested, device.type)  # refuses what cannot run here (cached: every layer asks)
     return requested
+
+
+def ring_rectangle(rank: int, src: int, t: int) -> tuple[int, int, int, int]:
+    """(q0, q1, k0, k1): which of rank ``rank``'s t queries see the block of rank ``src`` != rank, and which of its
+    keys they see, without documents. From an earlier rank its first chunk precedes both of this rank's chunks;
+    from a later rank both its chunks precede only this rank's second. Either way t x t / 2 pairs, unmasked."""
+    c = t // 2
+    return (0, t, 0, c) if src < rank else (c, t, 0, t)
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -108,13 +116,12 @@ class _Documents:
         mine, spans = self.pieces[r], []
         for i in range(1, n):
             src = (r - i) % n
-            keys = self.pieces[src][:, :c] if src < r else self.pieces[src]
+            q0, q1, k0, k1 = ring_rectangle(r, src, 2 * c)
+            keys = self.pieces[src][:, k0:k1]
             last = keys[:, -1:]
-            q_lo = 0 if src < r else c
-            a = (mine[:, q_lo:] == last).sum(1)
+            a = (mine[:, q0:q1] == last).sum(1)
             b = (keys == last).sum(1)
-            spans.append(torch.stack([torch.full_like(a, q_lo), q_lo + a, keys.shape[1] - b,
-                                      torch.full_like(b, keys.shape[1])], dim=1))
+            spans.append(torch.stack([torch.full_like(a, q0), q0 + a, k1 - b, torch.full_like(b, k1)], dim=1))
         # (n - 1, B, 4): one host sync per forward. A fake tensor (the planner's) has no values: the rectangles are
         # then taken whole, as without documents (the most any step of a real run does).
         self.spans = None if _is_fake(doc_ids) else torch.stack(spans).tolist() if spans else []
@@ -214,10 +221,8 @@ class ContextParallel:
 
     def _segments(self, step: int, t: int, docs: _Documents | None):
         """The (rows, q0, q1, k0, k1) rectangles of ring step ``step`` > 0 (rows: a batch slice)."""
-        c = t // 2
-        src = (self.rank - step) % self.n
         if docs is None or docs.spans is None:
-            yield (slice(None), 0, t, 0, c) if src < self.rank else (slice(None), c, t, 0, t)
+            yield slice(None), *ring_rectangle(self.rank, (self.rank - step) % self.n, t)
             return
         for b, (q0, q1, k0, k1) in enumerate(docs.spans[step - 1]):
             if q1 > q0 and k1 > k0:
@@ -243,11 +248,9 @@ class ContextParallel:
         docs = self.documents(doc_ids)
         if docs is None:
             return x, None
-        ids = []
-        for j in self._mine():
-            ids.append(torch.full_like(docs.canon[:, :width], -1) if j == 0
-                       else docs.canon[:, j * c - width:j * c])
-            ids[-1] = torch.cat([ids[-1], docs.canon[:, j * c:(j + 1) * c]], dim=1)
+        canon = docs.canon
+        ids = [torch.cat([canon[:, j * c - width:j * c] if j else torch.full_like(canon[:, :width], -1),
+                          canon[:, j * c:(j + 1) * c]], dim=1) for j in self._mine()]
         return x, torch.stack(ids, dim=1).view(2 * B, width + c)
 
     def chunk_resets(self, doc_ids: torch.Tensor) -> torch.Tensor:
