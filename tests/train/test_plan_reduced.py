@@ -162,3 +162,40 @@ def test_plan_of_a_gpu_preset_takes_seconds(preset, nodes):
     said = run.stderr.splitlines()
     assert said and all(line.startswith("hybridtron plan: planning rank 0, ZeRO-") for line in said), said
     assert any("ZeRO-3: tracing step 1/" in line for line in said), said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_stages_traced_on_fewer_micro_batches_plan_the_whole_step(schedule, monkeypatch):
+    """pp 4 over 8 micro-batches, dp 2 under ZeRO-2 and 3 in bf16: 1F1B stage s is traced with its pp - 1 - s
+    warm-up forwards and three (forward, backward) pairs (``ReplayedSchedule.shorten``), what the pairs it leaves
+    out leave behind (received gradients, logged losses) added to the places after them, and plans every stage
+    as the trace of all 8 micro-batches does; GPipe (every micro-batch in flight) is traced whole. (8 min for
+    both schedules on a 2-core VM running other tests beside.)"""
+    from hybridtron.train.plan.memory import ReplayedSchedule
+
+    shortened = []
+    shorten = ReplayedSchedule.shorten
+
+    def spying(self):
+        done = shorten(self)
+        shortened.append((self.pipeline.mesh.pp_rank, self.traced if done else None))
+        return done
+
+    monkeypatch.setattr(ReplayedSchedule, "shorten", spying)
+    cfg = load_config("tiny", [*SMALL, ("model.n_layers", "8"), ("parallel.pp", "4"), ("train.dtype", "bf16"),
+                               ("train.grad_accum_steps", "8"), ("parallel.pp_schedule", schedule)])
+    stages = (2, 3)
+    reduced = plan_ranks(cfg, 8, stages)
+    if schedule == "1f1b":  # each stage (of both builds) on w + 3 of the 8 micro-batches, w = 3 - s
+        assert sorted(set(shortened)) == [(0, 6), (1, 5), (2, 4), (3, 3)], shortened
+    else:
+        assert shortened and all(n is None for _, n in shortened), shortened
+    full = plan_ranks(cfg, 8, stages, exact=True)
+    for z in stages:
+        assert set(reduced[z]) == set(full[z]) == {0, 2, 4, 6}
+        for rank, ref in full[z].items():
+            got = reduced[z][rank]
+            for k, v in ref["memory"].items():
+                assert abs(got["memory"][k] - v) < TOLERANCE, (schedule, z, rank, k, got["memory"], ref["memory"])
+            assert got["facts"] == ref["facts"], (schedule, z, rank)

@@ -381,7 +381,7 @@ class ReplayedSchedule:
     backwards of one stage pair up first in, first out, as every torch schedule orders them."""
 
     def __init__(self, pipeline, device: torch.device, warm: bool = False):
-        self.pipeline, self.device = pipeline, device
+        self.pipeline, self.device, self.torch_schedule = pipeline, device, pipeline.schedule
         # every pp rank's actions (None: an idle slot), for the planner to tell which ranks act alike
         self.orders = {r: [a for a in order if a is not None] for r, order in pipeline.schedule.pipeline_order.items()}
         self.order = self.orders[pipeline.mesh.pp_rank]
@@ -392,6 +392,44 @@ class ReplayedSchedule:
         # ``quick``): one micro-batch forward and backward through each of the rank's stages, every receive buffer
         # allocated, FSDP's gradients reduced and resharded as after a last micro-batch
         self.warm = warm
+        # what a (not warm) step runs: every micro-batch in the configured order, or fewer (``shorten``), with
+        # ``tail`` the indices in ``traced_order`` of the two actions that start its shifted tail and the next period
+        self.traced, self.traced_order, self.tail = self.n_micro, self.order, None
+        self.watch = None  # called with each action's index in ``traced_order`` before it runs (``tracked_step``)
+
+    def shorten(self) -> bool:
+        """Trace 1F1B with as few micro-batches as shape its memory: w + 3 on a stage with w warm-up forwards
+        (pp - 1 - s). Its actions are w forwards, then pairs (forward, backward), then w backwards; the first pair
+        is a step's first backward (it makes the gradients), every later pair repeats the one before with w
+        micro-batches in flight, and holds only what each finished micro-batch leaves behind (the gradient received
+        into its activation buffer, a logged loss) in addition. So the step with m micro-batches is this one with
+        m - w - 3 more such pairs before its second pair: from that pair on (``tail``) its memory is this one's plus
+        m - w - 3 times what one pair leaves behind (measured between the second and the third pair's starts:
+        ``tracked_step``), and the pairs it leaves out hold no more than the second does then. Every receive
+        buffer stays allocated (the first step allocated m). Returns whether the step is shortened (1F1B with one
+        stage per rank, and more than w + 3 micro-batches)."""
+        from torch.distributed.pipelining import Schedule1F1B
+
+        schedule = self.torch_schedule
+        if type(schedule) is not Schedule1F1B or len(self.modules) != 1:
+            return False
+        rank = self.pipeline.mesh.pp_rank
+        w = self.n_stages - 1 - rank
+        n = w + 3
+        if self.n_micro <= n:
+            return False
+        saved = schedule._n_microbatches
+        try:  # torch's own order for n micro-batches (it reads nothing else of the schedule)
+            schedule._n_microbatches = n
+            order = [a for a in schedule._get_pipeline_order()[rank] if a is not None]
+        finally:
+            schedule._n_microbatches = saved
+        kinds = [a.computation_type.value for a in order if a.computation_type.value in ("F", "B")]
+        if kinds != ["F"] * w + ["F", "B"] * 3 + ["B"] * w or [a.computation_type.value for a in order[:w + 6]] \
+                != kinds[:w + 6]:
+            return False  # not the order the shortcut is worked out for (another torch)
+        self.traced, self.traced_order, self.tail = n, order, (w + 2, w + 4)
+        return True
 
     def _buffer(self, kind: str, stage: int, mb: int, like: torch.Tensor) -> torch.Tensor:
         """The receive buffer ``kind`` ("act" or "grad") of ``stage`` for micro-batch ``mb``; ``like``: a (B, T)
@@ -408,16 +446,17 @@ class ReplayedSchedule:
 
         from ..parallel.pipeline import stage_loss
 
-        ids = args[0].chunk(self.n_micro) if args else None
-        labels = target.chunk(self.n_micro) if target is not None else None
-        kw = [{k: v.chunk(self.n_micro)[m] for k, v in kwargs.items()} for m in range(self.n_micro)]
+        n = self.n_micro  # (a shortened step runs the first ``traced`` of them: the batch is the whole step's)
+        ids = args[0].chunk(n) if args else None
+        labels = target.chunk(n) if target is not None else None
+        kw = [{k: v.chunk(n)[m] for k, v in kwargs.items()} for m in range(n)]
         for key, buf in self.recv.items():
             if key[0] == "act":
                 buf.grad = None  # torch clears the received activations' gradients at the start of a step
         held = {s: [] for s in self.modules}
         started = {s: 0 for s in self.modules}
         backwards = {s: 0 for s in self.modules}
-        order, n_last = self.order, self.n_micro
+        order, n_last, watch = self.traced_order, self.traced, self.watch
         if self.warm:
             self.warm = False
             for s in self.modules:
@@ -428,8 +467,10 @@ class ReplayedSchedule:
                         self._buffer("grad", s, m, kw[m]["labels"])
             order = [_Action(s, "F") for s in sorted(self.modules)] + [_Action(s, "B") for s in sorted(self.modules,
                                                                                                       reverse=True)]
-            n_last = 1
-        for action in order:
+            n_last, watch = 1, None
+        for index, action in enumerate(order):
+            if watch is not None:
+                watch(index)
             s, kind = action.stage_index, action.computation_type.value
             module = self.modules[s]
             if kind == "F":
@@ -792,16 +833,60 @@ def _left_out(rank: ReadyRank, layers):
             lst._modules[name] = blocks[int(name)]
 
 
+def shortened(rank: ReadyRank) -> ReadyRank:
+    """``rank`` with its pipeline schedule traced on fewer micro-batches where that gives the same places' memory
+    (``ReplayedSchedule.shorten``: 1F1B); its tracked steps must keep their places (``tracked_step``), which are
+    those of the whole step."""
+    schedule = rank.pipeline.schedule if rank.pipeline is not None else None
+    if isinstance(schedule, ReplayedSchedule):
+        schedule.shorten()
+    return rank
+
+
+def _watch_tail(tracker, schedule: ReplayedSchedule, device: torch.device):
+    """For a shortened schedule (``ReplayedSchedule.shorten``): a callback for its actions that starts a new place
+    of the step where its tail starts, and keeps the tracker's memory by type at the starts of the tail and of the
+    period after it; and a function that then adds the left-out pairs' leftovers to every place of the tail."""
+    marks = {}
+
+    def watch(index: int) -> None:
+        if index in schedule.tail:
+            snap = tracker._curr_mem_snap
+            marks[index] = dict(snap[device] if device in snap else next(iter(snap.values())))
+            if index == schedule.tail[0]:
+                marks["phase"] = tracker._phase + 1  # the tail's first place (a new phase: ``_PeakOnly._place``)
+                tracker._pass = None
+
+    def shift() -> None:
+        start, period = (marks[i] for i in schedule.tail)
+        left_out = schedule.n_micro - schedule.traced
+        per_pair = {k: period.get(k, 0) - start.get(k, 0) for k in start.keys() | period.keys()}
+        for place, snap in tracker.segments.items():
+            if place[0] >= marks["phase"]:
+                for k, v in per_pair.items():
+                    snap[k] = snap.get(k, 0) + left_out * v
+
+    return watch, shift
+
+
 def tracked_step(rank: ReadyRank, left_out=(), counted=None, places: bool = False, update: bool = True):
     """One training step of ``rank`` under the memory tracker, the layers ``left_out`` absent from it (their
     weights, gradients and optimizer state counted, unchanged; their gradients clipped with the others'); returns
     the tracker. ``counted``: a context the step runs in (``CollectiveBytes``). ``places``: keep the peak of every
-    place of the step too (``_PeakOnly``). ``update`` False: no clipping or optimizer step (``_train_step``)."""
+    place of the step too (``_PeakOnly``); a ``shortened`` rank's places are those of the whole step (its peak
+    over all of them, not the tracker's peak). ``update`` False: no clipping or optimizer step (``_train_step``)."""
+    schedule = rank.pipeline.schedule if rank.pipeline is not None else None
+    short = isinstance(schedule, ReplayedSchedule) and schedule.tail is not None
+    if short and not places:
+        raise ValueError("a shortened pipeline step has the whole step's memory at its places only")
     with _left_out(rank, left_out) as detached:
         tracker = _tracker(rank.roots, rank.model, rank.optimizer, rank.pipeline, detached)
         if places:
             tracker.blocks = {i: b for i, b in enumerate(rank.model.layers) if b is not None}
             tracker.segments = {}
+        shift = None
+        if short:
+            schedule.watch, shift = _watch_tail(tracker, schedule, rank.device)
         roots = rank.roots
 
         # The trackers follow one call per module: a step calls the model (or a stage) once per micro-batch, so
@@ -821,6 +906,10 @@ def tracked_step(rank: ReadyRank, left_out=(), counted=None, places: bool = Fals
                             clip_also=[p for block in detached for p in block.parameters()])
         finally:
             handle.remove()
+            if short:
+                schedule.watch = None
+    if shift is not None:
+        shift()
     return tracker
 
 

@@ -25,7 +25,8 @@ waiting for the next) at places of the layers next to the middle, which are not 
 tests' models or the presets.
 
 The steps are ``ready_rank``'s ``quick`` ones (one tracked micro-batch on the gradients of an earlier one, a
-pipeline's first step one micro-batch per stage), on one build per rank for the base and every extra layer
+pipeline's first step one micro-batch per stage; a 1F1B stage's later steps on its warm-up forwards and three
+pairs: ``memory.ReplayedSchedule.shorten``), on one build per rank for the base and every extra layer
 (those a step leaves out still hold their weights, gradients and optimizer state, taken back out of the base),
 and, for ZeRO-2 and 3, on one build for both (``plan_rank``)."""
 
@@ -46,6 +47,7 @@ from .memory import (
     held_by,
     planned_ranks,
     ready_rank,
+    shortened,
     simulate,
     tracked_step,
     with_zero_stage,
@@ -208,8 +210,8 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
             stage_names = " and ".join(f"ZeRO-{z}" for z in zs)
             if note is not None:
                 note(f"{stage_names}: building the rank and its first step")
-            ready = ready_rank(cz, dataclasses.replace(mesh, zero_stage=zs[0]), True, torch.device("cpu"),
-                               quick=True, like=red.like)
+            ready = shortened(ready_rank(cz, dataclasses.replace(mesh, zero_stage=zs[0]), True, torch.device("cpu"),
+                                         quick=True, like=red.like))
             if ready.pipeline is not None:
                 orders = ready.pipeline.schedule.orders
             for z in zs:
