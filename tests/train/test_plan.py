@@ -224,6 +224,11 @@ def test_communication_per_dimension():
     # pp: the last stage sends its input's gradient back per micro-batch, and the tied embedding's gradient
     pp = comm(("parallel.pp", "2"))
     assert pp["pp"] == rel(mb * B * T * d * 4 + V * d * 4) and pp["dp"] == 0
+    # under FSDP2 (dp 2, ZeRO-3, bf16) each end holds half the tied weight's gradient and all-reduces that half;
+    # the stages send bf16
+    fsdp = load_config("tiny", [*SMALL, ("train.grad_accum_steps", str(mb)), ("parallel.pp", "2"),
+                                ("train.dtype", "bf16"), ("parallel.zero_stage", "3")])
+    assert plan_table(fsdp, 4, 80, stages=(3,))[0]["comm_gb"]["pp"] * 1e9 == rel(mb * B * T * d * 2 + V * d * 4 / 2)
     # ep: the tiny MoE has one MoE layer of top-2 routing; out and back, forward and backward, half leaves the rank
     moe = [("model.moe.n_experts", "4"), ("model.moe.top_k", "2"), ("model.moe.every", "2")]
     assert comm(*moe, ("parallel.ep", "2"))["ep"] == rel(mb * 1 * 2 * 0.5 * B * T * 2 * d * 8)
@@ -447,3 +452,8 @@ def test_pipeline_with_fsdp_plan_matches_a_real_step():
     assert got["predicted_gib"]["grads"] == pytest.approx(got["measured_gib"]["grads"], rel=1e-6), got
     for rank, r in got["ranks"].items():  # each stage sends 4 micro-batches' bf16 activations or their gradients
         assert r["comm_measured_gb_by_op"]["send"] * 1e9 == 4 * B * T * D * 2, (rank, got)
+        # and both ends all-reduce their FSDP shard of the tied embedding's fp32 gradient (and two loss scalars),
+        # as the plan's pp volume has it
+        tied = r["comm_measured_gb_by_op"]["allreduce_"] * 1e9
+        assert V * D * 4 / 2 <= tied <= V * D * 4 / 2 + 64, (rank, got)
+        assert r["comm_predicted_gb_by_dim"]["pp"] * 1e9 == pytest.approx(4 * B * T * D * 2 + V * D * 4 / 2)

@@ -70,7 +70,11 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
             out["pp"] += mb * boundary * ((stage < facts["n_stages"] - 1) + (stage > 0))
         vocab = m.resolve_vocab(cfg.data.tokenizer.vocab_size)
         if m.tie_embeddings and (facts["embedding"] or facts["head"]):
-            out["pp"] += vocab * d * 4 / p.tp
+            # the two ends' fp32 gradient of the shared weight, all-reduced as each rank holds it: its tp piece,
+            # and under FSDP2 its dp shard (measured: a (V/2, d) fp32 all-reduce at pp 2 x dp 2, ZeRO-3)
+            fsdp = p.zero_stage >= 2 and n > 1
+            held = (n if layout.dp_shard == dp else layout.dp_shard * p.cp) if fsdp else 1
+            out["pp"] += vocab * d * 4 / (p.tp * held)
     if p.ep > 1:
         out["ep"] = mb * facts["moe_layers"] * 2 * f(p.ep) * B * (T // p.cp) * m.moe.top_k * d * (s + c)
     if p.cp > 1:
