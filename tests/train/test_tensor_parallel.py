@@ -64,6 +64,9 @@ def test_tensor_parallel_hybrid_moe_trains_like_one_process(layout, runs):
     want = assert_same_weights(runs[layout], runs["single"], step=2)
     assert any("in_proj_qkv" in k for k in want) and any("gate_up_proj" in k for k in want)
     assert f"dp={1 if layout == 'tp2' else 2}, tp=2, pp=1, ep={2 if 'ep2' in layout else 1}" in runs[layout + ".log"]
+    # the gradient norm, partial over dp and tp, is reduced over one flattened dp x tp group (torch warned of the
+    # two all-reduces in sequence it ran without one)
+    assert "sequential all_reduce" not in runs[layout + ".log"]
 
 
 @pytest.mark.parametrize("src, dst", [("tp2", "single"), ("single", "tp2"), ("tp2_dp2_zero3", "tp2"),

@@ -107,10 +107,15 @@ class Mesh:
         # over dp x cp ranks: the device mesh's "dp" dimension spans both.
         dims = [(name, n) for name, n in (("pp", pp), ("dp", dp * cp), ("tp", tp)) if n > 1 or name == "dp"]
         mesh = init_device_mesh(device.type, tuple(n for _, n in dims), mesh_dim_names=tuple(name for name, _ in dims))
+        if tp > 1 and dp * cp > 1:  # one group over dp x tp, for DTensor to reduce a value partial on both (the
+            # gradient norm under FSDP2 x tp) in one all-reduce, not two in sequence (torch warns of those)
+            mesh["dp", "tp"]._flatten("dp_tp")
         ep, expert_mesh = cfg.parallel.ep, None
         if ep > 1:  # the same rank order with dp x cp split in two: experts shard over ep, replicate over dp_replicate
             expert_mesh = init_device_mesh(device.type, (pp, dp * cp // ep, ep, tp),
                                            mesh_dim_names=("pp", "dp_replicate", "ep", "tp"))
+            if tp > 1:  # the experts' gradient norm likewise, partial over ep and tp
+                expert_mesh["ep", "tp"]._flatten("ep_tp")
         cp_group = None
         if cp > 1:  # groups of their own, even when one spans the world (a device mesh would reuse the default
             # group there, whose gradient all-reduces the backward interleaves with the cp exchanges differently
