@@ -167,9 +167,10 @@ def test_plan_of_a_gpu_preset_takes_seconds(preset, nodes):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_stages_traced_on_fewer_micro_batches_plan_the_whole_step(schedule, monkeypatch):
-    """pp 4 over 8 micro-batches, dp 2 under ZeRO-2 and 3 in bf16: 1F1B stage s is traced with its pp - 1 - s
-    warm-up forwards and three (forward, backward) pairs (``ReplayedSchedule.shorten``), what the pairs it leaves
-    out leave behind (received gradients, logged losses) added to the places after them, and plans every stage
+    """pp 4 over 8 micro-batches, dp 2 under ZeRO-2 and 3 in bf16: 1F1B stage s is traced with min(pp - 1 - s, 2)
+    of its warm-up forwards and three (forward, backward) pairs (``ReplayedSchedule.shorten``), what the pairs it
+    leaves out leave behind (received gradients, logged losses) added to the places after them (and stage 0's
+    third warm-up's activations to those from the first pair to the last backward), and plans every stage
     as the trace of all 8 micro-batches does; GPipe (every micro-batch in flight) is traced whole. (8 min for
     both schedules on a 2-core VM running other tests beside.)"""
     from hybridtron.train.plan.memory import ReplayedSchedule
@@ -187,8 +188,8 @@ def test_pipeline_stages_traced_on_fewer_micro_batches_plan_the_whole_step(sched
                                ("train.grad_accum_steps", "8"), ("parallel.pp_schedule", schedule)])
     stages = (2, 3)
     reduced = plan_ranks(cfg, 8, stages)
-    if schedule == "1f1b":  # each stage (of both builds) on w + 3 of the 8 micro-batches, w = 3 - s
-        assert sorted(set(shortened)) == [(0, 6), (1, 5), (2, 4), (3, 3)], shortened
+    if schedule == "1f1b":  # each stage (of both builds) on min(w, 2) + 3 of the 8 micro-batches, w = 3 - s
+        assert sorted(set(shortened)) == [(0, 5), (1, 5), (2, 4), (3, 3)], shortened
     else:
         assert shortened and all(n is None for _, n in shortened), shortened
     full = plan_ranks(cfg, 8, stages, exact=True)
@@ -199,3 +200,33 @@ def test_pipeline_stages_traced_on_fewer_micro_batches_plan_the_whole_step(sched
             for k, v in ref["memory"].items():
                 assert abs(got["memory"][k] - v) < TOLERANCE, (schedule, z, rank, k, got["memory"], ref["memory"])
             assert got["facts"] == ref["facts"], (schedule, z, rank)
+
+
+@pytest.mark.slow
+def test_1f1b_stages_alike_but_in_warm_ups_share_one_trace(monkeypatch):
+    """pp 5 over 8 micro-batches (dp 2, ZeRO-3, bf16): the middle stages 1 and 2 (3 and 2 warm-up forwards) are
+    traced as one, on 2 warm-ups and 3 pairs, stage 1 adding one more warm-up's activations to its places from the
+    first pair to the last backward; stage 0 traced on 2 of its 4 warm-ups likewise. Every stage's plan equals
+    the trace of the whole step (every micro-batch, every layer)."""
+    import hybridtron.train.plan.reduced as reduced
+
+    traced = []
+    plan_rank = reduced.plan_rank
+
+    def counting(cfg, world, rank, *args, **kwargs):
+        traced.append(rank)
+        return plan_rank(cfg, world, rank, *args, **kwargs)
+
+    monkeypatch.setattr(reduced, "plan_rank", counting)
+    cfg = load_config("tiny", [*SMALL, ("model.n_layers", "10"), ("parallel.pp", "5"), ("train.dtype", "bf16"),
+                               ("train.grad_accum_steps", "8"), ("parallel.zero_stage", "3")])
+    reduced_plan = plan_ranks(cfg, 10, (3,))[3]
+    assert traced == [0, 2, 6, 8], traced
+    full = plan_ranks(cfg, 10, (3,), exact=True)[3]
+    assert set(reduced_plan) == set(full) == {0, 2, 4, 6, 8}
+    assert full[2]["memory"]["total"] > full[4]["memory"]["total"]  # one more micro-batch in flight
+    for rank, ref in full.items():
+        got = reduced_plan[rank]
+        for k, v in ref["memory"].items():
+            assert abs(got["memory"][k] - v) < TOLERANCE, (rank, k, got["memory"], ref["memory"])
+        assert got["facts"] == ref["facts"], rank

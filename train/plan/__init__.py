@@ -55,10 +55,13 @@ the first two and last three layers of each of its stages, and once more with on
 repeats between them; the peak, place by place in the step, is extrapolated to the real count of each kind. The
 traces run one micro-batch on top of the gradients of an earlier one (a step's second micro-batch, which holds at
 least what its first does), and a pipeline's first step one micro-batch per stage. A 1F1B stage with w warm-up
-forwards is traced on w + 3 micro-batches, not all m (``ReplayedSchedule.shorten``): after its first (forward,
-backward) pair every pair repeats the one before, holding besides only what each finished micro-batch leaves (the
-gradient received into its buffer, a logged loss), so the places from the second pair on get m - w - 3 times that
-(measured between two pairs) and the pairs left out hold no more. ``exact=True``
+forwards is traced on min(w, 2) + 3 micro-batches, not all m (``ReplayedSchedule.shorten``): after its first
+(forward, backward) pair every pair repeats the one before, holding besides only what each finished micro-batch
+leaves (the gradient received into its buffer, a logged loss), so the places from the second pair on get m - w - 3
+times that (measured between two pairs) and the pairs left out hold no more; each warm-up forward after the second
+holds what the second holds (its micro-batch's activations), added w - 2 times from the first pair to the last
+backward. So 1F1B stages alike in all but their warm-ups (the middle stages of one layer count) share one trace
+(``reduced._alike_in_1f1b``). ``exact=True``
 (``plan_table``, ``plan_ranks``, ``compare``) traces every layer as described above: the reference the
 extrapolation is tested against (``tests/train/test_plan_reduced.py``: equal to the byte, or within 64 bytes: a
 few scalars). ``--measure`` runs the same two steps on real tensors in the job's real layout (under torchrun, every rank; a pipeline through torch's real schedule) and

@@ -375,6 +375,11 @@ def sent_dtype(pipeline) -> torch.dtype:
     return torch.float32
 
 
+# Warm-up forwards a shortened 1F1B stage keeps (``ReplayedSchedule.shorten``): two, for the second's leftover to be
+# what each further one holds (the first's includes what a step's first forward leaves, ZeRO-2's gathered weights).
+WARM_UPS = 2
+
+
 class ReplayedSchedule:
     """The configured torch schedule for one pipeline rank, run on fake tensors in this process: its own action
     order (``pipeline_order``) replayed on the rank's stage modules (see the module docstring). Forwards and
@@ -394,41 +399,44 @@ class ReplayedSchedule:
         self.warm = warm
         # what a (not warm) step runs: every micro-batch in the configured order, or fewer (``shorten``), with
         # ``tail`` the indices in ``traced_order`` of the two actions that start its shifted tail and the next period
-        self.traced, self.traced_order, self.tail = self.n_micro, self.order, None
+        self.traced, self.traced_order, self.tail, self.left_out, self.warm_up = self.n_micro, self.order, None, 0, None
+        self.extra_warm_ups = 0
         self.watch = None  # called with each action's index in ``traced_order`` before it runs (``tracked_step``)
 
     def shorten(self) -> bool:
-        """Trace 1F1B with as few micro-batches as shape its memory: w + 3 on a stage with w warm-up forwards
-        (pp - 1 - s). Its actions are w forwards, then pairs (forward, backward), then w backwards; the first pair
-        is a step's first backward (it makes the gradients), every later pair repeats the one before with w
-        micro-batches in flight, and holds only what each finished micro-batch leaves behind (the gradient received
-        into its activation buffer, a logged loss) in addition. So the step with m micro-batches is this one with
-        m - w - 3 more such pairs before its second pair: from that pair on (``tail``) its memory is this one's plus
-        m - w - 3 times what one pair leaves behind (measured between the second and the third pair's starts:
-        ``tracked_step``), and the pairs it leaves out hold no more than the second does then. Every receive
-        buffer stays allocated (the first step allocated m). Returns whether the step is shortened (1F1B with one
-        stage per rank, and more than w + 3 micro-batches)."""
+        """Trace 1F1B with as few micro-batches as shape its memory: v + 3 on a stage with w warm-up forwards
+        (pp - 1 - s), v = min(w, ``WARM_UPS``). Its actions are w forwards, then m - w pairs (forward, backward),
+        then w backwards. The first pair is a step's first backward (it makes the gradients); every later pair
+        repeats the one before with w micro-batches in flight, and holds only what each finished micro-batch leaves
+        behind (the gradient received into its activation buffer, a logged loss) in addition. So from the second
+        pair on (``tail``) the step's memory is that of three pairs plus m - w - 3 times what one pair leaves
+        behind (measured between the second and the third pair's starts: ``tracked_step``), and the pairs left out
+        hold no more than the second does then. Likewise every warm-up forward after the first leaves its
+        micro-batch's activations held and nothing else: from the first pair to the last backward (``warm``), w
+        warm-ups hold w - v times what one leaves (measured between the starts of the v-th and the first pair's
+        forward) more than v do; the first backwards of the cooldown, with fewer in flight than a pair's, hold
+        less than it, the last the same. Every receive buffer stays allocated (the first step allocated m).
+        A stage alike in all else but w takes the same trace with its own w - v (``plan_ranks``). Returns whether the step is shortened (1F1B with one stage per rank, at least 3 pairs, fewer traced)."""
         from torch.distributed.pipelining import Schedule1F1B
 
         schedule = self.torch_schedule
         if type(schedule) is not Schedule1F1B or len(self.modules) != 1:
             return False
-        rank = self.pipeline.mesh.pp_rank
-        w = self.n_stages - 1 - rank
-        n = w + 3
-        if self.n_micro <= n:
-            return False
-        saved = schedule._n_microbatches
-        try:  # torch's own order for n micro-batches (it reads nothing else of the schedule)
-            schedule._n_microbatches = n
-            order = [a for a in schedule._get_pipeline_order()[rank] if a is not None]
-        finally:
-            schedule._n_microbatches = saved
-        kinds = [a.computation_type.value for a in order if a.computation_type.value in ("F", "B")]
-        if kinds != ["F"] * w + ["F", "B"] * 3 + ["B"] * w or [a.computation_type.value for a in order[:w + 6]] \
-                != kinds[:w + 6]:
+        w = self.n_stages - 1 - self.pipeline.mesh.pp_rank
+        pairs = self.n_micro - w
+        # (torch ends the order with a REDUCE_GRAD, which the replay leaves to FSDP's last backward)
+        kinds = [a.computation_type.value for a in self.order if a.computation_type.value != "REDUCE_GRAD"]
+        if kinds != ["F"] * w + ["F", "B"] * pairs + ["B"] * w:
             return False  # not the order the shortcut is worked out for (another torch)
-        self.traced, self.traced_order, self.tail = n, order, (w + 2, w + 4)
+        v = min(w, WARM_UPS)
+        if pairs < 3 or (pairs == 3 and v == w):
+            return False
+        stage = self.order[0].stage_index
+        order = [_Action(stage, "F")] * v + [_Action(stage, "F"), _Action(stage, "B")] * 3 + [_Action(stage, "B")] * v
+        self.traced, self.traced_order, self.tail, self.left_out = v + 3, order, (v + 2, v + 4), pairs - 3
+        # where the held warm-ups are measured and the shifted places start and end; the stage's own w - v
+        self.warm_up = (v - 1, v, len(order) - 1) if v == WARM_UPS else None
+        self.extra_warm_ups = w - v
         return True
 
     def _buffer(self, kind: str, stage: int, mb: int, like: torch.Tensor) -> torch.Tensor:
@@ -845,26 +853,47 @@ def shortened(rank: ReadyRank) -> ReadyRank:
 
 def _watch_tail(tracker, schedule: ReplayedSchedule, device: torch.device):
     """For a shortened schedule (``ReplayedSchedule.shorten``): a callback for its actions that starts a new place
-    of the step where its tail starts, and keeps the tracker's memory by type at the starts of the tail and of the
-    period after it; and a function that then adds the left-out pairs' leftovers to every place of the tail."""
-    marks = {}
+    of the step where its tail starts (and, with held warm-ups, where the first pair and the last backward start),
+    and keeps the tracker's memory by type at the starts of the tail and of the period after it (and of the v-th
+    warm-up forward and the first pair); and a function of the warm-ups to add that then returns the places with
+    the left-out pairs' leftovers added to every place of the tail, and that many warm-ups' to every place from
+    the first pair to the last backward."""
+    marks, phases = {}, {}
+    warm = schedule.warm_up or ()
+    measured = {*schedule.tail, *warm[:2]}
+    starts = {schedule.tail[0], *warm[1:]}
 
     def watch(index: int) -> None:
-        if index in schedule.tail:
+        if index in measured:
             snap = tracker._curr_mem_snap
             marks[index] = dict(snap[device] if device in snap else next(iter(snap.values())))
-            if index == schedule.tail[0]:
-                marks["phase"] = tracker._phase + 1  # the tail's first place (a new phase: ``_PeakOnly._place``)
-                tracker._pass = None
+        if index in starts:
+            phases[index] = tracker._phase + 1  # a new place starts here (a new phase: ``_PeakOnly._place``)
+            tracker._pass = None
 
-    def shift() -> None:
-        start, period = (marks[i] for i in schedule.tail)
-        left_out = schedule.n_micro - schedule.traced
-        per_pair = {k: period.get(k, 0) - start.get(k, 0) for k in start.keys() | period.keys()}
-        for place, snap in tracker.segments.items():
-            if place[0] >= marks["phase"]:
+    def change(a: dict, b: dict) -> dict:
+        return {k: b.get(k, 0) - a.get(k, 0) for k in a.keys() | b.keys()}
+
+    def shift(segments: dict, extra_warm_ups: int) -> dict:
+        per_pair = change(*(marks[i] for i in schedule.tail))
+        if extra_warm_ups and not warm:
+            raise ValueError("this trace holds too few warm-up forwards to add more")
+        per_warm_up = change(*(marks[i] for i in warm[:2])) if warm else {}
+        # a stage with more warm-ups runs as many fewer pairs (m - w in all)
+        left_out = schedule.left_out + schedule.extra_warm_ups - extra_warm_ups
+        if left_out < 0:
+            raise ValueError("a stage with that many warm-ups runs fewer pairs than the trace")
+        out = {}
+        for place, snap in segments.items():
+            snap = dict(snap)
+            if place[0] >= phases[schedule.tail[0]]:
                 for k, v in per_pair.items():
                     snap[k] = snap.get(k, 0) + left_out * v
+            if warm and phases[warm[1]] <= place[0] < phases[warm[2]]:
+                for k, v in per_warm_up.items():
+                    snap[k] = snap.get(k, 0) + extra_warm_ups * v
+            out[place] = snap
+        return out
 
     return watch, shift
 
@@ -908,8 +937,10 @@ def tracked_step(rank: ReadyRank, left_out=(), counted=None, places: bool = Fals
             handle.remove()
             if short:
                 schedule.watch = None
-    if shift is not None:
-        shift()
+    if shift is not None:  # the places of the whole step; ``tracker.shifted``: those of a stage with more warm-ups
+        raw = tracker.segments
+        tracker.shifted = lambda extra: shift(raw, extra)
+        tracker.segments = tracker.shifted(schedule.extra_warm_ups)
     return tracker
 
 

@@ -25,8 +25,8 @@ waiting for the next) at places of the layers next to the middle, which are not 
 tests' models or the presets.
 
 The steps are ``ready_rank``'s ``quick`` ones (one tracked micro-batch on the gradients of an earlier one, a
-pipeline's first step one micro-batch per stage; a 1F1B stage's later steps on its warm-up forwards and three
-pairs: ``memory.ReplayedSchedule.shorten``), on one build per rank for the base and every extra layer
+pipeline's first step one micro-batch per stage; a 1F1B stage's later steps on two of its warm-up forwards and
+three pairs, one trace for the stages alike in all else: ``memory.ReplayedSchedule.shorten``), on one build per rank for the base and every extra layer
 (those a step leaves out still hold their weights, gradients and optimizer state, taken back out of the base),
 and, for ZeRO-2 and 3, on one build for both (``plan_rank``)."""
 
@@ -41,6 +41,7 @@ import torch
 from hybridtron.configs import JobConfig
 
 from .memory import (
+    WARM_UPS,
     categories,
     fake_modes,
     fake_world,
@@ -141,25 +142,35 @@ def _combine(base: dict, held: dict, plus: dict, count: dict) -> dict:
             + sum(n * (plus[e][k] - v + held[e].get(k, 0.0)) for e, n in count.items()) for k, v in base.items()}
 
 
-def _extrapolate(ready, extras: list[int], count: dict[int, int], note=None) -> dict:
-    """The rank's memory by plan category from its tracked steps (``plan_rank``'s docstring). ``note``: called
-    with the number of the step traced next (progress)."""
+def _extrapolate(ready, extras: list[int], count: dict[int, int], note=None, warm_ups=(None,)) -> list[dict]:
+    """The rank's memory by plan category from its tracked steps (``plan_rank``'s docstring), one for each of
+    ``warm_ups``: None for the rank's own schedule, or a number of warm-up forwards to add to a shortened 1F1B
+    trace (``ReplayedSchedule.shorten``: the plan of a stage alike in all but those). ``note``: called with the
+    number of the step traced next (progress)."""
     cfg, mesh = ready.cfg, ready.mesh
     # Where the gradients stay from step to step (``ready_rank``'s ``quick``), a step with one more layer ends its
     # backward where the base does: every layer's weights, gradients and optimizer state (the left-out ones
     # counted), no activation; the clipping (of every layer's gradients, left out or not) and the optimizer step
     # (of every parameter) after it hold the same, so they run in the base step only: a third of a step's CPU.
     base_only = ready.pipeline is None and not ready.zero_grad
-    places = {}
+    places = {t: {} for t in warm_ups}
     for n, e in enumerate([None, *extras]):
         if note is not None:
             note(f"step {n + 1}/{len(extras) + 1}")
         tracker = tracked_step(ready, left_out=[x for x in extras if x != e], places=True,
                                update=e is None or not base_only)
-        places[e] = {place: categories(snap, cfg, mesh) for place, snap in tracker.segments.items()}
+        for t in warm_ups:
+            segments = tracker.segments if t is None else tracker.shifted(t)
+            places[t][e] = {place: categories(snap, cfg, mesh) for place, snap in segments.items()}
         if e is None:
             held = {x: categories(held_by(tracker, ready.model.layers[x], ready.optimizer), cfg, mesh) for x in extras}
-    base, plus = places.pop(None), places
+    return [_peak(places[t], held, extras, count, base_only) for t in warm_ups]
+
+
+def _peak(places: dict, held: dict, extras: list[int], count: dict[int, int], base_only: bool) -> dict:
+    """The largest extrapolated place (``_extrapolate``) from each tracked step's places (``places``: extra layer
+    or None for the base -> place -> memory by category)."""
+    base, plus = places[None], {e: dict(places[e]) for e in extras}
     for e in extras:  # the places after the backward, as in the base
         last = max(place[0] for place in plus[e])
         plus[e].update((place, v) for place, v in base.items() if place[0] > last and base_only)
@@ -177,11 +188,15 @@ def _extrapolate(ready, extras: list[int], count: dict[int, int], note=None) -> 
 
 
 def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: str = "gpu",
-              kinds: list[int] | None = None, note=None) -> tuple[dict[int, dict], dict | None]:
+              kinds: list[int] | None = None, note=None, alike: dict[int, int] | None = None
+              ) -> tuple[dict[int, dict], dict | None]:
     """``step_peak``'s result ({"memory", "facts"}) for ``rank`` of a ``world``-process job at each of
     ``zero_stages`` (those the layout accepts), from its reduced traces (module docstring): {zero stage: result};
     and every pp rank's pipeline actions (None outside a pipeline). ``kinds``: ``layer_kinds``'s, when known.
-    ``note``: called with what is traced next (the ZeRO stage, the build or which step: progress).
+    ``note``: called with what is traced next (the ZeRO stage, the build or which step: progress). ``alike``:
+    1F1B ranks whose stages differ from this one's in their warm-up forwards only (``_alike_in_1f1b``), each with
+    the number to add to the shortened trace's: the result is then {zero stage: {rank: result}}, ``rank`` and
+    each of them planned from the same traces (``ReplayedSchedule.shorten``).
 
     The base and the one-layer-more traces share one build and first step: the rank is built with every extra
     layer, and each tracked step leaves out the extra layers it is not about (``memory.tracked_step``), whose
@@ -212,6 +227,8 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
                 note(f"{stage_names}: building the rank and its first step")
             ready = shortened(ready_rank(cz, dataclasses.replace(mesh, zero_stage=zs[0]), True, torch.device("cpu"),
                                          quick=True, like=red.like))
+            if alike and not getattr(ready.pipeline.schedule, "warm_up", None):
+                raise ValueError(f"rank {rank}'s trace cannot stand for other stages' warm-ups")
             if ready.pipeline is not None:
                 orders = ready.pipeline.schedule.orders
             for z in zs:
@@ -222,8 +239,33 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
                     ready = dataclasses.replace(ready, cfg=with_zero_stage(ready.cfg, z),
                                                 mesh=dataclasses.replace(mesh, zero_stage=z))
                 said = None if note is None else (lambda what, z=z: note(f"ZeRO-{z}: tracing {what}"))
-                out[z] = {"memory": _extrapolate(ready, extras, count, said), "facts": ready.facts}
+                if not alike:
+                    out[z] = {"memory": _extrapolate(ready, extras, count, said)[0], "facts": ready.facts}
+                    continue
+                ranks = list(alike)
+                results = _extrapolate(ready, extras, count, said, [alike[r] for r in ranks])
+                out[z] = {r: {"memory": m, "facts": {**copy.deepcopy(ready.facts), "stages": stage_ids(cfg, world, r)}}
+                          for r, m in zip(ranks, results, strict=True)}
     return out, orders
+
+
+def _alike_in_1f1b(cfg: JobConfig, world: int, ranks: list[int], vocab: int, kinds: list[int]) -> dict[int, dict]:
+    """1F1B ranks (one stage each) whose shortened traces are the same (``ReplayedSchedule.shorten``): stages
+    alike in place (first, last or between) and layer kinds, each with at least ``WARM_UPS`` warm-up forwards
+    and 3 (forward, backward) pairs, so traced on the same actions. {the first of each such group: {rank: its
+    warm-ups beyond ``WARM_UPS``}} (itself among them), for groups of more than one."""
+    p = cfg.parallel
+    if p.pp == 1 or p.pp_schedule != "1f1b" or p.pp_stages_per_rank != 1:
+        return {}
+    groups: dict[tuple, dict[int, int]] = {}
+    for rank in ranks:
+        (s,) = stage_ids(cfg, world, rank)
+        w = p.pp - 1 - s
+        if w >= WARM_UPS and cfg.train.grad_accum_steps - w >= 3:
+            (layers,) = rank_stages(cfg, world, rank, vocab)
+            key = (s == 0, s == p.pp - 1, tuple(kinds[i] for i in layers))
+            groups.setdefault(key, {})[rank] = w - WARM_UPS
+    return {next(iter(g)): g for g in groups.values() if len(g) > 1}
 
 
 def _signature_of_rank(cfg: JobConfig, world: int, rank: int, vocab: int, kinds: list[int], orders) -> tuple:
@@ -256,7 +298,10 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
     kinds = layer_kinds(cfg, vocab)
     out = {z: {} for z in zero_stages}
     seen, orders = {}, None
+    alike = _alike_in_1f1b(cfg, world, ranks, vocab, kinds)
     for n, rank in enumerate(ranks):
+        if rank in out[zero_stages[0]]:  # planned with a stage alike (``alike``)
+            continue
         key = _signature_of_rank(cfg, world, rank, vocab, kinds, orders) if orders is not None else None
         if key in seen:  # the same plan: its own stage ids for the communication
             for z in zero_stages:
@@ -264,12 +309,18 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
                 out[z][rank]["facts"]["stages"] = stage_ids(cfg, world, rank)
             continue
         which = f"pipeline stage {n + 1}/{len(ranks)} (rank {rank})" if len(ranks) > 1 else "rank 0"
+        if rank in alike:
+            which += " and " + ", ".join(f"{ranks.index(r) + 1}" for r in alike[rank] if r != rank) + " alike"
         if note is not None:
             note(which)
         results, orders = plan_rank(cfg, world, rank, zero_stages, kernels, kinds,
-                                    None if note is None else (lambda what, which=which: note(f"{which}, {what}")))
+                                    None if note is None else (lambda what, which=which: note(f"{which}, {what}")),
+                                    alike.get(rank))
         for z in zero_stages:
-            out[z][rank] = results[z]
+            if rank in alike:
+                out[z].update(results[z])
+            else:
+                out[z][rank] = results[z]
         if orders is not None:
             seen[_signature_of_rank(cfg, world, rank, vocab, kinds, orders)] = rank
     return out
