@@ -256,6 +256,16 @@ def test_layouts_a_zero_stage_cannot_take_are_rows_with_the_reason():
     assert [r["zero_stage"] for r in rows[1:]] == [2, 3] and all("refused" not in r for r in rows[1:])
 
 
+def test_a_plan_no_zero_stage_can_take_gives_the_configured_stages_reason(capsys):
+    """pp 2 x dp 2 refuses ZeRO-0 (the pipeline needs FSDP2) and, with compile on, ZeRO-2 and 3 too: the line
+    names what blocks the ZeRO-3 the user set (compile), not ZeRO-0's "needs zero_stage 2 or 3"."""
+    over = ["--parallel.pp", "2", "--train.grad_accum_steps", "2", "--parallel.zero_stage", "3", "--train.compile",
+            "true", "--nodes", "1", "--gpus-per-node", "4"]
+    assert main(["plan", *over]) == 2
+    err = capsys.readouterr().err
+    assert "train.compile=true" in err and "zero_stage 2 or 3" not in err, err
+
+
 def test_plan_refuses_the_deepspeed_engine(capsys):
     assert main(["plan", "--parallel.engine", "deepspeed"]) == 2
     assert "plan models the torch engine" in capsys.readouterr().err

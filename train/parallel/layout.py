@@ -126,16 +126,17 @@ def target_layout(cfg: JobConfig, world: int) -> Layout:
 
 def check_plan_layout(cfg: JobConfig, world: int, zero_stages: tuple[int, ...] = (0, 2, 3)) -> None:
     """``hybridtron plan``'s refusal, torch-free: it tabulates every ZeRO stage whose `target_layout` holds on
-    ``world`` GPUs and is refused only when none does, with the first stage's reason (train/plan/table.py's
-    plan_table, which imports torch to count the model: this says it before)."""
-    refusals = []
+    ``world`` GPUs and is refused only when none does, with the configured stage's reason (else the first's:
+    a pipeline's ZeRO-0 refusal says to use 2 or 3, which misled when 3 was set and refused for another reason)
+    (train/plan/table.py's plan_table, which imports torch to count the model: this says it before)."""
+    refusals = {}
     for z in zero_stages:
         try:
             target_layout(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=z)), world)
             return
         except ConfigError as e:
-            refusals.append(e)
-    raise refusals[0]
+            refusals[z] = e
+    raise refusals.get(cfg.parallel.zero_stage, next(iter(refusals.values())))
 
 
 def data_parallel_size(cfg: JobConfig, world: int) -> int:
