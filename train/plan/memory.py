@@ -400,23 +400,25 @@ class ReplayedSchedule:
         # what a (not warm) step runs: every micro-batch in the configured order, or fewer (``shorten``), with
         # ``tail`` the indices in ``traced_order`` of the two actions that start its shifted tail and the next period
         self.traced, self.traced_order, self.tail, self.left_out, self.warm_up = self.n_micro, self.order, None, 0, None
-        self.extra_warm_ups = 0
+        self.extra_warm_ups, self.short = 0, False
         self.watch = None  # called with each action's index in ``traced_order`` before it runs (``tracked_step``)
 
     def shorten(self) -> bool:
-        """Trace 1F1B with as few micro-batches as shape its memory: v + 3 on a stage with w warm-up forwards
-        (pp - 1 - s), v = min(w, ``WARM_UPS``). Its actions are w forwards, then m - w pairs (forward, backward),
-        then w backwards. The first pair is a step's first backward (it makes the gradients); every later pair
-        repeats the one before with w micro-batches in flight, and holds only what each finished micro-batch leaves
-        behind (the gradient received into its activation buffer, a logged loss) in addition. So from the second
-        pair on (``tail``) the step's memory is that of three pairs plus m - w - 3 times what one pair leaves
-        behind (measured between the second and the third pair's starts: ``tracked_step``), and the pairs left out
-        hold no more than the second does then. Likewise every warm-up forward after the first leaves its
-        micro-batch's activations held and nothing else: from the first pair to the last backward (``warm``), w
-        warm-ups hold w - v times what one leaves (measured between the starts of the v-th and the first pair's
-        forward) more than v do; the first backwards of the cooldown, with fewer in flight than a pair's, hold
-        less than it, the last the same. Every receive buffer stays allocated (the first step allocated m).
-        A stage alike in all else but w takes the same trace with its own w - v (``plan_ranks``). Returns whether the step is shortened (1F1B with one stage per rank, at least 3 pairs, fewer traced)."""
+        """Trace 1F1B with as few micro-batches as shape its memory: v + min(m - w, 3) on a stage with w warm-up
+        forwards (pp - 1 - s), v = min(w, ``WARM_UPS``). Its actions are w forwards, then m - w pairs (forward,
+        backward), then w backwards. The first pair is a step's first backward (it makes the gradients); every
+        later pair repeats the one before with w micro-batches in flight, and holds only what each finished
+        micro-batch leaves behind (the gradient received into its activation buffer, a logged loss) in addition.
+        So from the second pair on (``tail``) the step's memory is that of three pairs plus m - w - 3 times what
+        one pair leaves behind (measured between the second and the third pair's starts: ``tracked_step``), and the
+        pairs left out hold no more than the second does then (with fewer than 3 pairs, all are traced). Likewise
+        every warm-up forward after the first leaves its micro-batch's activations held and nothing else: from the
+        first pair to the last backward (``warm_up``), w warm-ups hold w - v times what one leaves (measured
+        between the starts of the v-th warm-up and the first pair's forward) more than v do; the first backwards
+        of the cooldown, with fewer in flight than a pair's, hold less than it, the last the same. Every receive
+        buffer stays allocated (the first step allocated m). A stage alike in all but w, with 3 pairs or more,
+        takes the same trace with its own w - v (``reduced.plan_ranks``). Returns whether the step is shortened
+        (1F1B with one stage per rank, fewer actions traced than it runs)."""
         from torch.distributed.pipelining import Schedule1F1B
 
         schedule = self.torch_schedule
@@ -428,12 +430,13 @@ class ReplayedSchedule:
         kinds = [a.computation_type.value for a in self.order if a.computation_type.value != "REDUCE_GRAD"]
         if kinds != ["F"] * w + ["F", "B"] * pairs + ["B"] * w:
             return False  # not the order the shortcut is worked out for (another torch)
-        v = min(w, WARM_UPS)
-        if pairs < 3 or (pairs == 3 and v == w):
+        v, p = min(w, WARM_UPS), min(pairs, 3)  # fewer than 3 pairs: all of them, no tail
+        if v == w and p == pairs:
             return False
         stage = self.order[0].stage_index
-        order = [_Action(stage, "F")] * v + [_Action(stage, "F"), _Action(stage, "B")] * 3 + [_Action(stage, "B")] * v
-        self.traced, self.traced_order, self.tail, self.left_out = v + 3, order, (v + 2, v + 4), pairs - 3
+        order = [_Action(stage, "F")] * v + [_Action(stage, "F"), _Action(stage, "B")] * p + [_Action(stage, "B")] * v
+        self.traced, self.traced_order, self.left_out, self.short = v + p, order, pairs - p, True
+        self.tail = (v + 2, v + 4) if p == 3 else None
         # where the held warm-ups are measured and the shifted places start and end; the stage's own w - v
         self.warm_up = (v - 1, v, len(order) - 1) if v == WARM_UPS else None
         self.extra_warm_ups = w - v
@@ -860,8 +863,9 @@ def _watch_tail(tracker, schedule: ReplayedSchedule, device: torch.device):
     the first pair to the last backward."""
     marks, phases = {}, {}
     warm = schedule.warm_up or ()
-    measured = {*schedule.tail, *warm[:2]}
-    starts = {schedule.tail[0], *warm[1:]}
+    tail = schedule.tail or ()
+    measured = {*tail, *warm[:2]}
+    starts = {*tail[:1], *warm[1:]}
 
     def watch(index: int) -> None:
         if index in measured:
@@ -875,7 +879,7 @@ def _watch_tail(tracker, schedule: ReplayedSchedule, device: torch.device):
         return {k: b.get(k, 0) - a.get(k, 0) for k in a.keys() | b.keys()}
 
     def shift(segments: dict, extra_warm_ups: int) -> dict:
-        per_pair = change(*(marks[i] for i in schedule.tail))
+        per_pair = change(*(marks[i] for i in tail)) if tail else {}
         if extra_warm_ups and not warm:
             raise ValueError("this trace holds too few warm-up forwards to add more")
         per_warm_up = change(*(marks[i] for i in warm[:2])) if warm else {}
@@ -886,7 +890,7 @@ def _watch_tail(tracker, schedule: ReplayedSchedule, device: torch.device):
         out = {}
         for place, snap in segments.items():
             snap = dict(snap)
-            if place[0] >= phases[schedule.tail[0]]:
+            if tail and place[0] >= phases[tail[0]]:
                 for k, v in per_pair.items():
                     snap[k] = snap.get(k, 0) + left_out * v
             if warm and phases[warm[1]] <= place[0] < phases[warm[2]]:
@@ -905,7 +909,7 @@ def tracked_step(rank: ReadyRank, left_out=(), counted=None, places: bool = Fals
     place of the step too (``_PeakOnly``); a ``shortened`` rank's places are those of the whole step (its peak
     over all of them, not the tracker's peak). ``update`` False: no clipping or optimizer step (``_train_step``)."""
     schedule = rank.pipeline.schedule if rank.pipeline is not None else None
-    short = isinstance(schedule, ReplayedSchedule) and schedule.tail is not None
+    short = isinstance(schedule, ReplayedSchedule) and schedule.short
     if short and not places:
         raise ValueError("a shortened pipeline step has the whole step's memory at its places only")
     with _left_out(rank, left_out) as detached:
