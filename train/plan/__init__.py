@@ -55,10 +55,10 @@ the first two and last three layers of each of its stages, and once more with on
 repeats between them; the peak, place by place in the step, is extrapolated to the real count of each kind. The
 traces run one micro-batch on top of the gradients of an earlier one (a step's second micro-batch, which holds at
 least what its first does), and a pipeline's first step one micro-batch per stage. A 1F1B stage with w warm-up
-forwards is traced on min(w, 2) + 3 micro-batches, not all m (``ReplayedSchedule.shorten``): after its first
+forwards is traced on min(w, 2) + min(m - w, 2) micro-batches, not all m (``ReplayedSchedule.shorten``): after its first
 (forward, backward) pair every pair repeats the one before, holding besides only what each finished micro-batch
-leaves (the gradient received into its buffer, a logged loss), so the places from the second pair on get m - w - 3
-times that (measured between two pairs) and the pairs left out hold no more; each warm-up forward after the second
+leaves (the gradient received into its buffer, a logged loss), so the places from the second pair on get m - w - 2
+times that (measured over the second pair) and the pairs left out hold no more; each warm-up forward after the second
 holds what the second holds (its micro-batch's activations), added w - 2 times from the first pair to the last
 backward. So 1F1B stages alike in all but their warm-ups (the middle stages of one layer count) share one trace
 (``reduced._alike_in_1f1b``). ``exact=True``

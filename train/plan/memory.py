@@ -378,6 +378,9 @@ def sent_dtype(pipeline) -> torch.dtype:
 # Warm-up forwards a shortened 1F1B stage keeps (``ReplayedSchedule.shorten``): two, for the second's leftover to be
 # what each further one holds (the first's includes what a step's first forward leaves, ZeRO-2's gathered weights).
 WARM_UPS = 2
+# (forward, backward) pairs it keeps: the first makes the gradients, the second is one of the rest, and what it
+# leaves behind (from its start to the next action's) what each of them leaves
+PAIRS = 2
 
 
 class ReplayedSchedule:
@@ -404,19 +407,20 @@ class ReplayedSchedule:
         self.watch = None  # called with each action's index in ``traced_order`` before it runs (``tracked_step``)
 
     def shorten(self) -> bool:
-        """Trace 1F1B with as few micro-batches as shape its memory: v + min(m - w, 3) on a stage with w warm-up
+        """Trace 1F1B with as few micro-batches as shape its memory: v + min(m - w, 2) on a stage with w warm-up
         forwards (pp - 1 - s), v = min(w, ``WARM_UPS``). Its actions are w forwards, then m - w pairs (forward,
         backward), then w backwards. The first pair is a step's first backward (it makes the gradients); every
         later pair repeats the one before with w micro-batches in flight, and holds only what each finished
         micro-batch leaves behind (the gradient received into its activation buffer, a logged loss) in addition.
-        So from the second pair on (``tail``) the step's memory is that of three pairs plus m - w - 3 times what
-        one pair leaves behind (measured between the second and the third pair's starts: ``tracked_step``), and the
-        pairs left out hold no more than the second does then (with fewer than 3 pairs, all are traced). Likewise
+        So from the second pair on (``tail``) the step's memory is that of two pairs plus m - w - 2 times what
+        one pair leaves behind (measured between the second pair's start and the next action's: ``tracked_step``),
+        and the pairs left out hold no more than the second does then (with one pair, it is traced; the last
+        stage, whose second pair's backward is its last, keeps a third pair for the measurement). Likewise
         every warm-up forward after the first leaves its micro-batch's activations held and nothing else: from the
         first pair to the last backward (``warm_up``), w warm-ups hold w - v times what one leaves (measured
         between the starts of the v-th warm-up and the first pair's forward) more than v do; the first backwards
         of the cooldown, with fewer in flight than a pair's, hold less than it, the last the same. Every receive
-        buffer stays allocated (the first step allocated m). A stage alike in all but w, with 3 pairs or more,
+        buffer stays allocated (the first step allocated m). A stage alike in all but w, with 2 pairs or more,
         takes the same trace with its own w - v (``reduced.plan_ranks``). Returns whether the step is shortened
         (1F1B with one stage per rank, fewer actions traced than it runs)."""
         from torch.distributed.pipelining import Schedule1F1B
@@ -430,13 +434,15 @@ class ReplayedSchedule:
         kinds = [a.computation_type.value for a in self.order if a.computation_type.value != "REDUCE_GRAD"]
         if kinds != ["F"] * w + ["F", "B"] * pairs + ["B"] * w:
             return False  # not the order the shortcut is worked out for (another torch)
-        v, p = min(w, WARM_UPS), min(pairs, 3)  # fewer than 3 pairs: all of them, no tail
+        # the last stage (no cooldown) keeps a third pair: its second pair's backward is its last (FSDP's reduction)
+        keep = PAIRS if w else PAIRS + 1
+        v, p = min(w, WARM_UPS), min(pairs, keep)  # fewer pairs: all of them, no tail
         if v == w and p == pairs:
             return False
         stage = self.order[0].stage_index
         order = [_Action(stage, "F")] * v + [_Action(stage, "F"), _Action(stage, "B")] * p + [_Action(stage, "B")] * v
         self.traced, self.traced_order, self.left_out, self.short = v + p, order, pairs - p, True
-        self.tail = (v + 2, v + 4) if p == 3 else None
+        self.tail = (v + 2, v + 4) if p == keep else None  # v + 4: a cooldown backward, or the third pair
         # where the held warm-ups are measured and the shifted places start and end; the stage's own w - v
         self.warm_up = (v - 1, v, len(order) - 1) if v == WARM_UPS else None
         self.extra_warm_ups = w - v

@@ -26,7 +26,7 @@ tests' models or the presets.
 
 The steps are ``ready_rank``'s ``quick`` ones (one tracked micro-batch on the gradients of an earlier one, a
 pipeline's first step one micro-batch per stage; a 1F1B stage's later steps on two of its warm-up forwards and
-three pairs, one trace for the stages alike in all else: ``memory.ReplayedSchedule.shorten``), on one build per rank for the base and every extra layer
+two pairs, one trace for the stages alike in all else: ``memory.ReplayedSchedule.shorten``), on one build per rank for the base and every extra layer
 (those a step leaves out still hold their weights, gradients and optimizer state, taken back out of the base),
 and, for ZeRO-2 and 3, on one build for both (``plan_rank``)."""
 
@@ -41,6 +41,7 @@ import torch
 from hybridtron.configs import JobConfig
 
 from .memory import (
+    PAIRS,
     WARM_UPS,
     categories,
     fake_modes,
@@ -252,7 +253,7 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
 def _alike_in_1f1b(cfg: JobConfig, world: int, ranks: list[int], vocab: int, kinds: list[int]) -> dict[int, dict]:
     """1F1B ranks (one stage each) whose shortened traces are the same (``ReplayedSchedule.shorten``): stages
     alike in place (first, last or between) and layer kinds, each with at least ``WARM_UPS`` warm-up forwards
-    and 3 (forward, backward) pairs, so traced on the same actions. {the first of each such group: {rank: its
+    and ``PAIRS`` (forward, backward) pairs, so traced on the same actions. {the first of each such group: {rank: its
     warm-ups beyond ``WARM_UPS``}} (itself among them), for groups of more than one."""
     p = cfg.parallel
     if p.pp == 1 or p.pp_schedule != "1f1b" or p.pp_stages_per_rank != 1:
@@ -261,7 +262,7 @@ def _alike_in_1f1b(cfg: JobConfig, world: int, ranks: list[int], vocab: int, kin
     for rank in ranks:
         (s,) = stage_ids(cfg, world, rank)
         w = p.pp - 1 - s
-        if w >= WARM_UPS and cfg.train.grad_accum_steps - w >= 3:
+        if w >= WARM_UPS and cfg.train.grad_accum_steps - w >= PAIRS:
             (layers,) = rank_stages(cfg, world, rank, vocab)
             key = (s == 0, s == p.pp - 1, tuple(kinds[i] for i in layers))
             groups.setdefault(key, {})[rank] = w - WARM_UPS
