@@ -95,21 +95,58 @@ def test_reduction_keeps_the_ends_and_one_layer_per_repeated_kind():
     assert {i for i, j in red.like.items() if i == j} == {0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11} and red.like[7] == 8
 
 
-@pytest.mark.slow
-def test_alike_pipeline_stages_are_traced_once(monkeypatch):
-    """GPipe holds every micro-batch on every stage, so its two middle stages of 3 layers each (10 layers in 4
-    stages: 3, 3, 3, 1) plan alike: traced once, the second takes the first's plan (with its own stage id). Under
-    1F1B stage s holds pp - s micro-batches: every stage is traced. (About 40 s on a 2-core VM.)"""
+@pytest.fixture
+def traced(monkeypatch):
+    """The ranks ``plan_ranks`` traces (its calls of ``plan_rank``), in order."""
     import hybridtron.train.plan.reduced as reduced
 
-    traced = []
+    ranks = []
     plan_rank = reduced.plan_rank
 
     def counting(cfg, world, rank, *args, **kwargs):
-        traced.append(rank)
+        ranks.append(rank)
         return plan_rank(cfg, world, rank, *args, **kwargs)
 
     monkeypatch.setattr(reduced, "plan_rank", counting)
+    return ranks
+
+
+@pytest.fixture
+def shortened(monkeypatch):
+    """(pp rank, micro-batches traced, or None when not shortened) of every pipeline schedule the plan shortens."""
+    from hybridtron.train.plan.memory import ReplayedSchedule
+
+    seen = []
+    shorten = ReplayedSchedule.shorten
+
+    def spying(self):
+        done = shorten(self)
+        seen.append((self.pipeline.mesh.pp_rank, self.traced if done else None))
+        return done
+
+    monkeypatch.setattr(ReplayedSchedule, "shorten", spying)
+    return seen
+
+
+def _as_the_whole_step(reduced: dict, full: dict, ranks: set) -> None:
+    """Every ZeRO stage's and rank's plan from shortened, reduced traces equals the trace of every micro-batch and
+    layer (``full``), its facts too."""
+    for z, exact in full.items():
+        assert set(reduced[z]) == set(exact) == ranks
+        for rank, ref in exact.items():
+            got = reduced[z][rank]
+            for k, v in ref["memory"].items():
+                assert abs(got["memory"][k] - v) < TOLERANCE, (z, rank, k, got["memory"], ref["memory"])
+            assert got["facts"] == ref["facts"], (z, rank)
+
+
+@pytest.mark.slow
+def test_alike_pipeline_stages_are_traced_once(traced):
+    """GPipe holds every micro-batch on every stage, so its two middle stages of 3 layers each (10 layers in 4
+    stages: 3, 3, 3, 1) plan alike: traced once, the second takes the first's plan (with its own stage id). Under
+    1F1B stage s holds pp - s micro-batches: every stage is traced. (About 40 s on a 2-core VM.)"""
+    from hybridtron.train.plan.reduced import plan_rank
+
     over = [*SMALL, ("model.n_layers", "10"), ("parallel.pp", "4"), ("parallel.zero_stage", "3"),
             ("train.grad_accum_steps", "4")]
     gpipe = load_config("tiny", [*over, ("parallel.pp_schedule", "gpipe")])
@@ -166,24 +203,13 @@ def test_plan_of_a_gpu_preset_takes_seconds(preset, nodes):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pipeline_stages_traced_on_fewer_micro_batches_plan_the_whole_step(schedule, monkeypatch):
+def test_pipeline_stages_traced_on_fewer_micro_batches_plan_the_whole_step(schedule, shortened):
     """pp 4 over 8 micro-batches, dp 2 under ZeRO-2 and 3 in bf16: 1F1B stage s is traced with min(pp - 1 - s, 2)
-    of its warm-up forwards and two (forward, backward) pairs (``ReplayedSchedule.shorten``), what the pairs it
-    leaves out leave behind (received gradients, logged losses) added to the places after them (and stage 0's
-    third warm-up's activations to those from the first pair to the last backward), and plans every stage
-    as the trace of all 8 micro-batches does; GPipe (every micro-batch in flight) is traced whole. (8 min for
+    of its warm-up forwards and two (forward, backward) pairs (``ReplayedSchedule.shorten``; the last stage three),
+    what the pairs it leaves out leave behind (received gradients, logged losses) added to the places after them
+    (and stage 0's third warm-up's activations to those from the first pair to the last backward), and plans every
+    stage as the trace of all 8 micro-batches does; GPipe (every micro-batch in flight) is traced whole. (8 min for
     both schedules on a 2-core VM running other tests beside.)"""
-    from hybridtron.train.plan.memory import ReplayedSchedule
-
-    shortened = []
-    shorten = ReplayedSchedule.shorten
-
-    def spying(self):
-        done = shorten(self)
-        shortened.append((self.pipeline.mesh.pp_rank, self.traced if done else None))
-        return done
-
-    monkeypatch.setattr(ReplayedSchedule, "shorten", spying)
     cfg = load_config("tiny", [*SMALL, ("model.n_layers", "8"), ("parallel.pp", "4"), ("train.dtype", "bf16"),
                                ("train.grad_accum_steps", "8"), ("parallel.pp_schedule", schedule)])
     stages = (2, 3)
@@ -192,53 +218,21 @@ def test_pipeline_stages_traced_on_fewer_micro_batches_plan_the_whole_step(sched
         assert sorted(set(shortened)) == [(0, 4), (1, 4), (2, 3), (3, 3)], shortened
     else:
         assert shortened and all(n is None for _, n in shortened), shortened
-    full = plan_ranks(cfg, 8, stages, exact=True)
-    for z in stages:
-        assert set(reduced[z]) == set(full[z]) == {0, 2, 4, 6}
-        for rank, ref in full[z].items():
-            got = reduced[z][rank]
-            for k, v in ref["memory"].items():
-                assert abs(got["memory"][k] - v) < TOLERANCE, (schedule, z, rank, k, got["memory"], ref["memory"])
-            assert got["facts"] == ref["facts"], (schedule, z, rank)
+    _as_the_whole_step(reduced, plan_ranks(cfg, 8, stages, exact=True), {0, 2, 4, 6})
 
 
 @pytest.mark.slow
-def test_1f1b_stages_alike_but_in_warm_ups_share_one_trace(monkeypatch):
-    """pp 5 over 5 micro-batches (dp 2, ZeRO-2 and 3, bf16): the middle stages 1 and 2 (3 and 2 warm-up forwards, 2 and
-    3 (forward, backward) pairs) are traced as one, on 2 warm-ups and 2 pairs, stage 1 adding one more warm-up's
-    activations to its places from the first pair to the last backward, stage 2 one more pair's leftovers; stage
-    0 (4 warm-ups, 1 pair) is traced on 2 warm-ups and its pair. Every stage's plan equals the trace of the
-    whole step (every micro-batch, every layer). (About 1 min on a 2-core VM.)"""
-    import hybridtron.train.plan.reduced as reduced
-    from hybridtron.train.plan.memory import ReplayedSchedule
-
-    traced = []
-    plan_rank = reduced.plan_rank
-
-    def counting(cfg, world, rank, *args, **kwargs):
-        traced.append(rank)
-        return plan_rank(cfg, world, rank, *args, **kwargs)
-
-    monkeypatch.setattr(reduced, "plan_rank", counting)
+def test_1f1b_stages_alike_but_in_warm_ups_share_one_trace(traced, shortened):
+    """pp 5 over 5 micro-batches (dp 2, ZeRO-2 and 3, bf16): the middle stages 1 and 2 (3 and 2 warm-up forwards,
+    2 and 3 (forward, backward) pairs) are traced as one, on 2 warm-ups and 2 pairs, stage 1 adding one more
+    warm-up's activations to its places from the first pair to the last backward, stage 2 one more pair's
+    leftovers; stage 0 (4 warm-ups, 1 pair) is traced on 2 warm-ups and its pair. Every stage's plan equals the
+    trace of the whole step (every micro-batch, every layer). (About 1 min on a 2-core VM.)"""
     cfg = load_config("tiny", [*SMALL, ("model.n_layers", "10"), ("parallel.pp", "5"), ("train.dtype", "bf16"),
                                ("train.grad_accum_steps", "5"), ("parallel.zero_stage", "3")])
-    shortened = []
-    shorten = ReplayedSchedule.shorten
-
-    def spying(self):
-        done = shorten(self)
-        shortened.append((self.pipeline.mesh.pp_rank, self.traced if done else None))
-        return done
-
-    monkeypatch.setattr(ReplayedSchedule, "shorten", spying)
-    reduced_plans = plan_ranks(cfg, 10, (2, 3))
+    reduced = plan_ranks(cfg, 10, (2, 3))
     assert traced == [0, 2, 6, 8], traced
     assert sorted(set(shortened)) == [(0, 3), (1, 4), (3, 3), (4, 3)], shortened
-    for z, full in plan_ranks(cfg, 10, (2, 3), exact=True).items():
-        assert set(reduced_plans[z]) == set(full) == {0, 2, 4, 6, 8}
-        assert full[2]["memory"]["total"] > full[4]["memory"]["total"]  # one more micro-batch in flight
-        for rank, ref in full.items():
-            got = reduced_plans[z][rank]
-            for k, v in ref["memory"].items():
-                assert abs(got["memory"][k] - v) < TOLERANCE, (z, rank, k, got["memory"], ref["memory"])
-            assert got["facts"] == ref["facts"], (z, rank)
+    full = plan_ranks(cfg, 10, (2, 3), exact=True)
+    assert full[3][2]["memory"]["total"] > full[3][4]["memory"]["total"]  # one more micro-batch in flight
+    _as_the_whole_step(reduced, full, {0, 2, 4, 6, 8})
