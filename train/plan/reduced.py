@@ -26,9 +26,9 @@ tests' models or the presets.
 
 The steps are ``ready_rank``'s ``quick`` ones (one tracked micro-batch on the gradients of an earlier one, a
 pipeline's first step one micro-batch per stage; a 1F1B stage's later steps on two of its warm-up forwards and
-two pairs, one trace for the stages alike in all else: ``memory.ReplayedSchedule.shorten``), on one build per rank for the base and every extra layer
-(those a step leaves out still hold their weights, gradients and optimizer state, taken back out of the base),
-and, for ZeRO-2 and 3, on one build for both (``plan_rank``)."""
+two pairs, one trace for the stages alike in all else: ``memory.ReplayedSchedule.shorten``), on one build per
+rank for the base and every extra layer (those a step leaves out still hold their weights, gradients and
+optimizer state, taken back out of the base), and, for ZeRO-2 and 3, on one build for both (``plan_rank``)."""
 
 from __future__ import annotations
 
