@@ -307,6 +307,8 @@ def test_plan_of_pipeline_with_context_parallel_runs_the_pieces():
     both = plan_table(load_config("tiny", [*small, ("parallel.cp", "2")]), 4, 80, stages=(3,))[0]
     # the last stage sends each of its 2 micro-batches' input gradients back: (2, 64, 64) fp32 under pp alone (no
     # FSDP over one rank), (2, 64 / cp, 64) in FSDP2's bf16 under cp (its dp x cp = 2 ranks shard, and FSDP2 casts
-    # the blocks' inputs to bf16); the tied embedding's gradient all-reduce is the same at both layouts
-    boundary = 2 * 2 * 64 * 64 * 4
-    assert both["comm_gb"]["pp"] * 1e9 == pytest.approx(pp["comm_gb"]["pp"] * 1e9 - boundary + boundary / 2 / 2)
+    # the blocks' inputs to bf16); the tied embedding's fp32 gradient is all-reduced whole under pp alone, as each
+    # end's FSDP2 half under cp
+    boundary, tied = 2 * 2 * 64 * 64 * 4, 4096 * 64 * 4
+    assert pp["comm_gb"]["pp"] * 1e9 == pytest.approx(boundary + tied)
+    assert both["comm_gb"]["pp"] * 1e9 == pytest.approx(boundary / 2 / 2 + tied / 2)
