@@ -42,6 +42,8 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
 
     out = dict.fromkeys((*DIMS, "dp_replicate"), 0.0)
     n, P = dp * p.cp, facts["params"]
+    # the ranks FSDP2 shards over: all dp x cp ranks, or HSDP's dp_shard x cp groups
+    shard = n if layout.dp_shard == dp else layout.dp_shard * p.cp
     if n > 1:
         if p.zero_stage == 0:
             out["dp"] = 2 * f(n) * 4 * P
@@ -49,8 +51,6 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
             # ZeRO-3 gathers the blocks again in backward; the root stays gathered (reshard_after_forward=False)
             gathered = P if p.zero_stage == 2 else 2 * P - facts.get("root_params", 0)
             reduces = 1 if p.pp > 1 else mb
-            shard = layout.dp_shard
-            shard = n if shard == dp else shard * p.cp  # FSDP2 over all dp x cp ranks, or HSDP's dp_shard x cp groups
             out["dp"] = mb * f(shard) * g * gathered + reduces * f(shard) * 4 * P
             if shard < n:  # HSDP: the step's accumulated shards all-reduced across the groups, once
                 out["dp_replicate"] = 2 * f(n // shard) * 4 * P / shard
@@ -72,8 +72,7 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
         if m.tie_embeddings and (facts["embedding"] or facts["head"]):
             # the two ends' fp32 gradient of the shared weight, all-reduced as each rank holds it: its tp piece,
             # and under FSDP2 its dp shard (measured: a (V/2, d) fp32 all-reduce at pp 2 x dp 2, ZeRO-3)
-            fsdp = p.zero_stage >= 2 and n > 1
-            held = (n if layout.dp_shard == dp else layout.dp_shard * p.cp) if fsdp else 1
+            held = shard if p.zero_stage >= 2 and n > 1 else 1
             out["pp"] += vocab * d * 4 / (p.tp * held)
     if p.ep > 1:
         out["ep"] = mb * facts["moe_layers"] * 2 * f(p.ep) * B * (T // p.cp) * m.moe.top_k * d * (s + c)
