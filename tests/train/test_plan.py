@@ -229,6 +229,24 @@ def test_communication_per_dimension():
     fsdp = load_config("tiny", [*SMALL, ("train.grad_accum_steps", str(mb)), ("parallel.pp", "2"),
                                 ("train.dtype", "bf16"), ("parallel.zero_stage", "3")])
     assert plan_table(fsdp, 4, 80, stages=(3,))[0]["comm_gb"]["pp"] * 1e9 == rel(mb * B * T * d * 2 + V * d * 4 / 2)
+    # dp under pp (PP_FSDP: 4 micro-batches), the last stage: torch's stages keep the weights gathered from a backward
+    # to the next forward and reduce-scatter once per step (fp32), so ZeRO-3 gathers each block (bf16) m + 1 = 5
+    # times, ZeRO-2 once, and the root (FSDP2 keeps it gathered after forward: tied head, final norm) once
+    import torch
+
+    from hybridtron.model import GatedLM
+    from hybridtron.train.parallel.pipeline import stage_ranges
+    from hybridtron.train.plan import comm_bytes, plan_ranks
+
+    cfg = load_config("tiny", PP_FSDP)
+    with torch.device("meta"):
+        model = GatedLM(cfg.model, V)
+    blocks = sum(p.numel() for i in stage_ranges(cfg, V)[1] for p in model.layers[i].parameters())
+    root = V * D + D
+    planned = plan_ranks(cfg, 4, (2, 3))
+    for z, gathered in ((3, root + 5 * blocks), (2, root + blocks)):
+        got = comm_bytes(load_config("tiny", [*PP_FSDP, ("parallel.zero_stage", str(z))]), 4, planned[z][2]["facts"])
+        assert got["dp"] == rel(0.5 * 2 * gathered + 0.5 * 4 * (root + blocks)), z
     # ep: the tiny MoE has one MoE layer of top-2 routing; out and back, forward and backward, half leaves the rank
     moe = [("model.moe.n_experts", "4"), ("model.moe.top_k", "2"), ("model.moe.every", "2")]
     assert comm(*moe, ("parallel.ep", "2"))["ep"] == rel(mb * 1 * 2 * 0.5 * B * T * 2 * d * 8)
@@ -467,3 +485,6 @@ def test_pipeline_with_fsdp_plan_matches_a_real_step():
         tied = r["comm_measured_gb_by_op"]["allreduce_"] * 1e9
         assert V * D * 4 / 2 <= tied <= V * D * 4 / 2 + 64, (rank, got)
         assert r["comm_predicted_gb_by_dim"]["pp"] * 1e9 == pytest.approx(4 * B * T * D * 2 + V * D * 4 / 2)
+        # FSDP2's all-gathers and reduce-scatters as the plan's dp volume has them (m + 1 gathers of each block)
+        dp = r["comm_measured_gb_by_op"]["_allgather_base_"] + r["comm_measured_gb_by_op"]["_reduce_scatter_base_"]
+        assert r["comm_predicted_gb_by_dim"]["dp"] == pytest.approx(dp, rel=1e-6), (rank, got)

@@ -88,7 +88,12 @@ of the rank's tp shard:
                                                                                m (f(n) g P + f(n) 4 P)
       ZeRO-3: the all-gather again in backward, but for the root's parameters P_root (embeddings, final norm,
       head: FSDP2 keeps them gathered from forward to backward):             m (f(n) g (2 P - P_root) + f(n) 4 P)
-      (under pp torch's stages reduce-scatter once per step: m = 1 in the reduce-scatter term)
+      under pp torch's stages keep the weights gathered from each backward to the next forward and reduce-scatter
+      once per step (REDUCE_GRAD): ZeRO-2 gathers once, ZeRO-3 each block m + 1 times (every stage's actions are
+      F^a (F B)^b B^a: every forward gathers but one after a backward, and so does the first backward), the
+      root once (measured on gloo, pp 2 x dp 2, 4 micro-batches, bf16: to the byte on both stages):
+                                                 ZeRO-2:  f(n) g P + f(n) 4 P
+                                                 ZeRO-3:  f(n) g (P_root + (m + 1) (P - P_root)) + f(n) 4 P
       HSDP (parallel.dp_shard = s < dp): the all-gathers and reduce-scatters above run in the groups of s x cp
       ranks (n = s cp in them), and the accumulated shards are all-reduced across the dp / s groups once per
       step, after the last micro-batch (column dp_replicate):                  2 f(dp / s) 4 P / (s cp)

@@ -47,11 +47,18 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     if n > 1:
         if p.zero_stage == 0:
             out["dp"] = 2 * f(n) * 4 * P
+        elif p.pp > 1:
+            # torch's stages keep the gathered weights from every backward to the next forward (no reshard after a
+            # backward before the step's REDUCE_GRAD) and reduce-scatter once per step: ZeRO-2 gathers once, ZeRO-3
+            # gathers each block at its m forwards but those after a backward, and before its first backward: m + 1
+            # (measured, package docstring), the root (FSDP2 never reshards it after forward) once
+            root = facts.get("root_params", 0)
+            gathered = P if p.zero_stage == 2 else root + (mb + 1) * (P - root)
+            out["dp"] = f(shard) * g * gathered + f(shard) * 4 * P
         else:
             # ZeRO-3 gathers the blocks again in backward; the root stays gathered (reshard_after_forward=False)
             gathered = P if p.zero_stage == 2 else 2 * P - facts.get("root_params", 0)
-            reduces = 1 if p.pp > 1 else mb
-            out["dp"] = mb * f(shard) * g * gathered + reduces * f(shard) * 4 * P
+            out["dp"] = mb * (f(shard) * g * gathered + f(shard) * 4 * P)
             if shard < n:  # HSDP: the step's accumulated shards all-reduced across the groups, once
                 out["dp_replicate"] = 2 * f(n // shard) * 4 * P / shard
     if p.ep > 1 and n > p.ep:
