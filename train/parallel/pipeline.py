@@ -126,9 +126,10 @@ class StageModule(nn.Module):
             if layer is not None:
                 h = layer(h, cos, sin, None, doc_ids, None)  # documents as ids, as in the whole model
         if self.last:
-            h = self._output(h, labels).reshape(1)  # (1,): the schedule concatenates the micro-batches' outputs
-            if loss_weight is not None:
-                h = h * loss_weight[:1]
+            # (1,): the schedule concatenates the micro-batches' outputs. A new tensor, not a view of the loss: FSDP2
+            # warns of a stage returning a view (an in-place op on it would skip the pre-backward hook)
+            h = self._output(h, labels).reshape(1)
+            h = h * loss_weight[:1] if loss_weight is not None else h.clone()
         auxes = [m.aux_loss for m in self.layers.modules() if getattr(m, "aux_loss", None) is not None]
         if auxes and torch.is_grad_enabled():
             aux = torch.stack([a.float() for a in auxes]).sum()
