@@ -22,9 +22,22 @@ import torch
 
 from ..configs import ModelConfig
 
+# layer_flops by (config, vocabulary, sequence length): it builds the model (on meta) to count, seconds for a
+# 126-layer 405B, and the planner asks for every pipeline stage it builds
+_COUNTED: dict[tuple, tuple[tuple[float, ...], float]] = {}
+
 
 def layer_flops(cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[list[float], float]:
     """Forward FLOPs per token of each layer, and of the output layer (lm_head), as counted above."""
+    key = (repr(cfg), vocab_size, seq_len)
+    if key not in _COUNTED:
+        per_layer, head = _count(cfg, vocab_size, seq_len)
+        _COUNTED[key] = tuple(per_layer), head
+    per_layer, head = _COUNTED[key]
+    return list(per_layer), head
+
+
+def _count(cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[list[float], float]:
     from .lm import GatedLM
 
     with torch.device("meta"):
