@@ -176,6 +176,11 @@ def test_measured_peak_matches_the_plan_for_model_parallel_layouts(layout):
         assert 0.9 <= r["predicted_gib"] / r["measured_gib"] <= 1.1, (rank, got)
     if layout == "pp2_1f1b":
         assert set(got["ranks"]) == {"0", "1"}
+    if layout == "tp2":  # the tp volume alone, within the loss's scalar all-reduces
+        for rank, r in got["ranks"].items():
+            sent = sum(r["comm_measured_gb_by_op"].get(op, 0.0)
+                       for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "allreduce_"))
+            assert 1.0 <= sent / r["comm_predicted_gb_by_dim"]["tp"] <= 1.02, (rank, got)
 
 
 def test_model_parallel_layouts_divide_what_they_split():
@@ -218,9 +223,15 @@ def test_communication_per_dimension():
         return {k: v * 1e9 for k, v in row["comm_gb"].items()}
 
     rel = pytest.approx
-    # tp: per layer 4 collectives each way of B T d fp32, half of it leaving each rank; embedding and output layer
-    # one each way
-    assert comm(("parallel.tp", "2"))["tp"] == rel(mb * (2 * 4 * 0.5 * B * T * d * 8 + 2 * 2 * 0.5 * B * T * d * 4))
+    # tp: per layer 4 collectives each way of B T d fp32, half of it leaving each rank; the embedding's output and
+    # the final norm's one each way, the latter's gradient all-reduced (twice the bytes)
+    assert comm(("parallel.tp", "2"))["tp"] == rel(mb * (2 * 4 * 0.5 * B * T * d * 8 + 0.5 * B * T * d * (8 + 4 + 8)))
+    # in bf16 under FSDP2 (dp 2, ZeRO-3) the residual stream is bf16 too: every one of them 2 bytes, as counted on 4
+    # gloo processes (test_measured_peak_matches_the_plan_for_model_parallel_layouts' tp2 in fp32 likewise)
+    bf16 = load_config("tiny", [*SMALL, ("train.grad_accum_steps", str(mb)), ("parallel.tp", "2"),
+                                ("train.dtype", "bf16"), ("parallel.zero_stage", "3")])
+    assert (plan_table(bf16, 4, 80, stages=(3,))[0]["comm_gb"]["tp"] * 1e9
+            == rel(mb * (2 * 4 * 0.5 * B * T * d * 4 + 0.5 * B * T * d * (4 + 2 + 4))))
     # pp: the last stage sends its input's gradient back per micro-batch, and the tied embedding's gradient
     pp = comm(("parallel.pp", "2"))
     assert pp["pp"] == rel(mb * B * T * d * 4 + V * d * 4) and pp["dp"] == 0
@@ -250,6 +261,8 @@ def test_communication_per_dimension():
     # ep: the tiny MoE has one MoE layer of top-2 routing; out and back, forward and backward, half leaves the rank
     moe = [("model.moe.n_experts", "4"), ("model.moe.top_k", "2"), ("model.moe.every", "2")]
     assert comm(*moe, ("parallel.ep", "2"))["ep"] == rel(mb * 1 * 2 * 0.5 * B * T * 2 * d * 8)
+    # in bf16 the rows travel in bf16 both ways (the experts' compute dtype; measured on 2 gloo processes)
+    assert comm(*moe, ("parallel.ep", "2"), ("train.dtype", "bf16"))["ep"] == rel(mb * 1 * 2 * 0.5 * B * T * 2 * d * 4)
     # cp: ring attention in the 2 attention layers (2 kv heads of 16): the key and value block passed once in
     # forward, once more in backward, and their fp32 gradients twice (home); the gradients are averaged over the cp
     # ranks (DDP)

@@ -76,8 +76,8 @@ or inter-node bandwidth (whether its process groups fit in a node), the pipeline
 overlap; ``hybridtron plan`` prints the breakdown.
 
 Communication per optimizer step and GPU, in bytes sent (ring algorithms: as many are received). m micro-batches
-per step of B sequences of T tokens, d = model.d_model, f(n) = (n - 1) / n; s = 4 (the residual stream and the
-norm outputs stay fp32 under autocast), c = 2 in bf16 runs, else 4 (projection outputs); the parameters P and
+per step of B sequences of T tokens, d = model.d_model, f(n) = (n - 1) / n; c = 2 in bf16 runs, else 4
+(projection outputs); the parameters P and
 the layer counts L are those of the planned rank (its tp shard, its pipeline stages); head counts H are those
 of the rank's tp shard:
 
@@ -98,18 +98,24 @@ of the rank's tp shard:
       ranks (n = s cp in them), and the accumulated shards are all-reduced across the dp / s groups once per
       step, after the last micro-batch (column dp_replicate):                  2 f(dp / s) 4 P / (s cp)
       ep > 1: the expert gradients all-reduced over their dp cp / ep copies:   2 f(dp cp / ep) 4 P_experts
-  tp  (T: the rank's piece, seq_len / cp, under context parallel)
-      per layer: all-gather of the two norm outputs and reduce-scatter of the two projection outputs in forward,
-      the reverse in backward:                                                 m L 4 f(tp) B T d (s + c)
-      activation checkpointing repeats the forward ones in backward:           + m L 2 f(tp) B T d (s + c)
-      the embedding (reduce-scatter, then all-gather in backward) and the output layer (the reverse), on the
-      stages that hold them:                                                   m 2 f(tp) B T d s each
+  tp  (T: the rank's piece, seq_len / cp, under context parallel; r = 2 where FSDP2's bf16 mixed precision makes the
+      residual stream bf16, else 4)
+      per layer: all-gather of the two norm outputs (c where the norm's readers are all projections, model/lm.py:
+      the first norm without scale vectors, the second before a SwiGLU too; else r: n1 + n2 bytes) and
+      reduce-scatter of the two projection outputs (c) in forward, the reverse in backward:
+                                                                               m L 2 f(tp) B T d (n1 + n2 + 2 c)
+      activation checkpointing repeats the forward ones in backward:           + m L f(tp) B T d (n1 + n2 + 2 c)
+      the embedding's output reduce-scattered, its gradient all-gathered:       m 2 f(tp) B T d r
+      the final norm's output all-gathered, its gradient (whole sequences) all-reduced by the vocabulary-parallel
+      loss:                                                                    m f(tp) B T d (r + 2 c)
+      (measured on gloo at tp 2, fp32, bf16, bf16 under FSDP2: to the byte but the loss's scalars)
   pp  the stage's output and its input's gradient, (B, T/tp, d) each, bf16 (b = 2) under FSDP2's mixed precision
       (ZeRO-2/3 with parallel.mixed_precision auto in bf16 runs), else fp32 (b = 4) (the first stage sends no
       gradient, the last no output), per stage of the rank:                   m 2 B (T / (cp tp)) d b
       tied embeddings: first and last stage all-reduce the embedding's gradient once per step: V d 4 / tp
   ep  per MoE layer, balanced routing: the routed copies of the tokens (k per token) to their experts' ranks
-      and back, and their gradients:                                           m L_moe 2 f(ep) B (T / cp) k d (s + c)
+      and back, and their gradients, in the experts' compute dtype (measured on gloo, fp32 and bf16):
+                                                                               m L_moe 2 f(ep) B (T / cp) k d 2 c
   cp  per attention layer (ring attention): cp - 1 passes of a key and a value block in forward, cp - 1 again in
       backward and cp of their fp32 gradients:                     m L_attn B (T / cp) H_kv D (4 (cp - 1) c + 8 cp)
       per delta-rule layer: all-gathers of both chunks' state maps (A | B), fp32, and of the K - 1 convolution

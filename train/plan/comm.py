@@ -34,7 +34,7 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
     dp = layout.dp
     mb, B, T, d = cfg.train.grad_accum_steps, cfg.train.micro_batch_size, cfg.data.seq_len, m.d_model
     amp = _compute_dtype(cfg)
-    s, c = 4, (2 if amp is not None else 4)
+    c = 2 if amp is not None else 4  # bytes of the autocast dtype
     g = 2 if amp is not None and p.mixed_precision == "auto" else 4
 
     def f(n):
@@ -63,16 +63,25 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
                 out["dp_replicate"] = 2 * f(n // shard) * 4 * P / shard
     if p.ep > 1 and n > p.ep:
         out["dp"] += 2 * f(n // p.ep) * 4 * facts["expert_params"]
+    # the residual stream's bytes: bf16 under FSDP2's mixed precision (it casts each block's inputs), else fp32
+    r = 2 if g == 2 and p.zero_stage >= 2 and n > 1 else 4
     if p.tp > 1:
-        # full checkpointing repeats the forward's two collectives of each recomputed block; selective keeps them
         t = T // p.cp  # under context parallel the rank's piece of each sequence
-        per_layer = (4 + 2 * _recomputed_fraction(cfg)) * f(p.tp) * B * t * d * (s + c)
-        ends = (facts["embedding"] + facts["head"]) * 2 * f(p.tp) * B * t * d * s
-        out["tp"] = mb * (facts["layers"] * per_layer + ends)
+        # per layer: the two norms' outputs all-gathered in forward (their gradients reduce-scattered in backward),
+        # in c where a norm's readers are all projections (model/lm.py: the input norm without scale vectors, the
+        # second norm too before a SwiGLU), else in r; the two output projections' (c) reduce-scattered, their
+        # gradients all-gathered; full checkpointing repeats the forward's of each recomputed block
+        plain = not (m.scale.two_sided or m.scale.branch_specific)
+        layers, swiglu = facts["layers"], facts.get("swiglu_layers", 0) if plain else 0
+        bytes_ = layers * ((c if plain else r) + 2 * c + r) + swiglu * (c - r)
+        per_layers = (2 + _recomputed_fraction(cfg)) * f(p.tp) * B * t * d * bytes_
+        # the embedding's output reduce-scattered and its gradient all-gathered (r); the final norm's output
+        # all-gathered (r) and its gradient, whole sequences, all-reduced (c) by the vocabulary-parallel loss
+        ends = f(p.tp) * B * t * d * (facts["embedding"] * 2 * r + facts["head"] * (r + 2 * c))
+        out["tp"] = mb * (per_layers + ends)
     if p.pp > 1:
-        # the residual stream in the dtype the stages send (memory.sent_dtype): FSDP2's bf16 under mixed precision
-        sent = 2 if g == 2 and p.zero_stage >= 2 and n > 1 else 4
-        boundary = B * (T // (p.cp * p.tp)) * d * sent
+        # the residual stream in the dtype the stages send (memory.sent_dtype)
+        boundary = B * (T // (p.cp * p.tp)) * d * r
         for stage in facts["stages"]:
             out["pp"] += mb * boundary * ((stage < facts["n_stages"] - 1) + (stage > 0))
         vocab = m.resolve_vocab(cfg.data.tokenizer.vocab_size)
@@ -82,7 +91,8 @@ def comm_bytes(cfg: JobConfig, world: int, facts: dict) -> dict[str, float]:
             held = shard if p.zero_stage >= 2 and n > 1 else 1
             out["pp"] += vocab * d * 4 / (p.tp * held)
     if p.ep > 1:
-        out["ep"] = mb * facts["moe_layers"] * 2 * f(p.ep) * B * (T // p.cp) * m.moe.top_k * d * (s + c)
+        # the token rows travel in the experts' compute dtype (model/moe.py expert_dtype: autocast's), both ways
+        out["ep"] = mb * facts["moe_layers"] * 2 * f(p.ep) * B * (T // p.cp) * m.moe.top_k * d * 2 * c
     if p.cp > 1:
         t = T // p.cp
         D = m.resolved_head_dim()

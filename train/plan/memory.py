@@ -739,6 +739,8 @@ def rank_facts(cfg: JobConfig, model, pipeline, like: dict[int, int] | None = No
     """What the communication of the rank depends on: its parameters (without the ep-sharded experts, and those)
     and the layers and pipeline stages it holds. ``like`` (the planner's reduced rank, ``train/plan/reduced.py``):
     every layer of the rank -> a layer of its kind that ``model`` holds (itself, where it holds it)."""
+    from hybridtron.model.mlp import SwiGLU
+
     from ..parallel.expert_parallel import expert_params
 
     def local(p):
@@ -760,6 +762,7 @@ def rank_facts(cfg: JobConfig, model, pipeline, like: dict[int, int] | None = No
             "layers": len(layers), "attention_layers": sum(types[i] == "A" for i in layers),
             "delta_layers": sum(types[i] == "L" for i in layers),
             "moe_layers": sum(cfg.model.moe.is_moe_layer(i) for i in layers) if cfg.model.moe.n_experts else 0,
+            "swiglu_layers": sum(isinstance(getattr(model.layers[like[i]], "mlp", None), SwiGLU) for i in layers),
             "stages": list(stages), "n_stages": n_stages,
             "embedding": 0 in stages, "head": n_stages - 1 in stages}
 
