@@ -240,15 +240,18 @@ def _plan(args) -> tuple[str, object] | None:
         return _suggest(cfg, args)
     if not args.measure:
         world = args.nodes * args.gpus_per_node
+        if args.jobs < 0:
+            raise ConfigError(f"--jobs {args.jobs} must be >= 0 (0: one process per core)")
         for name in ("peak_tflops", "mfu", "intra_node_gbps", "inter_node_gbps"):
             if not getattr(args, name) > 0 or (name == "mfu" and args.mfu > 1):
                 raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0"
                                   + (" and <= 1" if name == "mfu" else ""))
         check_plan_layout(cfg, world)  # plan_table's refusal, before train.plan (and torch) is imported
         from .train.plan import Hardware, format_table, plan_table
+        from .train.plan.workers import available_cores
 
         hw = Hardware(args.peak_tflops, args.mfu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
-        rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw)
+        rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw, jobs=args.jobs or available_cores())
         return format_table(cfg, rows, world, args.gpu_memory_gib), rows
     if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
         raise ConfigError("hybridtron plan --measure cannot follow parallel.pp_schedule=zero_bubble: torch's memory "
@@ -421,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "peak of the rank planned heaviest beside its prediction")
     sp.add_argument("--json", action="store_true", help="print the result as one JSON object instead of tables "
                     "(stdout holds the JSON alone; log lines go to stderr)")
+    sp.add_argument("--jobs", type=int, default=0, metavar="N",
+                    help="processes tracing ranks at once (default 0: one per core this process may use; 1: none "
+                         "forked). The same plan either way")
     sp.add_argument("--suggest", action="store_true",
                     help="learning rate, weight decay, batch size and steps for the token budget from scaling laws "
                          "(Power Lines' AdamW timescale; the routed-model law for the expert count)")

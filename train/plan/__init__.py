@@ -61,7 +61,9 @@ leaves (the gradient received into its buffer, a logged loss), so the places fro
 times that (measured over the second pair) and the pairs left out hold no more; each warm-up forward after the second
 holds what the second holds (its micro-batch's activations), added w - 2 times from the first pair to the last
 backward. So 1F1B stages alike in all but their warm-ups (the middle stages of one layer count) share one trace
-(``reduced._alike_in_1f1b``). ``exact=True``
+(``reduced._alike_in_1f1b``). The traces of a rank, and the distinct ranks after the first, run side by side in
+processes forked from the built rank (``workers.py``; ``hybridtron plan --jobs``, one per core by default; the
+library's calls and ``--measure``'s prediction run them in this process). ``exact=True``
 (``plan_table``, ``plan_ranks``, ``compare``) traces every layer as described above: the reference the
 extrapolation is tested against (``tests/train/test_plan_reduced.py``: equal to the byte, or within 64 bytes: a
 few scalars). ``--measure`` runs the same two steps on real tensors in the job's real layout (under torchrun, every rank; a pipeline through torch's real schedule) and

@@ -6,6 +6,10 @@ import sys
 import threading
 import time
 
+# Held while the progress line is printed, and by ``workers.Workers`` while it forks a child: no child starts with
+# stderr's lock taken by this thread.
+PRINTING = threading.Lock()
+
 
 class Progress:
     """``note(what)`` says what the plan does now; from ``after`` seconds on, a background thread writes each new
@@ -38,7 +42,8 @@ class Progress:
             what = self._what
             if what is not None and what != self._said:
                 stream = self.stream or sys.stderr
-                print(f"{self.prefix}{what} ({time.monotonic() - self._start:.0f} s)", file=stream, flush=True)
+                with PRINTING:
+                    print(f"{self.prefix}{what} ({time.monotonic() - self._start:.0f} s)", file=stream, flush=True)
                 self._said = what
             if self._stop.wait(0.2):
                 return

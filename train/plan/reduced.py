@@ -28,12 +28,15 @@ The steps are ``ready_rank``'s ``quick`` ones (one tracked micro-batch on the gr
 pipeline's first step one micro-batch per stage; a 1F1B stage's later steps on two of its warm-up forwards and
 two pairs, one trace for the stages alike in all else: ``memory.ReplayedSchedule.shorten``), on one build per
 rank for the base and every extra layer (those a step leaves out still hold their weights, gradients and
-optimizer state, taken back out of the base), and, for ZeRO-2 and 3, on one build for both (``plan_rank``)."""
+optimizer state, taken back out of the base), and, for ZeRO-2 and 3, on one build for both (``plan_rank``). With
+``jobs`` above 1 the traces of one build run side by side, each in a process forked from the built rank
+(``workers.Workers``), and so do the distinct ranks after the first (``plan_ranks``)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 
 import torch
@@ -54,6 +57,7 @@ from .memory import (
     tracked_step,
     with_zero_stage,
 )
+from .workers import Workers
 
 # Layers of each stage traced at its ends, with the neighbours whose leftovers they run beside (FSDP2's prefetch
 # of the next block's weights in the backward, a reduce-scatter buffer waiting for the next block's): the last
@@ -143,28 +147,53 @@ def _combine(base: dict, held: dict, plus: dict, count: dict) -> dict:
             + sum(n * (plus[e][k] - v + held[e].get(k, 0.0)) for e, n in count.items()) for k, v in base.items()}
 
 
-def _extrapolate(ready, extras: list[int], count: dict[int, int], note=None, warm_ups=(None,)) -> list[dict]:
-    """The rank's memory by plan category from its tracked steps (``plan_rank``'s docstring), one for each of
-    ``warm_ups``: None for the rank's own schedule, or a number of warm-up forwards to add to a shortened 1F1B
-    trace (``ReplayedSchedule.shorten``: the plan of a stage alike in all but those). ``note``: called with the
-    number of the step traced next (progress)."""
+def _trace(ready, e: int | None, extras: list[int], warm_ups=(None,), zero_stage: int | None = None) -> tuple:
+    """One tracked step of ``ready`` for ``_extrapolate``: with the extra layer ``e`` (None: the base, without any),
+    the other extra layers left out. Returns its places' memory by category for each of ``warm_ups`` (None: the
+    rank's own schedule, or a number of warm-up forwards to add to a shortened 1F1B trace,
+    ``ReplayedSchedule.shorten``: the plan of a stage alike in all but those), and for the base what each extra layer
+    holds throughout (weights, gradients, optimizer state), else None. ``zero_stage``: first switch the build to that
+    FSDP stage (``plan_rank``)."""
+    if zero_stage is not None:
+        ready = _at_zero_stage(ready, zero_stage)
     cfg, mesh = ready.cfg, ready.mesh
     # Where the gradients stay from step to step (``ready_rank``'s ``quick``), a step with one more layer ends its
     # backward where the base does: every layer's weights, gradients and optimizer state (the left-out ones
     # counted), no activation; the clipping (of every layer's gradients, left out or not) and the optimizer step
     # (of every parameter) after it hold the same, so they run in the base step only: a third of a step's CPU.
-    base_only = ready.pipeline is None and not ready.zero_grad
-    places = {t: {} for t in warm_ups}
-    for n, e in enumerate([None, *extras]):
-        if note is not None:
-            note(f"step {n + 1}/{len(extras) + 1}")
-        tracker = tracked_step(ready, left_out=[x for x in extras if x != e], places=True,
-                               update=e is None or not base_only)
-        for t in warm_ups:
-            segments = tracker.segments if t is None else tracker.shifted(t)
-            places[t][e] = {place: categories(snap, cfg, mesh) for place, snap in segments.items()}
-        if e is None:
-            held = {x: categories(held_by(tracker, ready.model.layers[x], ready.optimizer), cfg, mesh) for x in extras}
+    tracker = tracked_step(ready, left_out=[x for x in extras if x != e], places=True,
+                           update=e is None or not _base_only(ready))
+    places = {t: {place: categories(snap, cfg, mesh)
+                  for place, snap in (tracker.segments if t is None else tracker.shifted(t)).items()} for t in warm_ups}
+    held = None
+    if e is None:
+        held = {x: categories(held_by(tracker, ready.model.layers[x], ready.optimizer), cfg, mesh) for x in extras}
+    return places, held
+
+
+def _base_only(ready) -> bool:
+    return ready.pipeline is None and not ready.zero_grad
+
+
+def _at_zero_stage(ready, z: int):
+    """``ready`` switched to ZeRO stage ``z`` (2 or 3) on the same build: FSDP2 frees each block's gathered weights
+    after its forward or not (``set_reshard_after_forward``, what ``apply_data_parallel`` sets from the stage)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if ready.mesh.zero_stage == z:
+        return ready
+    for block in ready.model.layers:
+        if isinstance(block, FSDPModule):
+            block.set_reshard_after_forward(z == 3, recurse=False)
+    return dataclasses.replace(ready, cfg=with_zero_stage(ready.cfg, z), mesh=dataclasses.replace(ready.mesh, zero_stage=z))
+
+
+def _extrapolate(traces: list[tuple], extras: list[int], count: dict[int, int], base_only: bool,
+                 warm_ups=(None,)) -> list[dict]:
+    """The rank's memory by plan category (``plan_rank``'s docstring), one for each of ``warm_ups``, from its
+    ``_trace`` results: the base's, then one per extra layer, in the order of ``extras``."""
+    (base, held), *plus = traces
+    places = {t: {None: base[t], **{e: p[t] for e, (p, _) in zip(extras, plus, strict=True)}} for t in warm_ups}
     return [_peak(places[t], held, extras, count, base_only) for t in warm_ups]
 
 
@@ -189,15 +218,16 @@ def _peak(places: dict, held: dict, extras: list[int], count: dict[int, int], ba
 
 
 def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: str = "gpu",
-              kinds: list[int] | None = None, note=None, alike: dict[int, int] | None = None
-              ) -> tuple[dict[int, dict], dict | None]:
+              kinds: list[int] | None = None, note=None, alike: dict[int, int] | None = None,
+              jobs: int = 1) -> tuple[dict[int, dict], dict | None]:
     """``step_peak``'s result ({"memory", "facts"}) for ``rank`` of a ``world``-process job at each of
     ``zero_stages`` (those the layout accepts), from its reduced traces (module docstring): {zero stage: result};
     and every pp rank's pipeline actions (None outside a pipeline). ``kinds``: ``layer_kinds``'s, when known.
     ``note``: called with what is traced next (the ZeRO stage, the build or which step: progress). ``alike``:
     1F1B ranks whose stages differ from this one's in their warm-up forwards only (``_alike_in_1f1b``), each with
     the number to add to the shortened trace's: the result is then {zero stage: {rank: result}}, ``rank`` and
-    each of them planned from the same traces (``ReplayedSchedule.shorten``).
+    each of them planned from the same traces (``ReplayedSchedule.shorten``). ``jobs``: processes tracing at once
+    (``workers.Workers``: each trace forked from the built rank).
 
     The base and the one-layer-more traces share one build and first step: the rank is built with every extra
     layer, and each tracked step leaves out the extra layers it is not about (``memory.tracked_step``), whose
@@ -212,41 +242,41 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
     recomputed, the base at the loss's backward and the base with one more plain layer in the last layer's), and
     so can the whole rank. A place inside a middle layer is one layer running beside the others: it is bounded by
     counting every other middle layer at the most it holds at any place outside the middle."""
-    from torch.distributed.fsdp import FSDPModule
-
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
     red = reduce(rank_stages(cfg, world, rank, vocab), kinds or layer_kinds(cfg, vocab))
     extras = sorted(set(red.extra.values()))
     count = {red.extra[key]: n for key, n in red.count.items()}  # each extra layer stands for its kind alone
     builds = [[z] for z in zero_stages if z == 0] + [[z for z in zero_stages if z != 0]]
+    ranks = list(alike or ())
+    warm_ups = [alike[r] for r in ranks] if alike else [None]
     out, orders = {}, None
+    workers = Workers(jobs, note)
     with fake_world(with_zero_stage(cfg, zero_stages[0]), world, rank) as mesh, fake_modes(cfg, kernels):
         for zs in (b for b in builds if b):
             cz = with_zero_stage(cfg, zs[0])
-            stage_names = " and ".join(f"ZeRO-{z}" for z in zs)
-            if note is not None:
-                note(f"{stage_names}: building the rank and its first step")
+            workers.say(f"{' and '.join(f'ZeRO-{z}' for z in zs)}: building the rank and its first step")
             ready = shortened(ready_rank(cz, dataclasses.replace(mesh, zero_stage=zs[0]), True, torch.device("cpu"),
                                          quick=True, like=red.like))
             if alike and not getattr(ready.pipeline.schedule, "warm_up", None):
                 raise ValueError(f"rank {rank}'s trace cannot stand for other stages' warm-ups")
             if ready.pipeline is not None:
                 orders = ready.pipeline.schedule.orders
+            steps = [(z, e) for z in zs for e in [None, *extras]]
+
+            def trace(z, e, n, ready=ready, first=zs[0]):
+                workers.say(f"ZeRO-{z}: tracing step {n % (len(extras) + 1) + 1}/{len(extras) + 1}")
+                return _trace(ready, e, extras, warm_ups, z if z != first else None)
+
+            traces = workers.map([functools.partial(trace, z, e, n) for n, (z, e) in enumerate(steps)])
             for z in zs:
-                if z != zs[0]:  # the other FSDP stage on the same build
-                    for block in ready.model.layers:
-                        if isinstance(block, FSDPModule):
-                            block.set_reshard_after_forward(z == 3, recurse=False)
-                    ready = dataclasses.replace(ready, cfg=with_zero_stage(ready.cfg, z),
-                                                mesh=dataclasses.replace(mesh, zero_stage=z))
-                said = None if note is None else (lambda what, z=z: note(f"ZeRO-{z}: tracing {what}"))
+                mine = [t for (zt, _), t in zip(steps, traces, strict=True) if zt == z]
+                memory = _extrapolate(mine, extras, count, _base_only(ready), warm_ups)
+                facts = ready.facts
                 if not alike:
-                    out[z] = {"memory": _extrapolate(ready, extras, count, said)[0], "facts": ready.facts}
+                    out[z] = {"memory": memory[0], "facts": facts}
                     continue
-                ranks = list(alike)
-                results = _extrapolate(ready, extras, count, said, [alike[r] for r in ranks])
-                out[z] = {r: {"memory": m, "facts": {**copy.deepcopy(ready.facts), "stages": stage_ids(cfg, world, r)}}
-                          for r, m in zip(ranks, results, strict=True)}
+                out[z] = {r: {"memory": m, "facts": {**copy.deepcopy(facts), "stages": stage_ids(cfg, world, r)}}
+                          for r, m in zip(ranks, memory, strict=True)}
     return out, orders
 
 
@@ -283,12 +313,14 @@ def _signature_of_rank(cfg: JobConfig, world: int, rank: int, vocab: int, kinds:
 
 
 def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu", exact: bool = False,
-               note=None) -> dict[int, dict[int, dict]]:
+               note=None, jobs: int = 1) -> dict[int, dict[int, dict]]:
     """Every planned rank of ``cfg`` on ``world`` processes (the first of each pipeline stage: the others differ
     by their shard only) at each of ``zero_stages`` (default the config's; those the layout accepts):
-    {zero stage: {rank: result}}. A pipeline stage alike in everything to one planned before
-    (``_signature_of_rank``) takes its result. ``exact``: every layer traced (``memory.step_peak``, the reference
-    the extrapolation is tested against). ``note``: called with what is planned next (progress)."""
+    {zero stage: {rank: result}}. A pipeline stage alike in everything to another (``_signature_of_rank``, known
+    once the first rank is built: its schedule's actions) takes its result. ``exact``: every layer traced
+    (``memory.step_peak``, the reference the extrapolation is tested against). ``note``: called with what is
+    planned next (progress). ``jobs``: processes planning at once (``workers.Workers``): the first rank, then
+    every other distinct one side by side, each rank's traces side by side too."""
     zero_stages = tuple(zero_stages or (cfg.parallel.zero_stage,))
     if exact:
         if note is not None:
@@ -297,31 +329,52 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
     ranks = planned_ranks(cfg, world)
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
     kinds = layer_kinds(cfg, vocab)
-    out = {z: {} for z in zero_stages}
-    seen, orders = {}, None
     alike = _alike_in_1f1b(cfg, world, ranks, vocab, kinds)
-    for n, rank in enumerate(ranks):
-        if rank in out[zero_stages[0]]:  # planned with a stage alike (``alike``)
-            continue
-        key = _signature_of_rank(cfg, world, rank, vocab, kinds, orders) if orders is not None else None
-        if key in seen:  # the same plan: its own stage ids for the communication
-            for z in zero_stages:
-                out[z][rank] = copy.deepcopy(out[z][seen[key]])
-                out[z][rank]["facts"]["stages"] = stage_ids(cfg, world, rank)
-            continue
-        which = f"pipeline stage {n + 1}/{len(ranks)} (rank {rank})" if len(ranks) > 1 else "rank 0"
+    workers = Workers(jobs, note)
+
+    def which(rank: int) -> str:
+        n = ranks.index(rank)
+        text = f"pipeline stage {n + 1}/{len(ranks)} (rank {rank})" if len(ranks) > 1 else "rank 0"
         if rank in alike:
-            which += " and " + ", ".join(f"{ranks.index(r) + 1}" for r in alike[rank] if r != rank) + " alike"
-        if note is not None:
-            note(which)
-        results, orders = plan_rank(cfg, world, rank, zero_stages, kernels, kinds,
-                                    None if note is None else (lambda what, which=which: note(f"{which}, {what}")),
-                                    alike.get(rank))
+            text += " and " + ", ".join(f"{ranks.index(r) + 1}" for r in alike[rank] if r != rank) + " alike"
+        return text
+
+    def plan(rank: int) -> tuple[dict, dict | None]:
+        said = which(rank)
+        workers.say(said)
+        return plan_rank(cfg, world, rank, zero_stages, kernels, kinds, lambda what: workers.say(f"{said}, {what}"),
+                         alike.get(rank), jobs)
+
+    out = {z: {} for z in zero_stages}
+
+    def take(rank: int, results: dict) -> None:
         for z in zero_stages:
             if rank in alike:
                 out[z].update(results[z])
             else:
                 out[z][rank] = results[z]
-        if orders is not None:
-            seen[_signature_of_rank(cfg, world, rank, vocab, kinds, orders)] = rank
+
+    results, orders = plan(ranks[0])
+    take(ranks[0], results)
+    covered = {r for first in alike for r in alike[first]}
+    same: dict[int, int] = {}  # rank -> the planned rank alike in everything
+    todo, seen = [], {}
+    if orders is not None:
+        seen[_signature_of_rank(cfg, world, ranks[0], vocab, kinds, orders)] = ranks[0]
+    for rank in ranks[1:]:
+        if rank in covered and rank not in alike:  # planned with the first stage alike to it
+            continue
+        key = _signature_of_rank(cfg, world, rank, vocab, kinds, orders) if orders is not None else None
+        if key is not None and key in seen:
+            same[rank] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = rank
+        todo.append(rank)
+    for rank, (results, _) in zip(todo, workers.map([functools.partial(plan, r) for r in todo]), strict=True):
+        take(rank, results)
+    for rank, like in same.items():  # the same plan: its own stage ids for the communication
+        for z in zero_stages:
+            out[z][rank] = copy.deepcopy(out[z][like])
+            out[z][rank]["facts"]["stages"] = stage_ids(cfg, world, rank)
     return out

@@ -29,13 +29,13 @@ def n_params(cfg: JobConfig) -> int:
 
 
 def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 3), hw: Hardware | None = None,
-               exact: bool = False) -> list[dict]:
+               exact: bool = False, jobs: int = 1) -> list[dict]:
     """One row per ZeRO stage the layout accepts (one row when nothing is data parallel): the heaviest planned
     rank's memory by category (GiB), whether it fits, GB it sends per step in every dimension (and in all), and
     every planned rank's peak (pipeline stages). A stage the layout refuses is a row with its reason. The memory
     of each rank is extrapolated from reduced traces (``reduced.py``); ``exact``: from a trace of every layer
     (minutes for a 1B model, the reference the extrapolation is tested against). A plan that takes more than 3 s
-    says on stderr what it is planning (``Progress``)."""
+    says on stderr what it is planning (``Progress``). ``jobs``: processes tracing at once (``workers.py``)."""
     refusals, layouts = {}, {}
     for z in stages:
         try:
@@ -50,7 +50,7 @@ def plan_table(cfg: JobConfig, world: int, gpu_memory_gib: float, stages=(0, 2, 
     P = n_params(cfg)
     with Progress() as progress:
         planned = plan_ranks(cfg, world, [z for z in stages if z not in refusals], exact=exact,
-                             note=lambda what: progress.note(f"planning {what} ..."))
+                             note=lambda what: progress.note(f"planning {what} ..."), jobs=jobs)
     return [_row(cfg, z, world, gpu_memory_gib, hw, P, dp, layouts, planned[z]) if z not in refusals else
             {"zero_stage": z, "refused": str(refusals[z])} for z in stages]
 
