@@ -5,7 +5,9 @@ at ZeRO-2 and ZeRO-3), every trace pure Python on fake tensors, one core each. `
 child processes forked from the one that built the rank, so each starts from the built rank and its first step
 (copy-on-write: nothing is rebuilt, nothing imported again) and sends its result back pickled. At most ``jobs``
 processes compute at a time, children of children included: each holds one of ``jobs`` tokens while it works and
-gives its token back while it waits for its own children.
+gives its token back while it waits for its own children. Each trace then starts from the built rank itself; in one
+process they run one after another on it, and an earlier one can leave a few scalars behind for the next (a 12-layer
+tiny_hybrid at tp 2 planned 524 bytes above the trace of every layer in one process, 12 below with forks).
 
 Forking is safe here because what the children run is the planner's own Python on fake tensors, with no kernel
 thread pools, no CUDA and no real process group; the progress thread (``progress.PRINTING``) is kept from printing
