@@ -68,6 +68,7 @@ class Workers:
         results: dict[int, object] = {}
         pending: dict[object, tuple[int, object]] = {}
         tokens.release()  # this process waits: its token is the children's meanwhile
+        done = False
         try:
             for i, call in enumerate(calls):
                 receive, send = self._ctx.Pipe(duplex=False)
@@ -95,11 +96,13 @@ class Workers:
                     if kind == "error":
                         raise RuntimeError(f"a plan worker failed:\n{value}")
                     results[i] = value
+            done = True
         finally:
-            for _conn, proc in pending.values():  # after a failure: the others' work is not wanted
+            for _conn, proc in pending.values():  # after a failure (or Ctrl-C): the others' work is not wanted
                 proc.kill()
                 proc.join()
-            tokens.acquire()
+            if done:  # (after a failure the killed children's tokens are gone: nothing more runs on them)
+                tokens.acquire()
             if top:
                 Workers._tokens = None
         return [results[i] for i in range(len(calls))]
