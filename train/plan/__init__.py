@@ -110,7 +110,8 @@ of the rank's tp shard:
       the embedding's output reduce-scattered, its gradient all-gathered:       m 2 f(tp) B T d r
       the final norm's output all-gathered, its gradient (whole sequences) all-reduced by the vocabulary-parallel
       loss:                                                                    m f(tp) B T d (r + 2 c)
-      (measured on gloo at tp 2, fp32, bf16, bf16 under FSDP2: to the byte but the loss's scalars)
+      (measured on gloo at tp 2 with dense SwiGLU layers, fp32, bf16, bf16 under FSDP2: to the byte but the loss's
+      scalars; MoE and scale-vector layers follow the same rule from the code, not measured)
   pp  the stage's output and its input's gradient, (B, T/tp, d) each, bf16 (b = 2) under FSDP2's mixed precision
       (ZeRO-2/3 with parallel.mixed_precision auto in bf16 runs), else fp32 (b = 4) (the first stage sends no
       gradient, the last no output), per stage of the rank:                   m 2 B (T / (cp tp)) d b
