@@ -247,11 +247,11 @@ def _plan(args) -> tuple[str, object] | None:
                 raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0"
                                   + (" and <= 1" if name == "mfu" else ""))
         check_plan_layout(cfg, world)  # plan_table's refusal, before train.plan (and torch) is imported
+        from .data_pipeline.prepare_tasks import node_cores
         from .train.plan import Hardware, format_table, plan_table
-        from .train.plan.workers import available_cores
 
         hw = Hardware(args.peak_tflops, args.mfu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
-        rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw, jobs=args.jobs or available_cores())
+        rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw, jobs=args.jobs or node_cores())
         return format_table(cfg, rows, world, args.gpu_memory_gib), rows
     if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "zero_bubble":
         raise ConfigError("hybridtron plan --measure cannot follow parallel.pp_schedule=zero_bubble: torch's memory "

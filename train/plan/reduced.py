@@ -261,21 +261,20 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
                 raise ValueError(f"rank {rank}'s trace cannot stand for other stages' warm-ups")
             if ready.pipeline is not None:
                 orders = ready.pipeline.schedule.orders
-            steps = [(z, e) for z in zs for e in [None, *extras]]
+            steps = [(z, n, e) for z in zs for n, e in enumerate([None, *extras])]
 
-            def trace(z, e, n, ready=ready, first=zs[0]):
-                workers.say(f"ZeRO-{z}: tracing step {n % (len(extras) + 1) + 1}/{len(extras) + 1}")
+            def trace(z, n, e, ready=ready, first=zs[0]):
+                workers.say(f"ZeRO-{z}: tracing step {n + 1}/{len(extras) + 1}")
                 return _trace(ready, e, extras, warm_ups, z if z != first else None)
 
-            traces = workers.map([functools.partial(trace, z, e, n) for n, (z, e) in enumerate(steps)])
+            traces = workers.map([functools.partial(trace, *step) for step in steps])
             for z in zs:
-                mine = [t for (zt, _), t in zip(steps, traces, strict=True) if zt == z]
+                mine = [t for (zt, _, _), t in zip(steps, traces, strict=True) if zt == z]
                 memory = _extrapolate(mine, extras, count, _base_only(ready), warm_ups)
-                facts = ready.facts
                 if not alike:
-                    out[z] = {"memory": memory[0], "facts": facts}
+                    out[z] = {"memory": memory[0], "facts": ready.facts}
                     continue
-                out[z] = {r: {"memory": m, "facts": {**copy.deepcopy(facts), "stages": stage_ids(cfg, world, r)}}
+                out[z] = {r: {"memory": m, "facts": {**copy.deepcopy(ready.facts), "stages": stage_ids(cfg, world, r)}}
                           for r, m in zip(ranks, memory, strict=True)}
     return out, orders
 

@@ -27,14 +27,6 @@ from multiprocessing.connection import wait
 from .progress import PRINTING
 
 
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a SLURM allocation's, not the node's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 class Workers:
     """Runs calls in forked children, ``jobs`` processes computing at most (module docstring). ``note``: what the
     calls say they do (``say``) goes to it, from this process or from a child."""
