@@ -580,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     not match (ConfigError, DataError, CheckpointError), or a permission denied; 3 training diverged
     (NonFiniteLossError); 4 no space left on device (DiskFullError, or ENOSPC/EDQUOT from any write); 5 a
     multi-process job lost another of its processes (a collective failed on a closed connection); 6 a hang
-    (train/watchdog.py ends the process from its watch thread after naming the ranks that did not arrive).
+    (train/watchdog.py ends the process from its watch thread after naming the ranks that did not arrive); 130
+    interrupted by Ctrl-C (SIGINT; ``train`` takes a first one as a request to save and stop after the step, a
+    second as this).
 
     Those end in one line on stderr naming the file and what to do; ``--debug`` (any subcommand) or
     ``HYBRIDTRON_DEBUG=1`` re-raises them with their traceback instead. Any other exception is a bug and
@@ -632,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             raise
         return fail(3, f"training diverged: {_one_line(e)}")
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return fail(130, "interrupted (Ctrl-C)", cause=False)
     except RuntimeError as e:
         if debug or world == 1 or not _peer_lost(e):
             raise

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -51,14 +53,47 @@ def test_plan_refuses_negative_jobs(capsys):
     assert "--jobs -1 must be >= 0" in capsys.readouterr().err
 
 
+PP3 = ["--model.n_layers", "21", "--model.d_model", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
+       "--data.seq_len", "64", "--train.micro_batch_size", "2", "--train.dtype", "bf16", "--parallel.pp", "3",
+       "--train.grad_accum_steps", "6", "--nodes", "1", "--gpus-per-node", "6"]
+
+
+def test_ctrl_c_ends_a_plan_with_one_line_and_no_process_left():
+    """Ctrl-C in a terminal signals the whole process group: the plan's forked workers included. The plan ends
+    with exit code 130 and one line, no traceback (from it or any worker), and no worker outlives it."""
+    proc = subprocess.Popen([sys.executable, "-m", "hybridtron.cli", "plan", "--config", "tiny", *PP3, "--jobs", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stderr:  # the progress line, from 3 s on: the first stage's traces run in workers
+            seen.append(line)
+            if "tracing" in line:
+                break
+        assert any("tracing" in line for line in seen), "".join(seen)[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=30) == 130, rest[-3000:]
+    finally:
+        proc.kill()
+    err = "".join(seen) + rest
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "hybridtron plan: interrupted (Ctrl-C)", err[-3000:]
+    deadline = time.monotonic() + 10
+    while True:  # the workers die with their parent (PR_SET_PDEATHSIG): the group empties
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a plan worker outlived the plan"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
 def test_plan_with_jobs_is_the_plan_of_one_process():
     """The command users run: 3 pipeline stages of 7 layers (so each stage's traces include a middle layer's), dp 2,
     ZeRO-2 and 3: with 3 jobs the first stage's traces run in children, then the other two stages in children that
     fork their own traces; the JSON is the same to the last digit as with one process."""
-    over = ["--model.n_layers", "21", "--model.d_model", "64", "--model.n_heads", "4", "--model.n_kv_heads", "2",
-            "--data.seq_len", "64", "--train.micro_batch_size", "2", "--train.dtype", "bf16", "--parallel.pp", "3",
-            "--train.grad_accum_steps", "6", "--nodes", "1", "--gpus-per-node", "6", "--json"]
+    over = [*PP3, "--json"]
     out = {}
     for jobs in (1, 3):
         run = subprocess.run([sys.executable, "-m", "hybridtron.cli", "plan", "--config", "tiny", *over, "--jobs",

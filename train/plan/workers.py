@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import traceback
 import warnings
 from collections.abc import Callable
@@ -64,7 +65,9 @@ class Workers:
         try:
             for i, call in enumerate(calls):
                 receive, send = self._ctx.Pipe(duplex=False)
-                with PRINTING, warnings.catch_warnings():
+                # Ctrl-C reaches the whole process group: only the top process acts on it (its ``finally`` kills
+                # the children), so each child starts with SIGINT blocked and then ignores it
+                with PRINTING, warnings.catch_warnings(), _sigint_blocked():
                     warnings.simplefilter("ignore", DeprecationWarning)  # python >= 3.12: fork with a thread
                     proc = self._ctx.Process(target=_child, args=(call, send, tokens), name=f"plan-worker-{i}")
                     proc.start()
@@ -100,6 +103,16 @@ class Workers:
         return [results[i] for i in range(len(calls))]
 
 
+class _sigint_blocked:
+    """SIGINT held back in this thread (and in a process forked meanwhile, which inherits the mask) while open."""
+
+    def __enter__(self):
+        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
+
+
 def _die_with_parent() -> None:
     """Linux: this process is killed when its parent ends (a failed plan's parent kills its children; theirs go
     with them)."""
@@ -114,6 +127,8 @@ def _die_with_parent() -> None:
 
 def _child(call, conn, tokens) -> None:
     PRINTING.release()  # taken by the parent around the fork: this copy of it would stay taken for good
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the top process's to handle (``map``)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
     tokens.acquire()
     Workers._parent = conn
