@@ -14,7 +14,7 @@ import pytest
 from hybridtron.configs import load_config
 from hybridtron.train.plan import layer_kinds, plan_ranks
 from hybridtron.train.plan.progress import Progress
-from hybridtron.train.plan.reduced import HEAD, TAIL, rank_stages, reduce
+from hybridtron.train.plan.reduced import HEAD, TAIL, pipeline_orders, rank_stages, reduce
 
 # 9 layers: 2 + 3 at the ends, 4 between them, so every kind below occurs at least twice in the middle and is
 # extrapolated (a kind that occurs once there is traced as it is)
@@ -140,6 +140,27 @@ def _as_the_whole_step(reduced: dict, full: dict, ranks: set) -> None:
             assert got["facts"] == ref["facts"], (z, rank)
 
 
+@pytest.mark.parametrize("schedule,per_rank", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2),
+                                               ("zero_bubble", 2)])
+def test_pipeline_orders_are_the_built_ranks_schedule(schedule, per_rank):
+    """Which stages plan alike is decided from every pp rank's actions before any rank is built (so all start at
+    once): ``pipeline_orders`` gives what the schedule of a built rank (the training ``Pipeline``'s) runs."""
+    import torch
+
+    from hybridtron.train.plan.memory import fake_modes, fake_world, ready_rank
+
+    cfg = load_config("tiny", [*SMALL, ("model.n_layers", "8"), ("parallel.pp", "2"), ("train.grad_accum_steps", "4"),
+                               ("parallel.pp_schedule", schedule), ("parallel.pp_stages_per_rank", str(per_rank))])
+    orders = pipeline_orders(cfg)
+    assert sorted(orders) == [0, 1] and all(orders.values())
+    for rank in (0, 1):
+        with fake_world(cfg, 2, rank) as mesh, fake_modes(cfg):
+            pipeline = ready_rank(cfg, mesh, True, torch.device("cpu"), quick=True).pipeline
+            built = pipeline.schedule.torch_schedule.pipeline_order
+            assert orders == {r: [a for a in o if a is not None] for r, o in built.items()}, rank
+            assert {a.stage_index for a in orders[rank]} == set(pipeline.stage_ids), rank
+
+
 @pytest.mark.slow
 def test_alike_pipeline_stages_are_traced_once(traced):
     """GPipe holds every micro-batch on every stage, so its two middle stages of 3 layers each (10 layers in 4
@@ -153,7 +174,7 @@ def test_alike_pipeline_stages_are_traced_once(traced):
     planned = plan_ranks(gpipe, 4)[3]
     assert traced == [0, 1, 3] and set(planned) == {0, 1, 2, 3}
     assert planned[2]["memory"] == planned[1]["memory"] and planned[2]["facts"]["stages"] == [2]
-    alone, _ = plan_rank(gpipe, 4, 2, (3,))  # the reused plan is the one tracing that stage gives
+    alone = plan_rank(gpipe, 4, 2, (3,))  # the reused plan is the one tracing that stage gives
     assert alone[3]["memory"] == planned[2]["memory"] and alone[3]["facts"] == planned[2]["facts"]
     traced.clear()
     plan_ranks(load_config("tiny", [*over, ("parallel.pp_schedule", "1f1b")]), 4)

@@ -172,6 +172,23 @@ def cut(model: nn.Module, keep: set[int], first: bool, last: bool) -> nn.Module:
     return model
 
 
+def training_schedule(name: str, stages: list, n_micro: int):
+    """torch's schedule ``name`` (``parallel.pp_schedule``) over this rank's ``stages`` (PipelineStage objects)
+    for a step of ``n_micro`` micro-batches: what ``Pipeline`` trains with, and what the planner reads each pp
+    rank's actions from (``plan.reduced.pipeline_orders``)."""
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
+
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
+            "zero_bubble": ScheduleInterleavedZeroBubble}[name]
+    return kind(stages[0] if len(stages) == 1 else stages, n_microbatches=n_micro, loss_fn=stage_loss,
+                scale_grads=True)
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them; ``model`` is the cut GatedLM they share."""
 
@@ -205,21 +222,12 @@ class Pipeline:
 
     def finish(self) -> None:
         """Build the schedules over the (now tensor/data parallel) stage modules."""
-        from torch.distributed.pipelining import (
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
-            ScheduleInterleavedZeroBubble,
-            ScheduleLoopedBFS,
-        )
+        from torch.distributed.pipelining import ScheduleGPipe, ScheduleLoopedBFS
 
         train_stages = [self._pipeline_stage(m, s) for m, s in zip(self.stages, self.stage_ids, strict=True)]
         eval_stages = [self._pipeline_stage(m, s) for m, s in zip(self.stages, self.stage_ids, strict=True)]
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-                "zero_bubble": ScheduleInterleavedZeroBubble}[self._schedule_name]
         single = len(train_stages) == 1
-        self.schedule = kind(train_stages[0] if single else train_stages, n_microbatches=self.n_micro,
-                             loss_fn=stage_loss, scale_grads=True)
+        self.schedule = training_schedule(self._schedule_name, train_stages, self.n_micro)
         # Evaluation: one micro-batch at a time, forward only, on stage objects of its own (shapes inferred apart).
         self._eval_schedule = (ScheduleGPipe(eval_stages[0], n_microbatches=1, loss_fn=stage_loss) if single else
                                ScheduleLoopedBFS(eval_stages, n_microbatches=1, loss_fn=stage_loss))

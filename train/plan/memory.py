@@ -390,9 +390,7 @@ class ReplayedSchedule:
 
     def __init__(self, pipeline, device: torch.device, warm: bool = False):
         self.pipeline, self.device, self.torch_schedule = pipeline, device, pipeline.schedule
-        # every pp rank's actions (None: an idle slot), for the planner to tell which ranks act alike
-        self.orders = {r: [a for a in order if a is not None] for r, order in pipeline.schedule.pipeline_order.items()}
-        self.order = self.orders[pipeline.mesh.pp_rank]
+        self.order = [a for a in pipeline.schedule.pipeline_order[pipeline.mesh.pp_rank] if a is not None]  # no idle
         self.n_stages, self.n_micro = len(pipeline.ranges), pipeline.n_micro
         self.modules = dict(zip(pipeline.stage_ids, pipeline.stages, strict=True))
         self.recv: dict[tuple[str, int, int], torch.Tensor] = {}  # torch's per-micro-batch receive buffers

@@ -30,7 +30,8 @@ two pairs, one trace for the stages alike in all else: ``memory.ReplayedSchedule
 rank for the base and every extra layer (those a step leaves out still hold their weights, gradients and
 optimizer state, taken back out of the base), and, for ZeRO-2 and 3, on one build for both (``plan_rank``). With
 ``jobs`` above 1 the traces of one build run side by side, each in a process forked from the built rank
-(``workers.Workers``), and so do the distinct ranks after the first (``plan_ranks``)."""
+(``workers.Workers``), and so do the distinct ranks (``plan_ranks``; which pipeline stages are alike is known
+before any is built: ``pipeline_orders``)."""
 
 from __future__ import annotations
 
@@ -219,10 +220,10 @@ def _peak(places: dict, held: dict, extras: list[int], count: dict[int, int], ba
 
 def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: str = "gpu",
               kinds: list[int] | None = None, note=None, alike: dict[int, int] | None = None,
-              jobs: int = 1) -> tuple[dict[int, dict], dict | None]:
+              jobs: int = 1) -> dict[int, dict]:
     """``step_peak``'s result ({"memory", "facts"}) for ``rank`` of a ``world``-process job at each of
-    ``zero_stages`` (those the layout accepts), from its reduced traces (module docstring): {zero stage: result};
-    and every pp rank's pipeline actions (None outside a pipeline). ``kinds``: ``layer_kinds``'s, when known.
+    ``zero_stages`` (those the layout accepts), from its reduced traces (module docstring): {zero stage: result}.
+    ``kinds``: ``layer_kinds``'s, when known.
     ``note``: called with what is traced next (the ZeRO stage, the build or which step: progress). ``alike``:
     1F1B ranks whose stages differ from this one's in their warm-up forwards only (``_alike_in_1f1b``), each with
     the number to add to the shortened trace's: the result is then {zero stage: {rank: result}}, ``rank`` and
@@ -249,7 +250,7 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
     builds = [[z] for z in zero_stages if z == 0] + [[z for z in zero_stages if z != 0]]
     ranks = list(alike or ())
     warm_ups = [alike[r] for r in ranks] if alike else [None]
-    out, orders = {}, None
+    out = {}
     workers = Workers(jobs, note)
     with fake_world(with_zero_stage(cfg, zero_stages[0]), world, rank) as mesh, fake_modes(cfg, kernels):
         for zs in (b for b in builds if b):
@@ -259,8 +260,6 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
                                          quick=True, like=red.like))
             if alike and not getattr(ready.pipeline.schedule, "warm_up", None):
                 raise ValueError(f"rank {rank}'s trace cannot stand for other stages' warm-ups")
-            if ready.pipeline is not None:
-                orders = ready.pipeline.schedule.orders
             steps = [(z, n, e) for z in zs for n, e in enumerate([None, *extras])]
 
             def trace(z, n, e, ready=ready, first=zs[0]):
@@ -276,7 +275,7 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
                     continue
                 out[z] = {r: {"memory": m, "facts": {**copy.deepcopy(ready.facts), "stages": stage_ids(cfg, world, r)}}
                           for r, m in zip(ranks, memory, strict=True)}
-    return out, orders
+    return out
 
 
 def _alike_in_1f1b(cfg: JobConfig, world: int, ranks: list[int], vocab: int, kinds: list[int]) -> dict[int, dict]:
@@ -311,15 +310,42 @@ def _signature_of_rank(cfg: JobConfig, world: int, rank: int, vocab: int, kinds:
             actions)
 
 
+def pipeline_orders(cfg: JobConfig) -> dict[int, list] | None:
+    """Every pp rank's actions in the configured training schedule (torch's ``pipeline_order``, idle slots left
+    out), as ``memory.ReplayedSchedule.orders`` has them once a rank is built: the same schedule
+    (``pipeline.training_schedule``) built over stages of empty modules in a fake process group of pp ranks. None
+    outside a pipeline. The schedule's order depends on the stage and micro-batch counts alone."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from ..parallel.pipeline import training_schedule
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return None
+    if dist.is_initialized():
+        raise RuntimeError("pipeline_orders makes a process group of its own: call it outside one")
+    n_stages = p.pp * p.pp_stages_per_rank
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.pp)
+    try:
+        stages = [PipelineStage(torch.nn.Module(), s, n_stages, torch.device("cpu"), group=dist.group.WORLD)
+                  for s in stage_ids(cfg, p.pp, 0)]
+        schedule = training_schedule(p.pp_schedule, stages, cfg.train.grad_accum_steps)
+        return {r: [a for a in order if a is not None] for r, order in schedule.pipeline_order.items()}
+    finally:
+        dist.destroy_process_group()
+
+
 def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu", exact: bool = False,
                note=None, jobs: int = 1) -> dict[int, dict[int, dict]]:
     """Every planned rank of ``cfg`` on ``world`` processes (the first of each pipeline stage: the others differ
     by their shard only) at each of ``zero_stages`` (default the config's; those the layout accepts):
     {zero stage: {rank: result}}. A pipeline stage alike in everything to another (``_signature_of_rank``, known
-    once the first rank is built: its schedule's actions) takes its result. ``exact``: every layer traced
+    from the schedule's actions, ``pipeline_orders``) takes its result. ``exact``: every layer traced
     (``memory.step_peak``, the reference the extrapolation is tested against). ``note``: called with what is
-    planned next (progress). ``jobs``: processes planning at once (``workers.Workers``): the first rank, then
-    every other distinct one side by side, each rank's traces side by side too."""
+    planned next (progress). ``jobs``: processes planning at once (``workers.Workers``): the distinct ranks side
+    by side, each rank's traces side by side too."""
     zero_stages = tuple(zero_stages or (cfg.parallel.zero_stage,))
     if exact:
         if note is not None:
@@ -338,7 +364,7 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
             text += " and " + ", ".join(f"{ranks.index(r) + 1}" for r in alike[rank] if r != rank) + " alike"
         return text
 
-    def plan(rank: int) -> tuple[dict, dict | None]:
+    def plan(rank: int) -> dict:
         said = which(rank)
         workers.say(said)
         return plan_rank(cfg, world, rank, zero_stages, kernels, kinds, lambda what: workers.say(f"{said}, {what}"),
@@ -353,14 +379,11 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
             else:
                 out[z][rank] = results[z]
 
-    results, orders = plan(ranks[0])
-    take(ranks[0], results)
     covered = {r for first in alike for r in alike[first]}
+    orders = pipeline_orders(cfg)
     same: dict[int, int] = {}  # rank -> the planned rank alike in everything
     todo, seen = [], {}
-    if orders is not None:
-        seen[_signature_of_rank(cfg, world, ranks[0], vocab, kinds, orders)] = ranks[0]
-    for rank in ranks[1:]:
+    for rank in ranks:
         if rank in covered and rank not in alike:  # planned with the first stage alike to it
             continue
         key = _signature_of_rank(cfg, world, rank, vocab, kinds, orders) if orders is not None else None
@@ -370,7 +393,7 @@ def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu
         if key is not None:
             seen[key] = rank
         todo.append(rank)
-    for rank, (results, _) in zip(todo, workers.map([functools.partial(plan, r) for r in todo]), strict=True):
+    for rank, results in zip(todo, workers.map([functools.partial(plan, r) for r in todo]), strict=True):
         take(rank, results)
     for rank, like in same.items():  # the same plan: its own stage ids for the communication
         for z in zero_stages:
