@@ -11,8 +11,9 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType, _WeakRefInfo
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
@@ -252,6 +253,13 @@ def _known(t: torch.Tensor) -> torch.Tensor | None:
     return t.__dict__.get("_known") if isinstance(t, FakeTensor) else t
 
 
+def outside_a_process_group() -> None:
+    """The planner makes fake process groups of its own: refused inside a real one (under torchrun)."""
+    if dist.is_initialized():
+        raise ConfigError("hybridtron plan simulates other layouts in one process: run it without torchrun "
+                          "(torchrun is for --measure)")
+
+
 # ---- the simulated (or real) rank ------------------------------------------------------------------------------
 @contextlib.contextmanager
 def fake_world(cfg: JobConfig, world: int, rank: int):
@@ -260,9 +268,7 @@ def fake_world(cfg: JobConfig, world: int, rank: int):
     the launcher's variables, which are set for it meanwhile. Its layout and kernel rules are checked for the
     cluster's GPUs (``target_layout``, as the plan checked them before), not for this host's CPU: ``train.fp8``
     is planned as the cluster runs it (torchao's FP8 matmuls, not refused for want of FP8 tensor cores here)."""
-    if dist.is_initialized():
-        raise ConfigError("hybridtron plan simulates other layouts in one process: run it without torchrun "
-                          "(torchrun is for --measure)")
+    outside_a_process_group()
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
@@ -595,6 +601,24 @@ class _PeakOnly:
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         device = _fake_device(func, args)
         return device if device is not None else super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _track(self, reftype, t: torch.Tensor) -> None:
+        """torch's ``MemTracker._track`` (every storage of a new op output counted under ``reftype``), but for
+        every storage: torch's returns at the first it already knows. A tensor subclass has several (a Float8
+        tensor's data and scale) in a set, whose order changes from run to run, so a new fp8 all-gather's output
+        beside its known scale was counted in some runs and not in others; the plan of fp8 under tp varied by
+        GiB between runs of the same command (bench/RESULTS.md, 2026-11-29)."""
+        for st in get_untyped_storages(t):
+            winfo, _ = self._WINFO.get(st, (None, None))
+            if winfo is None:
+                winfo, w_st = _WeakRefInfo.create_winfo(st, t.device, reftype, self._delete_callback)
+                self._WINFO[st] = (winfo, w_st)
+                if winfo.mem_consumed > 0:
+                    self._update_snap(_UpdateType.ADD, winfo)
+            elif winfo.size != st.size():
+                old = winfo.mem_consumed
+                winfo.update_mem_consumed(st)
+                self._update_snap(_UpdateType.SIZE, winfo, old_mem_consumed=old)
 
     def _update_peak_stats(self, peak_state) -> None:
         for dev, snap in self._curr_mem_snap.items():

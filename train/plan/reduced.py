@@ -51,6 +51,7 @@ from .memory import (
     fake_modes,
     fake_world,
     held_by,
+    outside_a_process_group,
     planned_ranks,
     ready_rank,
     shortened,
@@ -324,8 +325,7 @@ def pipeline_orders(cfg: JobConfig) -> dict[int, list] | None:
     p = cfg.parallel
     if p.pp == 1:
         return None
-    if dist.is_initialized():
-        raise RuntimeError("pipeline_orders makes a process group of its own: call it outside one")
+    outside_a_process_group()
     n_stages = p.pp * p.pp_stages_per_rank
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.pp)
     try:
