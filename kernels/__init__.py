@@ -3,6 +3,7 @@ switch (backend.py, its torch-free rules in rules.py, the size limits in limits.
 (tune.py).
 
 Nothing is imported here: the layout check reads rules.py and limits.py without torch (the command line answers a
-config mistake before torch is imported). Nothing registers itself on import either: the switch imports tune.py
-the first time ``auto`` of a tuned op is asked for (``backend.tuner``).
+config mistake before torch is imported). tune.py registers itself with the switch when imported; hybridtron.model
+imports it, so every model's ops are measured, and a program that calls an op of the tuned ones directly imports
+it itself (``from hybridtron.kernels import tune``) or gets AUTO_ORDER's first runnable backend.
 """

@@ -123,19 +123,16 @@ def _constant_under_compile(fn):
     return fn
 
 
-_tuner = None  # kernels/tune.py, once ``tuner`` has imported it
+# kernels/tune.py, set when it is imported (hybridtron.model imports it, for its ops): an object with
+# ``measures_on(device_type)`` and ``choose(op, shape, device_type)``. The tuner builds on this module, so this module
+# asks it through this slot rather than importing it back.
+_tuner = None
 
 
-def tuner():
-    """kernels/tune.py, which decides ``auto`` of the TUNED_OPS on the device types it measures on (CUDA): its
-    ``measures_on(device_type)`` and ``choose(op, shape, device_type)``. Imported on first use rather than with
-    this module, which it builds on."""
+def use_tuner(tuner) -> None:
+    """Let ``auto`` of the TUNED_OPS be decided by ``tuner`` on the device types its ``measures_on`` accepts."""
     global _tuner
-    if _tuner is None:
-        from . import tune
-
-        _tuner = tune
-    return _tuner
+    _tuner = tuner
 
 
 @_constant_under_compile
@@ -147,8 +144,9 @@ def pick(op: str, requested: str, device_type: str, shape: tuple | None = None) 
     hit = _forced.get((op, device_type))
     if hit is not None:
         return hit
-    if requested == "auto" and shape is not None and op in TUNED_OPS and tuner().measures_on(device_type):
-        return tuner().choose(op, shape, device_type)
+    if requested == "auto" and shape is not None and op in TUNED_OPS and _tuner is not None:
+        if _tuner.measures_on(device_type):
+            return _tuner.choose(op, shape, device_type)
     key = (op, requested, device_type)
     hit = _resolved.get(key)
     if hit is None:

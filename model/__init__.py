@@ -1,5 +1,6 @@
 """Single-device model modules: the gated-attention LM and its parts."""
 
+from ..kernels import tune  # noqa: F401  (registers auto's measurement on CUDA with the backend switch: kernels/__init__)
 from .attention import GatedAttention, doc_causal_mask
 from .flops import flops_per_token
 from .gated_deltanet import GatedDeltaNet
