@@ -61,8 +61,11 @@ PP3 = ["--model.n_layers", "21", "--model.d_model", "64", "--model.n_heads", "4"
 def test_ctrl_c_ends_a_plan_with_one_line_and_no_process_left():
     """Ctrl-C in a terminal signals the whole process group: the plan's forked workers included. The plan ends
     with exit code 130 and one line, no traceback (from it or any worker), and no worker outlives it."""
+    # a terminal's foreground command gets SIGINT's default (pytest-xdist's workers ignore it, and an ignored
+    # SIGINT is inherited: Python then raises no KeyboardInterrupt, as under nohup or a background job)
     proc = subprocess.Popen([sys.executable, "-m", "hybridtron.cli", "plan", "--config", "tiny", *PP3, "--jobs", "3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         seen = []
         for line in proc.stderr:  # the progress line, from 3 s on: the first stage's traces run in workers

@@ -381,6 +381,31 @@ def sent_dtype(pipeline) -> torch.dtype:
     return torch.float32
 
 
+def pipeline_orders(cfg: JobConfig) -> dict[int, list] | None:
+    """Every pp rank's actions in the configured training schedule (torch's ``pipeline_order``, idle slots left
+    out), as a built rank's schedule has them (``ReplayedSchedule.order``, its own): the same schedule
+    (``pipeline.training_schedule``) built over stages of empty modules in a fake process group of pp ranks. None
+    outside a pipeline. The schedule's order depends on the stage and micro-batch counts alone."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    from ..parallel.pipeline import training_schedule
+
+    p = cfg.parallel
+    if p.pp == 1:
+        return None
+    outside_a_process_group()
+    n_stages = p.pp * p.pp_stages_per_rank
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.pp)
+    try:
+        stages = [PipelineStage(torch.nn.Module(), s, n_stages, torch.device("cpu"), group=dist.group.WORLD)
+                  for s in [k * p.pp for k in range(p.pp_stages_per_rank)]]  # pp rank 0's stages
+        schedule = training_schedule(p.pp_schedule, stages, cfg.train.grad_accum_steps)
+        return {r: [a for a in order if a is not None] for r, order in schedule.pipeline_order.items()}
+    finally:
+        dist.destroy_process_group()
+
+
 # Warm-up forwards a shortened 1F1B stage keeps (``ReplayedSchedule.shorten``): two, for the second's leftover to be
 # what each further one holds (the first's includes what a step's first forward leaves, ZeRO-2's gathered weights).
 WARM_UPS = 2

@@ -51,7 +51,7 @@ from .memory import (
     fake_modes,
     fake_world,
     held_by,
-    outside_a_process_group,
+    pipeline_orders,
     planned_ranks,
     ready_rank,
     shortened,
@@ -309,32 +309,6 @@ def _signature_of_rank(cfg: JobConfig, world: int, rank: int, vocab: int, kinds:
     actions = tuple((ids.index(a.stage_index), a.computation_type.value) for a in orders[pp_rank])
     return (tuple((s == 0, s == n_stages - 1, tuple(kinds[i] for i in r)) for s, r in zip(ids, stages, strict=True)),
             actions)
-
-
-def pipeline_orders(cfg: JobConfig) -> dict[int, list] | None:
-    """Every pp rank's actions in the configured training schedule (torch's ``pipeline_order``, idle slots left
-    out), as ``memory.ReplayedSchedule.orders`` has them once a rank is built: the same schedule
-    (``pipeline.training_schedule``) built over stages of empty modules in a fake process group of pp ranks. None
-    outside a pipeline. The schedule's order depends on the stage and micro-batch counts alone."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
-    from ..parallel.pipeline import training_schedule
-
-    p = cfg.parallel
-    if p.pp == 1:
-        return None
-    outside_a_process_group()
-    n_stages = p.pp * p.pp_stages_per_rank
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.pp)
-    try:
-        stages = [PipelineStage(torch.nn.Module(), s, n_stages, torch.device("cpu"), group=dist.group.WORLD)
-                  for s in stage_ids(cfg, p.pp, 0)]
-        schedule = training_schedule(p.pp_schedule, stages, cfg.train.grad_accum_steps)
-        return {r: [a for a in order if a is not None] for r, order in schedule.pipeline_order.items()}
-    finally:
-        dist.destroy_process_group()
 
 
 def plan_ranks(cfg: JobConfig, world: int, zero_stages=None, kernels: str = "gpu", exact: bool = False,
