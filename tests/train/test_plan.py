@@ -449,16 +449,25 @@ PP_FSDP = [*SMALL, ("model.n_layers", "4"), ("train.dtype", "bf16"), ("parallel.
            ("train.grad_accum_steps", "4"), ("parallel.zero_stage", "3")]
 
 
-def test_pipeline_with_fsdp_reports_the_gradients_held_between_micro_batches_as_gradients():
+def test_pipeline_with_fsdp_reports_gradients_and_receive_buffers_in_their_own_parts():
     """The fp32 copies FSDP2 accumulates the unsharded gradients in (``unsharded_accumulated_grad``, made in its
     post-backward) are gradients: every parameter of the stage, 4 bytes each, at the peak (before they counted as
-    activations and the gradients as 0 on the first stage)."""
+    activations and the gradients as 0 on the first stage). The receive buffers are the "pp buffers": one per
+    micro-batch, bf16 (B, T, D), the first stage's for the gradients, the second's for the activations (before,
+    they counted as activations)."""
     from hybridtron.train.plan import plan_ranks
+    from hybridtron.train.plan.table import format_table, plan_table
 
-    planned = plan_ranks(load_config("tiny", PP_FSDP), 4)[3]
+    cfg = load_config("tiny", PP_FSDP)
+    planned = plan_ranks(cfg, 4)[3]
     assert set(planned) == {0, 2}
     for rank, r in planned.items():
         assert r["memory"]["grads"] >= 4 * r["facts"]["params"], (rank, r)
+        assert r["memory"]["pp_buffers"] == 4 * B * T * D * 2, (rank, r)
+    rows = plan_table(cfg, 4, 80.0, stages=(3,))
+    header, _, row = format_table(cfg, rows, 4, 80.0).splitlines()[2:5]
+    cells = dict(zip(header.split("|"), row.split("|"), strict=True))
+    assert float(cells[" pp buffers "]) == pytest.approx(4 * B * T * D * 2 / 2**30, abs=1e-3), cells
 
 
 def test_pipeline_receive_buffers_have_the_dtype_the_stages_send():

@@ -32,7 +32,8 @@ CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
     "UNSHARDED_PARAM": "gathered", "ALL_GATHER": "gathered",
     "GRAD": "grads", "SHARDED_GRAD": "grads", "UNSHARDED_GRAD": "grads", "REDUCE_SCATTER": "grads",
     "OPT": "optimizer",
-    "ACT": "activations", "TEMP": "activations", "INP": "activations", "OTH": "activations",
+    "ACT": "activations", "TEMP": "activations", "OTH": "activations",
+    "INP": "pp_buffers",  # the only inputs tracked: a pipeline's receive buffers (``_receive_buffers``)
 }
 DIMS = ("dp", "tp", "pp", "ep", "cp")
 
@@ -1008,7 +1009,7 @@ def categories(by_type: dict, cfg: JobConfig, mesh: Mesh) -> dict:
     """Bytes by torch's tracker types (``_RefType`` or their names) -> bytes by plan category, with "total" (the
     tracker's own, else the sum) and, under ``parallel.offload=cpu``, "host" (what FSDP2 keeps in host memory,
     outside the GPU's peak)."""
-    out = {"weights": 0.0, "gathered": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    out = {"weights": 0.0, "gathered": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "pp_buffers": 0.0}
     host = {"SHARDED_PARAM": 0.0, "SHARDED_GRAD": 0.0, "OPT": 0.0}  # parallel.offload=cpu: FSDP2 keeps these there
     total = None
     for key, val in by_type.items():

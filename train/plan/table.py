@@ -98,17 +98,20 @@ def format_table(cfg: JobConfig, rows: list[dict], world: int, gpu_memory_gib: f
                      + (", FP8 weight all-gather in FSDP2" if cfg.train.fp8 == "tensorwise" else "")
                      + "); not modelled: the communication and step-time columns count those weights at their "
                        "bf16/fp32 bytes and the matmuls at --peak-tflops")
+    pp = p.pp > 1  # a pipeline's receive buffers (activations and their gradients, one per micro-batch) apart
     lines = [head, *notes,
-             "| zero_stage | rank (stage) | weights | gathered | grads | optimizer | activations | peak | fits | "
+             "| zero_stage | rank (stage) | weights | gathered | grads | optimizer | activations | "
+             + ("pp buffers | " if pp else "") + "peak | fits | "
              + " | ".join(f"{k} GB/step" for k in dims) + " | comm GB/step |",
-             "|---" * (9 + len(dims) + 1) + "|"]
+             "|---" * (9 + pp + len(dims) + 1) + "|"]
     for r in rows:
         if "refused" in r:
             lines.append(f"| {r['zero_stage']} | refused: {r['refused']} |")
             continue
         stage = ",".join(str(s) for s in r["stages"])
         lines.append(f"| {r['zero_stage']} | {r['rank']} ({stage}) | {r['weights']:.3f} | {r['gathered']:.3f} | "
-                     f"{r['grads']:.3f} | {r['optimizer']:.3f} | {r['activations']:.3f} | {r['total']:.3f} | "
+                     f"{r['grads']:.3f} | {r['optimizer']:.3f} | {r['activations']:.3f} | "
+                     + (f"{r['pp_buffers']:.3f} | " if pp else "") + f"{r['total']:.3f} | "
                      f"{'yes' if r['fits'] else 'NO'} | "
                      + " | ".join(f"{r['comm_gb'][k]:.3f}" for k in dims) + f" | {r['comm_gb_per_step']:.3f} |")
     lines += ["", "step time (prediction: compute at the configured peak x MFU, communication at the configured "
