@@ -26,13 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from hybridtron.kernels.gated_attention import blocks
-from hybridtron.train.parallel.context_parallel import _merge, ring_rectangle, zigzag
+from hybridtron.train.parallel.context_parallel import _merge, ring_rectangle, ring_steps, zigzag
 
 
-def _segments(r: int, n: int, step: int, t: int):
-    """(src, its rectangle) of rank r's ring step ``step`` > 0 without documents."""
-    src = (r - step) % n
-    return src, ring_rectangle(r, src, t)
+def _segments(r: int, n: int, t: int):
+    """(src, its rectangle) of each of rank r's ring steps after its own block, without documents."""
+    return [(src, ring_rectangle(r, src, t)) for _, src in ring_steps(n, r, fake=False)]
 
 
 def rank_forward(backend, r, n, q, k, v):
@@ -42,8 +41,7 @@ def rank_forward(backend, r, n, q, k, v):
     lse = torch.full((B, H, t), float("-inf"), dtype=torch.float32, device=q[r].device)
     o, l_ = blocks.forward(backend, q[r], k[r], v[r], causal=True, scale=D ** -0.5)
     _merge(acc, lse, o, l_, slice(None), 0, t)
-    for step in range(1, n):
-        src, (q0, q1, k0, k1) = _segments(r, n, step, t)
+    for src, (q0, q1, k0, k1) in _segments(r, n, t):
         o, l_ = blocks.forward(backend, q[r][:, q0:q1], k[src][:, k0:k1], v[src][:, k0:k1], causal=False,
                                scale=D ** -0.5)
         _merge(acc, lse, o, l_, slice(None), q0, q1)
@@ -57,8 +55,7 @@ def rank_backward(backend, r, n, q, k, v, out, lse, dout, dk, dv):
     dq = dq.float()
     dk[r] += gk
     dv[r] += gv
-    for step in range(1, n):
-        src, (q0, q1, k0, k1) = _segments(r, n, step, q[r].shape[1])
+    for src, (q0, q1, k0, k1) in _segments(r, n, q[r].shape[1]):
         gq, gk, gv = blocks.backward(backend, dout[:, q0:q1], q[r][:, q0:q1], k[src][:, k0:k1], v[src][:, k0:k1],
                                      out[:, q0:q1], lse[:, :, q0:q1], causal=False, scale=D ** -0.5)
         dq[:, q0:q1] += gq

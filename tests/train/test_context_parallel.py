@@ -150,3 +150,33 @@ def test_memory_follows_the_tokens_per_rank_not_the_sequence(capfd):
     assert two["comm_predicted_gb_by_dim"]["cp"] == pytest.approx(two["comm_measured_gb_by_op"]["send"], rel=1e-9)
     ratio = two["measured_gib"]["total"] / one["measured_gib"]["total"]
     assert 0.99 <= ratio <= 1.01, (ratio, one["measured_gib"], two["measured_gib"])
+
+
+def test_the_plan_runs_two_ring_steps_as_the_heaviest_cp_rank_runs_them_all(monkeypatch):
+    """On fake tensors ring attention runs one step of each kind (``ring_steps``): the plan of cp rank 0 is then
+    the peak of the heaviest cp rank running every step (rank 0's own steps are all of the lighter kind: it would
+    plan less), at any cp. Checked against every cp rank of cp 4 with every step run; and a step's kernel outputs
+    are not held into the next step (they were: the peak grew until the third step)."""
+    from hybridtron.train.parallel import context_parallel as cpm
+    from hybridtron.train.plan.memory import fake_world, step_peak
+
+    cfg = load_config("tiny", [("model.n_layers", "2"), ("model.d_model", "256"), ("model.n_heads", "8"),
+                               ("model.n_kv_heads", "2"), ("model.ffn_hidden", "256"), ("data.seq_len", "2048"),
+                               ("model.max_seq_len", "2048"), ("train.micro_batch_size", "1"),
+                               ("train.dtype", "bf16"), ("parallel.cp", "4"), ("parallel.zero_stage", "3")])
+    every = cpm.ring_steps
+
+    def peak(rank: int) -> tuple[int, float]:
+        with fake_world(cfg, 4, rank) as mesh:
+            return mesh.cp_rank, step_peak(cfg, mesh, fake=True)["memory"]["total"]
+
+    assert cpm.ring_steps(4, 0, fake=True) == [(1, -1), (2, 4)] and len(cpm.ring_steps(4, 0, fake=False)) == 3
+    _, planned = peak(0)
+    monkeypatch.setattr(cpm, "ring_steps", lambda n, rank, fake: every(n, rank, False))
+    real = dict(peak(rank) for rank in range(4))
+    assert sorted(real) == [0, 1, 2, 3]
+    assert planned == max(real.values()) > real[0], (planned, real)
+    monkeypatch.setattr(cpm, "ring_steps", lambda n, rank, fake: [(i, n) for i in range(1, 4)])
+    three = peak(0)[1]
+    monkeypatch.setattr(cpm, "ring_steps", lambda n, rank, fake: [(i, n) for i in range(1, 3)])
+    assert peak(0)[1] == three, "the third step of a kind holds more than the second"

@@ -86,6 +86,20 @@ def ring_rectangle(rank: int, src: int, t: int) -> tuple[int, int, int, int]:
     return (0, t, 0, c) if src < rank else (c, t, 0, t)
 
 
+def ring_steps(n: int, rank: int, fake: bool) -> list[tuple[int, int]]:
+    """(step, src) of the ring steps after the own block: step i attends to the block of rank (rank - i) mod n.
+
+    On fake tensors (the planner's run: shapes only, and the planned rank stands for every cp rank) the heaviest
+    rank's steps, each kind once: a step's memory is the same from one step to the next of its kind (the block
+    received, the next one posted, the kernel's and the merge's temporaries of its rectangle), and the last step
+    posts no next block. A block from an earlier rank gives t queries' outputs and t x H x D query gradients
+    against a later one's t / 2 (``ring_rectangle``; H >= KV): so a step from an earlier rank with the next block
+    posted, then one from a later rank, last (one step with n = 2). The plan then takes two steps at any cp."""
+    if not fake:
+        return [(i, (rank - i) % n) for i in range(1, n)]
+    return [(1, -1), (2, n)][:n - 1]  # sources before and after every rank: one rectangle of each kind
+
+
 def _is_fake(t: torch.Tensor) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
@@ -219,10 +233,11 @@ class ContextParallel:
             w.wait()
         return out
 
-    def _segments(self, step: int, t: int, docs: _Documents | None):
-        """The (rows, q0, q1, k0, k1) rectangles of ring step ``step`` > 0 (rows: a batch slice)."""
+    def _segments(self, step: int, src: int, t: int, docs: _Documents | None):
+        """The (rows, q0, q1, k0, k1) rectangles of ring step ``step`` > 0, over the block of rank ``src`` (rows: a
+        batch slice)."""
         if docs is None or docs.spans is None:
-            yield slice(None), *ring_rectangle(self.rank, (self.rank - step) % self.n, t)
+            yield slice(None), *ring_rectangle(self.rank, src, t)
             return
         for b, (q0, q1, k0, k1) in enumerate(docs.spans[step - 1]):
             if q1 > q0 and k1 > k0:
@@ -331,15 +346,18 @@ class _RingAttention(torch.autograd.Function):
         out, lse0 = blocks.forward(backend, q, k, v, causal=True, scale=scale,
                                    docs=docs.local if docs is not None else None)
         _merge(acc, lse, out, lse0, slice(None), 0, t)
+        del out, lse0  # (a step's kernel outputs, once merged, are not held into the next step's kernel)
         block = [k, v]
-        pending = cp._start_rotate(block) if cp.n > 1 else None
-        for step in range(1, cp.n):
+        steps = ring_steps(cp.n, cp.rank, _is_fake(q))
+        pending = cp._start_rotate(block) if steps else None
+        for n, (step, src) in enumerate(steps, 1):
             block = cp._finish(pending)
-            pending = cp._start_rotate(block) if step < cp.n - 1 else None
-            for rows, q0, q1, k0, k1 in cp._segments(step, t, docs):
+            pending = cp._start_rotate(block) if n < len(steps) else None
+            for rows, q0, q1, k0, k1 in cp._segments(step, src, t, docs):
                 o, l_ = blocks.forward(backend, q[rows, q0:q1], block[0][rows, k0:k1], block[1][rows, k0:k1],
                                        causal=False, scale=scale)
                 _merge(acc, lse, o, l_, rows, q0, q1)
+                del o, l_
         out = acc.to(dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.backend, ctx.docs, ctx.scale = cp, backend, docs, scale
@@ -357,13 +375,15 @@ class _RingAttention(torch.autograd.Function):
                                      docs=docs.local if docs is not None else None)
         dq = dq.to(f32)
         grads = [dk.to(f32), dv.to(f32)]
+        del dk, dv  # (as in the forward: a step's kernel outputs are not held into the next step's kernel)
         block = [k, v]
-        kv = cp._start_rotate(block) if cp.n > 1 else None
-        for step in range(1, cp.n):
+        steps = ring_steps(cp.n, cp.rank, _is_fake(q))
+        kv = cp._start_rotate(block) if steps else None
+        for n, (step, src) in enumerate(steps, 1):
             grads = cp._finish(cp._start_rotate(grads, RING + 2))  # the block's gradients so far go on with it
             block = cp._finish(kv)
-            kv = cp._start_rotate(block) if step < cp.n - 1 else None  # the next block, while this one computes
-            for rows, q0, q1, k0, k1 in cp._segments(step, t, docs):
+            kv = cp._start_rotate(block) if n < len(steps) else None  # the next block, while this one computes
+            for rows, q0, q1, k0, k1 in cp._segments(step, src, t, docs):
                 sq = (rows, slice(q0, q1))
                 gq, gk, gv = blocks.backward(backend, dout[sq], q[sq], block[0][rows, k0:k1],
                                              block[1][rows, k0:k1], out[sq], lse[rows, :, q0:q1], causal=False,
@@ -371,6 +391,7 @@ class _RingAttention(torch.autograd.Function):
                 dq[sq] += gq
                 grads[0][rows, k0:k1] += gk
                 grads[1][rows, k0:k1] += gv
+                del gq, gk, gv
         if cp.n > 1:
             grads = cp._finish(cp._start_rotate(grads, RING + 2))  # the last pass brings every block's home
         return dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype), None, None, None
@@ -378,14 +399,15 @@ class _RingAttention(torch.autograd.Function):
 
 def _merge(acc, lse, out, blk, rows, q0: int, q1: int) -> None:
     """Merge a block's (out (b, q, H, D), lse (b, H, q)) into the running (acc, lse) at rows ``rows``, queries
-    [q0, q1), by their log-sum-exp (the online softmax); rows that see nothing (-inf) stay zero."""
-    old = lse[rows, :, q0:q1]
-    new = torch.logaddexp(old, blk.to(old.dtype))
-    safe = torch.where(torch.isinf(new), 0.0, new)
-    w_old = torch.exp(old - safe).transpose(1, 2)[..., None]  # (b, q, H, 1)
-    w_blk = torch.exp(blk.to(old.dtype) - safe).transpose(1, 2)[..., None]
-    acc[rows, q0:q1] = acc[rows, q0:q1] * w_old + out.to(acc.dtype) * w_blk
-    lse[rows, :, q0:q1] = new
+    [q0, q1), by their log-sum-exp (the online softmax), in place: the merged output moves towards the block's by
+    the block's share of the new total, exp(blk - new); rows that see nothing (-inf) stay zero. Few ops (a GPU
+    launches each, the planner traces each at every ring step of every layer)."""
+    a, old = acc[rows, q0:q1], lse[rows, :, q0:q1]  # views
+    blk = blk.to(old.dtype)
+    new = torch.logaddexp(old, blk)
+    share = torch.exp(blk - new).nan_to_num_(0.0)  # -inf - -inf where neither has seen a key yet
+    a.lerp_(out.to(a.dtype), share.transpose(1, 2).unsqueeze(-1))  # (b, q, H, 1)
+    old.copy_(new)
 
 
 def apply_context_parallel(model: nn.Module, mesh) -> nn.Module:
