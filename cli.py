@@ -29,7 +29,7 @@ from hybridtron.quiet import quiet_dependencies
 
 from .train.errors import CheckpointError, DiskFullError, NonFiniteLossError
 from .train.launcher_watch import launched, tell_launcher, watch_parent
-from .train.parallel.layout import check_plan_layout, check_run, launch_world
+from .train.parallel.layout import check_plan_engine, check_plan_layout, check_run, launch_world
 from .train.run_dir import (
     DEFAULT_PRESET,
     check_output_dir,
@@ -226,10 +226,7 @@ def cmd_plan(args) -> int:
 def _plan(args) -> tuple[str, object] | None:
     """plan's (text, JSON-able data)."""
     cfg, _ = resolve_job(args)
-    if cfg.parallel.engine != "torch":
-        raise ConfigError("hybridtron plan models the torch engine (DDP / FSDP2); for DeepSpeed use its own "
-                          "estimators (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live), "
-                          "or plan with parallel.engine=torch")
+    check_plan_engine(cfg)
     if not args.measure:  # the cluster is --nodes x --gpus-per-node (under --measure: torchrun's processes)
         bad = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("nodes", "gpus_per_node")
                if getattr(args, name) < 1]

@@ -311,12 +311,10 @@ def build_job(args) -> tuple[Job, str, str]:
     check_run_paths(cfg, run_dir)  # a run or data directory the job could not write: said here, not in the job log
     check_path(Path.cwd(), "the working directory")
     dp = check_layout(cfg, args.nodes, nproc, args.gpus_per_node)
-    if cfg.parallel.engine == "deepspeed":  # a user's DeepSpeed JSON: refused now, not when the job starts
-        import torch
+    # a user's DeepSpeed JSON the job cannot honour: refused now, not when the job starts
+    from hybridtron.train.parallel.deepspeed_engine import check_config
 
-        from hybridtron.train.parallel.deepspeed_engine import deepspeed_config
-
-        deepspeed_config(cfg, dp, torch.device("cuda" if args.gpus_per_node else "cpu"))
+    check_config(cfg, dp, "cuda" if args.gpus_per_node else "cpu")
     check_sources(cfg)
     check_resume(cfg, run_dir)
     stamp = time.strftime("%Y%m%d-%H%M%S")

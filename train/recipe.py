@@ -25,9 +25,8 @@ from hybridtron.model import GatedLM, flops_per_token
 from .build import checkpoint_step, model_for_checkpoint, select_rank_device
 from .checkpoint import CheckpointManager
 from .device import autocast_dtype
-from .optim import build_optimizer
+from .engine import build_engine, check_engine
 from .parallel.mesh import Mesh, launch_world
-from .parallel.parallelize import parallelize
 from .rank_log import rank_log
 from .run_dir import (
     LAST_STOP,
@@ -74,10 +73,7 @@ def train_run(cfg: JobConfig, run_dir: Path, log=rank_log, init_from: Path | Non
     # Mesh.setup refuses an impossible layout before anything is allocated; then rank 0 locks the run directory
     # (one writer per run) before any data is prepared, and every rank learns if another process holds it.
     with Mesh.setup(cfg, device) as mesh, hold_run_dir(run_dir, mesh.is_main, mesh.any):
-        if cfg.parallel.engine == "deepspeed":  # and a DeepSpeed JSON it cannot honour, before data or model
-            from .parallel.deepspeed_engine import deepspeed_config
-
-            deepspeed_config(cfg, mesh.dp, device)
+        check_engine(cfg, mesh, device)  # what the engine cannot honour (a DeepSpeed JSON), before data or model
         log = log if mesh.is_main else _quiet
         run = build_run(cfg, run_dir, mesh, device, log, init_from)
         result, model = run.trainer.fit(log=log), run.model
@@ -120,7 +116,7 @@ def build_run(cfg: JobConfig, run_dir: Path, mesh: Mesh, device: torch.device, l
     check_resume_tokenizer(latest, prepared.tokenizer, prepared.tokenizer_dir)
     resume_step = checkpoint_step(latest)
     stages_only = None
-    if mesh.pp > 1 and cfg.parallel.engine == "torch":  # a pipeline rank builds the parts of its stages only
+    if mesh.pp > 1:  # a pipeline rank builds the parts of its stages only (the torch engine's: layout.py)
         from .parallel.pipeline import rank_cut
 
         stages_only = rank_cut(cfg, mesh, cfg.model.vocab_size)
@@ -137,27 +133,20 @@ def build_run(cfg: JobConfig, run_dir: Path, mesh: Mesh, device: torch.device, l
     sizes = (f"{whole.num_params() / 1e6:.2f}M parameters ({whole.num_params(exclude_embeddings=True) / 1e6:.2f}M "
              f"non-embedding, {whole.num_active_params() / 1e6:.2f}M active)")  # before ZeRO-3 partitions them
     amp_dtype = autocast_dtype(t, device)
-    # 3. parallelize: pipeline stages, tensor, expert, context parallel, recomputation, compile, data parallel
-    pipeline = parallelize(model, cfg, mesh, device, amp_dtype, log)
-    engine = None
-    optimizer = build_optimizer(model, t)
-    if cfg.parallel.engine == "deepspeed":  # its own data parallel: ZeRO partitions, bf16, offload
-        from .parallel.deepspeed_engine import initialize
-
-        engine = initialize(model, optimizer, cfg, mesh, device, run_dir)
-        optimizer = engine.optimizer
+    # 3. parallelize (pipeline stages, tensor, expert, context parallel, recomputation, compile, data parallel),
+    # the optimizer, and the engine that runs a step of them
+    engine = build_engine(model, cfg, mesh, device, amp_dtype, run_dir, log)
     log(f"model: {sizes}, device {device}, {len(train_ds)} train / "
         f"{len(val_ds)} val sequences of {cfg.data.seq_len}"
         + (f"; {mesh.world_size} processes, dp={mesh.dp}, tp={mesh.tp}, pp={mesh.pp}, ep={mesh.ep}, cp={mesh.cp}, zero_stage={mesh.zero_stage}"
            + (f" (HSDP: dp_shard={mesh.dp_shard})" if mesh.hsdp_mesh is not None else "")
            if mesh.distributed else "")
-        + (" (DeepSpeed)" if engine is not None else ""))
+        + engine.label)
     # 4. the loop, with its checkpoints and logs
-    trainer = Trainer(cfg, model, optimizer, train_loader, val_loader_factory(val_ds, cfg), device=device,
+    trainer = Trainer(cfg, engine, train_loader, val_loader_factory(val_ds, cfg), device=device,
                       amp_dtype=amp_dtype, run_dir=run_dir, config_yaml=config_yaml,
                       tokenizer_dir=prepared.tokenizer_dir,
-                      flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len), mesh=mesh,
-                      engine=engine, pipeline=pipeline)
+                      flops_per_token=flops_per_token(cfg.model, cfg.model.vocab_size, cfg.data.seq_len), mesh=mesh)
     return Run(trainer, model, prepared)
 
 

@@ -170,6 +170,11 @@ def run_deepspeed(engine, batches: list[dict], weights: list[float | None], *, d
     return (loss_sum / accum).item(), _mean_aux(aux_sums, accum)
 
 
+def eval_loss(model, batch: dict) -> float:
+    """A validation micro-batch's mean loss (on the device, this rank's piece), as the model computes it."""
+    return whole(model(batch["input_ids"], batch.get("doc_ids"), labels=batch["labels"])).float().item()
+
+
 def tokens_of(batches: list[dict]) -> int:
     """The positions this rank processed (labelled or not): what tokens/s counts."""
     return sum(b["input_ids"].numel() for b in batches)

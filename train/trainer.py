@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 from hybridtron.configs import ConfigError, JobConfig, load_config
@@ -25,19 +24,16 @@ from . import kernel_choice, watchdog
 from . import step as step_mod
 from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
 from .device import autocast_context
+from .engine import Engine
 from .errors import NonFiniteLossError
 from .grad_dump import GradDump
 from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
-from .model_hooks import after_step, before_step
 from .parallel.context_parallel import local_piece
-from .parallel.expert_parallel import sync_expert_grads
-from .parallel.grad_norm import clip_grad_norm
 from .parallel.mesh import Mesh
 from .profile import StepProfiler
 from .run_dir import LAST_STOP, STOP_REQUEST
 from .schedule import Plan, resume_plan, warmup_note
 from .spike import SpikeGuard
-from .step import whole
 
 
 class LossSpikeError(NonFiniteLossError):
@@ -105,10 +101,11 @@ class FitResult:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_dtype, *, doc_mask: bool, mesh=None,
-             pipeline=None) -> float:
+             loss_of=None) -> float:
     """Mean loss over the first ``n_batches`` validation micro-batches (the same ones every time), computed as
     training computes it: the batches' document ids reach the model exactly when it was trained with them
-    (``model.doc_mask``), so a model trained across document boundaries is evaluated across them too."""
+    (``model.doc_mask``), so a model trained across document boundaries is evaluated across them too.
+    ``loss_of``: a batch's mean loss (the run's engine's ``eval_loss``; default: ``model``'s)."""
     was_training = model.training
     model.eval()
     loader = val_loader_factory()
@@ -117,10 +114,7 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
         b = local_piece({k: v.to(device) for k, v in next(loader).items() if k in step_mod.batch_keys(doc_mask)},
                         mesh)
         with autocast_context(device, amp_dtype):
-            if pipeline is not None:
-                total += pipeline.eval_loss(b)
-            else:
-                total += whole(model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])).float().item()
+            total += loss_of(b) if loss_of is not None else step_mod.eval_loss(model, b)
     model.train(was_training)
     if mesh is not None and mesh.cp > 1:  # each context-parallel rank saw its piece of the sequences
         return mesh.mean(total / n_batches)
@@ -128,10 +122,12 @@ def evaluate(model: nn.Module, val_loader_factory, n_batches: int, device, amp_d
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, model, optimizer, train_loader, val_loader_factory, *, device, amp_dtype,
-                 run_dir: Path, config_yaml: str, tokenizer_dir: Path, flops_per_token: float, mesh: Mesh | None = None,
-                 engine=None, pipeline=None):
-        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+    """The loop over ``engine`` (train/engine.py: what runs a step and applies it, for the run's layout), which it
+    never asks about: the same loop for every engine and layout."""
+
+    def __init__(self, cfg: JobConfig, engine: Engine, train_loader, val_loader_factory, *, device, amp_dtype,
+                 run_dir: Path, config_yaml: str, tokenizer_dir: Path, flops_per_token: float, mesh: Mesh | None = None):
+        self.cfg, self.engine, self.model = cfg, engine, engine.model
         self.train_loader, self.val_loader_factory = train_loader, val_loader_factory
         self.device, self.amp_dtype = device, amp_dtype
         self.run_dir, self.config_yaml, self.tokenizer_dir = run_dir, config_yaml, tokenizer_dir
@@ -139,8 +135,6 @@ class Trainer:
         self.state = TrainerState()
         self.flops_per_token = flops_per_token
         self.mesh = mesh or Mesh()  # one process unless the recipe launched several
-        self.engine = engine  # a DeepSpeed engine (parallel.engine=deepspeed) wrapping model and optimizer, or None
-        self.pipeline = pipeline  # parallel.pp > 1: this rank's stages of ``model`` and their schedule, or None
         self.peak_flops = device_peak_flops(device, cfg.train.peak_flops)
         self.plan = Plan.from_config(cfg.train)  # the LR schedule; a resume may continue its checkpoint's instead
         self.resume_note: str | None = None  # what a resume made of a changed schedule, for the log
@@ -163,10 +157,7 @@ class Trainer:
         if self.mesh.any(found is not None):
             raise found or CheckpointError(f"checkpoint {latest}: another process found a damaged file (its error "
                                            f"line names it); {resume_advice(latest)}")
-        if self.engine is not None:
-            self.state = CheckpointManager.load_deepspeed(latest, self.engine, verify=False)
-        else:
-            self.state = CheckpointManager.load(latest, self.model, self.optimizer, verify=False)
+        self.state = self.engine.load(latest)
         self.train_loader.load_state_dict({"consumed_samples": self.state.consumed_samples})
         self.spike.load_state_dict(self.state.extra.get("spike_guard", {}))
         self.plan, self.resume_note = resume_plan(self._checkpoint_plan(latest), self.cfg.train, self.state.step,
@@ -190,30 +181,21 @@ class Trainer:
         self.state.consumed_samples = self.train_loader.state_dict()["consumed_samples"]
         self.state.extra["schedule"] = self.plan.to_dict()
         self.state.extra["spike_guard"] = self.spike.state_dict()
-        return self.ckpt.save(self.state, self.model, self.optimizer, self.config_yaml, self.tokenizer_dir,
-                              mesh=self.mesh, engine=self.engine, background=self.cfg.checkpoint.async_save)
+        return self.engine.save(self.ckpt, self.state, self.config_yaml, self.tokenizer_dir,
+                                background=self.cfg.checkpoint.async_save)
 
-    # ---- one step: the engine's runner (forward and backward of the micro-batches), then the shared update ----
+    # ---- one step: the engine runs the micro-batches (forward and backward), then the shared update ----
 
     def train_step(self) -> dict:
         t = self.cfg.train
-        if self.engine is None:
-            before_step(self.model, self.optimizer, self.cfg, self.state.step)
+        self.engine.before_step(self.state.step)
         lr = self.plan.lr(self.state.step)
-        for group in self.optimizer.param_groups:  # with DeepSpeed: its optimizer's groups, our schedule
-            group["lr"] = lr
+        self.engine.set_lr(lr)  # with DeepSpeed: its optimizer's groups, our schedule
         batches = step_mod.micro_batches(self.train_loader, t.grad_accum_steps, self.mesh)
         watchdog.phase("token count")  # an all-reduce: a rank still reading its batches is behind the others
         weights = step_mod.loss_weights(batches, self.mesh)  # each micro-batch's share of the global batch's tokens
-        run = dict(device=self.device, doc_mask=self.cfg.model.doc_mask)
-        aux = None  # the auxiliary losses in the loss, by kind (a pipeline's stages hold them apart: not split)
-        if self.engine is not None:
-            local, aux = step_mod.run_deepspeed(self.engine, batches, weights, **run)
-        elif self.pipeline is not None:
-            local = step_mod.run_pipeline(self.pipeline, batches, weights, amp_dtype=self.amp_dtype, **run)
-        else:
-            local, aux = step_mod.run_torch(self.model, batches, weights, amp_dtype=self.amp_dtype, mesh=self.mesh,
-                                            sharded=self._sharded(), hsdp_modules=self._hsdp_modules(), **run)
+        # the auxiliary losses in the loss, by kind (None: a pipeline's stages hold them apart, not split)
+        local, aux = self.engine.run(batches, weights)
         # the global batch's loss (see train/step.py) and its auxiliary parts, reduced alike in one all-reduce;
         # every data rank has the same modules, so the same kinds
         kinds = sorted(aux or {})
@@ -223,9 +205,7 @@ class Trainer:
             parts = dict(zip(kinds, means, strict=True))
             parts = {"lm_loss": loss - sum(parts.values()), **parts}
         grad_norm, finite = self._update(loss)
-        model_metrics = after_step(self.model, reduce=self.mesh.sum_)
-        if self.pipeline is not None:
-            model_metrics = self.pipeline.metrics_from_all_stages(model_metrics)
+        model_metrics = self.engine.model_metrics()
         self.state.step += 1
         tokens = step_mod.tokens_of(batches) * self.mesh.data_ranks  # every data (and context) rank took as many
         self.state.tokens_seen += tokens
@@ -236,41 +216,11 @@ class Trainer:
         """After the backward: the gradient hooks, clipping by the global norm, the loss-spike guard and (if all is
         finite) the optimizer step. Returns (grad_norm, finite)."""
         watchdog.phase("optimizer")
-        if self.engine is None:
-            sync_expert_grads(self.model, self.mesh)
+        self.engine.reduce_gradients()
         for hook in self.grad_hooks:  # e.g. train.dump_grads: the reduced, unclipped gradients
             hook(self)
-        if self.engine is not None:  # DeepSpeed clips and steps inside; a non-finite loss never reaches it
-            if not math.isfinite(loss):
-                return float("nan"), False
-            self.engine.step()
-            norm = self.engine.get_global_grad_norm()
-            grad_norm = float(norm) if norm is not None else float("nan")
-            if math.isfinite(grad_norm):
-                self.spike.allows(loss, grad_norm)  # the engine applied the step: warn or stop only
-            return grad_norm, True
-        if self.pipeline is not None:  # the norm over every stage, the tied embedding's copies counted once
-            grad_norm = self.pipeline.clip_grad_norm(self.cfg.train.grad_clip)
-        else:  # over every rank's shards (FSDP, TP, EP)
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite and self.spike.allows(loss, grad_norm):  # the loss-spike guard may hold the update back
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm, finite
-
-    def _sharded(self) -> bool:
-        """FSDP2 shards the model: it casts the parameters it gathers itself (MixedPrecisionPolicy)."""
-        if not hasattr(self, "_is_sharded"):
-            self._is_sharded = any(isinstance(m, FSDPModule) for m in self.model.modules())
-        return self._is_sharded
-
-    def _hsdp_modules(self) -> list[nn.Module]:
-        """The FSDP2 modules of a hybrid-sharded model (none otherwise), found once."""
-        if not hasattr(self, "_hsdp"):
-            hybrid = getattr(self.mesh, "hsdp_mesh", None) is not None
-            self._hsdp = [m for m in self.model.modules() if hasattr(m, "set_requires_all_reduce")] if hybrid else []
-        return self._hsdp
+        # the loss-spike guard may hold the update back (DeepSpeed's engine applies it anyway: warn or stop only)
+        return self.engine.update(loss, self.spike.allows)
 
     def _latest_name(self) -> str | None:
         latest = self.ckpt.latest()
@@ -289,116 +239,167 @@ class Trainer:
             log(watchdog.straggler_line(found, first, last_log))
 
     def fit(self, log=print) -> FitResult:
-        t, cfg = self.cfg.train, self.cfg
+        """Train to ``train.max_steps`` (or a stop), resuming from the latest checkpoint; every rank runs this."""
+        t = self.cfg.train
+        last_ckpt, log = self._resume(log)
+        main = self.mesh.is_main
+        run = _RunParts(self, log)  # metrics, progress bar, profiler, hang watch: opened here, closed below
+        val_loss, stopped_by = None, "max_steps"
+        try:
+            with StopSignal(self.run_dir / STOP_REQUEST) as stop:
+                while self.state.step < t.max_steps:
+                    out, dt = self._timed_step(run)
+                    step, rec = self.state.step, self._record(out, dt)
+                    self._guard(step, out, rec, run.metrics, log)  # the spike guard and the NaN policy: may raise
+                    if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                        val_loss = self._evaluate(step, out, rec, run.bar, main)
+                    run.after_step(step, out, rec)
+                    if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0:
+                        last_ckpt = self.save()
+                    if run.prof:
+                        run.prof.after(step)
+                    if (stopped_by := self._stop_reason(stop, step, log)) != "max_steps":
+                        break
+                # A signal or exit_interval stop always saves: that is what makes it resumable.
+                if ((self.cfg.checkpoint.at_exit or stopped_by != "max_steps")
+                        and (last_ckpt is None or last_ckpt.name != f"step_{self.state.step:08d}")):
+                    last_ckpt = self.save()
+                self.ckpt.wait(self.mesh)  # a background save is complete, and latest, before the run ends
+        finally:
+            run.close()
+            if (lost := self.ckpt.close()) is not None:  # only after an error here: a background save still went on
+                print(f"[hybridtron] warning: {lost}", file=sys.stderr, flush=True)
+        return FitResult(self.state, last_ckpt, val_loss, stopped_by)
+
+    # ---- the parts of fit --------------------------------------------------------------------------------------
+    def _resume(self, log) -> tuple[Path | None, object]:
+        """Resume from the latest checkpoint if there is one, and say so; returns (it, the log this rank uses:
+        only rank 0 reports progress, every rank still raises its own errors)."""
         resumed_from = self.resume_if_possible(log)
         if resumed_from is not None:
             log(f"resumed from {resumed_from} (step {self.state.step})")
             if self.resume_note:
                 log(self.resume_note)
-        main = self.mesh.is_main
-        if not main:
-            log = _quiet  # only rank 0 reports progress; every rank still raises its own errors
-        if resumed_from is None and (note := warmup_note(t)):
+        if not self.mesh.is_main:
+            log = _quiet
+        if resumed_from is None and (note := warmup_note(self.cfg.train)):
             log(note)  # a short run of a preset made for a long one: the warm-up it takes instead
-        # 0 without a checkpoint; only rank 0 writes metrics.jsonl and TensorBoard
-        metrics = MetricsLogger(self.run_dir, resume_step=self.state.step) if main else _NoMetrics()
-        self.model.train()
-        # A bar only on a terminal; in a log file (SLURM output) a plain line every 10 logged steps instead.
-        interactive = t.progress_bar and sys.stderr.isatty() and main
-        bar = tqdm(total=t.max_steps, initial=self.state.step, disable=not interactive, desc="train",
-                   dynamic_ncols=True)
-        last_ckpt, val_loss, stopped_by = resumed_from, None, "max_steps"
-        # train.profile: traces and memory snapshots of chosen steps; None (and no cost) when off
-        prof = StepProfiler.for_run(t.profile, self.run_dir, self.mesh.rank, self.device, self.state.step, log)
-        # train.hang_timeout_s: every rank's step and phase where the others can read them, a hang named and ended
-        watch = watchdog.watch_for(cfg, self.run_dir, self.mesh, checkpoint_dir=self._latest_name,
-                                   last_stop=self.run_dir / LAST_STOP)
-        last_log = None  # the previous log step: its rank times are complete on every rank (stragglers)
-        try:
-            with StopSignal(self.run_dir / STOP_REQUEST) as stop:
-                first = True  # this process's first step: it meets (and measures) every kernel shape class first
-                while self.state.step < t.max_steps:
-                    t0 = time.perf_counter()
-                    if watch:
-                        watch.step_begin(self.state.step + 1)
-                    with (kernel_choice.first_step(self.device, t.compile) if first else contextlib.nullcontext(),
-                          prof.guard(self.state.step + 1) if prof else contextlib.nullcontext()):
-                        out = self.train_step()
-                    if first:
-                        kernel_choice.share(self.mesh, self.run_dir, log)
-                        first = False
-                    if self.device.type == "cuda":
-                        torch.cuda.synchronize(self.device)
-                    dt = time.perf_counter() - t0
-                    if watch:
-                        watch.step_end()
-                        if not watch.armed:  # after the first step: compile and kernel tuning are not watched
-                            watch.arm(watchdog.training_groups(self.mesh))
-                    step = self.state.step
-                    rec = {"step": step, "loss": out["loss"], **out["loss_parts"], "lr": out["lr"],
-                           "grad_norm": out["grad_norm"], "tokens_per_s": out["tokens"] / dt,
-                           "tokens_seen": self.state.tokens_seen}
-                    if self.peak_flops:  # the global token rate against every device's peak together
-                        rec["mfu"] = (self.flops_per_token * rec["tokens_per_s"]
-                                      / (self.peak_flops * self.mesh.world_size))
-                    rec["peak_mem_gib"] = peak_memory_gib(self.device)
-                    rec.update(out["model_metrics"])
-                    if (why := self.spike.after_step(step, rec, log)) is not None:
-                        metrics.log(rec)
-                        raise LossSpikeError(why)
-                    if out["skipped"]:
-                        rec["skipped"] = True
-                        if t.nan_policy == "stop":
-                            metrics.log(rec)  # the bad step's line is the first thing a user looks for
-                            raise NonFiniteLossError(
-                                f"non-finite loss={out['loss']} / grad_norm={out['grad_norm']} at step {step}; "
-                                f"stopped without saving (the last good checkpoint is kept). Lower train.lr, "
-                                f"or set train.nan_policy=skip to drop such steps."
-                            )
-                        log(f"step {step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
-                    if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
-                        watchdog.phase("eval")
-                        val_loss = evaluate(self.model, self.val_loader_factory, t.eval_batches, self.device,
-                                            self.amp_dtype, doc_mask=self.cfg.model.doc_mask, mesh=self.mesh,
-                                            pipeline=self.pipeline)
-                        rec["val_loss"], rec["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
-                        tag = f"[hybridtron rank 0/{self.mesh.world_size}] " if self.mesh.world_size > 1 else ""
-                        (bar.write if main else _quiet)(f"{tag}step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
-                                  f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")
-                    if watch and step % t.log_every == 0:
-                        self._rank_times(watch, step, last_log, rec, log)
-                        last_log = step
-                    if step % t.log_every == 0 or "val_loss" in rec or "spike" in rec:
-                        metrics.log(rec)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
-                    if t.progress_bar and not interactive and step % (10 * t.log_every) == 0:
-                        log(f"step {step}/{t.max_steps}  loss {out['loss']:.4f}  lr {out['lr']:.2e}  "
-                            f"grad_norm {out['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
-                    if cfg.checkpoint.every and step % cfg.checkpoint.every == 0:
-                        last_ckpt = self.save()
-                    if prof:
-                        prof.after(step)
-                    # every rank stops at the same step, for a signal or a background save that failed on any rank
-                    if self.mesh.any(stop.received is not None or self.ckpt.write_failed()):
-                        self.ckpt.wait(self.mesh)  # raises a failed background save's error; else waits for it
-                        stopped_by = "signal"
-                        log(f"received signal {signal.Signals(stop.received).name if stop.received else 'on another rank'}; saving a checkpoint at step {step} and stopping")
-                        break
-                    if t.exit_interval and step % t.exit_interval == 0 and step < t.max_steps:
-                        stopped_by = "exit_interval"
-                        break
-                # A signal or exit_interval stop always saves: that is what makes it resumable.
-                if (cfg.checkpoint.at_exit or stopped_by != "max_steps") and (last_ckpt is None or last_ckpt.name != f"step_{self.state.step:08d}"):
-                    last_ckpt = self.save()
-                self.ckpt.wait(self.mesh)  # a background save is complete, and latest, before the run ends
-        finally:
-            if watch:
-                watch.close()
-            if prof:
-                prof.close()
-            bar.close()
-            metrics.close()
-            if (lost := self.ckpt.close()) is not None:  # only after an error here: a background save still went on
-                print(f"[hybridtron] warning: {lost}", file=sys.stderr, flush=True)
-        return FitResult(self.state, last_ckpt, val_loss, stopped_by)
+        return resumed_from, log
+
+    def _timed_step(self, run: _RunParts) -> tuple[dict, float]:
+        """One training step under the hang watch and the profiler; (its results, its wall time). This process's
+        first step meets (and measures) every kernel shape class first, and then shares the choices."""
+        t0 = time.perf_counter()
+        if run.watch:
+            run.watch.step_begin(self.state.step + 1)
+        with (kernel_choice.first_step(self.device, self.cfg.train.compile) if run.first else contextlib.nullcontext(),
+              run.prof.guard(self.state.step + 1) if run.prof else contextlib.nullcontext()):
+            out = self.train_step()
+        if run.first:
+            kernel_choice.share(self.mesh, self.run_dir, run.log)
+            run.first = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        if run.watch:
+            run.watch.step_end()
+            if not run.watch.armed:  # after the first step: compile and kernel tuning are not watched
+                run.watch.arm(watchdog.training_groups(self.mesh))
+        return out, dt
+
+    def _record(self, out: dict, dt: float) -> dict:
+        """The step's line of metrics.jsonl."""
+        rec = {"step": self.state.step, "loss": out["loss"], **out["loss_parts"], "lr": out["lr"],
+               "grad_norm": out["grad_norm"], "tokens_per_s": out["tokens"] / dt, "tokens_seen": self.state.tokens_seen}
+        if self.peak_flops:  # the global token rate against every device's peak together
+            rec["mfu"] = self.flops_per_token * rec["tokens_per_s"] / (self.peak_flops * self.mesh.world_size)
+        rec["peak_mem_gib"] = peak_memory_gib(self.device)
+        rec.update(out["model_metrics"])
+        return rec
+
+    def _guard(self, step: int, out: dict, rec: dict, metrics, log) -> None:
+        """The loss-spike guard (train.spike_policy) and the non-finite policy (train.nan_policy): raise to stop
+        (the bad step's line logged first: it is the first thing a user looks for), or note a skipped update."""
+        if (why := self.spike.after_step(step, rec, log)) is not None:
+            metrics.log(rec)
+            raise LossSpikeError(why)
+        if not out["skipped"]:
+            return
+        rec["skipped"] = True
+        if self.cfg.train.nan_policy == "stop":
+            metrics.log(rec)
+            raise NonFiniteLossError(
+                f"non-finite loss={out['loss']} / grad_norm={out['grad_norm']} at step {step}; "
+                f"stopped without saving (the last good checkpoint is kept). Lower train.lr, "
+                f"or set train.nan_policy=skip to drop such steps."
+            )
+        log(f"step {step}: non-finite loss/grad norm, update skipped (train.nan_policy=skip)")
+
+    def _evaluate(self, step: int, out: dict, rec: dict, bar, main: bool) -> float:
+        """The validation loss (train.eval_batches), into ``rec`` and a line above the progress bar."""
+        watchdog.phase("eval")
+        val_loss = evaluate(self.model, self.val_loader_factory, self.cfg.train.eval_batches, self.device,
+                            self.amp_dtype, doc_mask=self.cfg.model.doc_mask, mesh=self.mesh,
+                            loss_of=self.engine.eval_loss)
+        rec["val_loss"], rec["val_ppl"] = val_loss, math.exp(min(val_loss, 50.0))
+        tag = f"[hybridtron rank 0/{self.mesh.world_size}] " if self.mesh.world_size > 1 else ""
+        (bar.write if main else _quiet)(f"{tag}step {step}: loss {out['loss']:.4f}  val_loss {val_loss:.4f}  "
+                                        f"val_ppl {rec['val_ppl']:.2f}  lr {out['lr']:.2e}")
+        return val_loss
+
+    def _stop_reason(self, stop: StopSignal, step: int, log) -> str:
+        """Why the loop stops after ``step``: "signal" (on any rank, or a background save that failed on any:
+        every rank stops at the same step), "exit_interval", else "max_steps" (go on, or the last step)."""
+        if self.mesh.any(stop.received is not None or self.ckpt.write_failed()):
+            self.ckpt.wait(self.mesh)  # raises a failed background save's error; else waits for it
+            name = signal.Signals(stop.received).name if stop.received else "on another rank"
+            log(f"received signal {name}; saving a checkpoint at step {step} and stopping")
+            return "signal"
+        t = self.cfg.train
+        if t.exit_interval and step % t.exit_interval == 0 and step < t.max_steps:
+            return "exit_interval"
+        return "max_steps"
+
+
+class _RunParts:
+    """What ``Trainer.fit`` opens for a run and closes after it: the metrics logger (rank 0 writes metrics.jsonl
+    and TensorBoard), the progress bar (a bar on a terminal; in a log file, a plain line every 10 logged steps),
+    the profiler (train.profile: traces and memory snapshots of chosen steps; None and no cost when off) and the
+    hang watch (train.hang_timeout_s: every rank's step and phase where the others can read them, a hang named
+    and ended; the stragglers' report at each log step)."""
+
+    def __init__(self, trainer: Trainer, log):
+        t, self.trainer, self.log = trainer.cfg.train, trainer, log
+        main, step = trainer.mesh.is_main, trainer.state.step
+        self.metrics = MetricsLogger(trainer.run_dir, resume_step=step) if main else _NoMetrics()
+        trainer.model.train()
+        self.interactive = t.progress_bar and sys.stderr.isatty() and main
+        self.bar = tqdm(total=t.max_steps, initial=step, disable=not self.interactive, desc="train",
+                        dynamic_ncols=True)
+        self.prof = StepProfiler.for_run(t.profile, trainer.run_dir, trainer.mesh.rank, trainer.device, step, log)
+        self.watch = watchdog.watch_for(trainer.cfg, trainer.run_dir, trainer.mesh, checkpoint_dir=trainer._latest_name,
+                                        last_stop=trainer.run_dir / LAST_STOP)
+        self.last_log = None  # the previous log step: its rank times are complete on every rank (stragglers)
+        self.first = True  # this process's first step is still to come
+
+    def after_step(self, step: int, out: dict, rec: dict) -> None:
+        """The step's logs: rank times at a log step, its metrics line, the bar and the plain progress line."""
+        t = self.trainer.cfg.train
+        if self.watch and step % t.log_every == 0:
+            self.trainer._rank_times(self.watch, step, self.last_log, rec, self.log)
+            self.last_log = step
+        if step % t.log_every == 0 or "val_loss" in rec or "spike" in rec:
+            self.metrics.log(rec)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{out['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}")
+        if t.progress_bar and not self.interactive and step % (10 * t.log_every) == 0:
+            self.log(f"step {step}/{t.max_steps}  loss {out['loss']:.4f}  lr {out['lr']:.2e}  "
+                     f"grad_norm {out['grad_norm']:.3f}  {rec['tokens_per_s']:,.0f} tok/s")
+
+    def close(self) -> None:
+        if self.watch:
+            self.watch.close()
+        if self.prof:
+            self.prof.close()
+        self.bar.close()
+        self.metrics.close()

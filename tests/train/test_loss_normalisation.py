@@ -13,7 +13,9 @@ import torch
 
 from hybridtron.configs import load_config
 from hybridtron.model import GatedLM
+from hybridtron.train.engine import TorchEngine
 from hybridtron.train.optim import build_optimizer
+from hybridtron.train.parallel.mesh import Mesh
 from hybridtron.train.step import IGNORE_INDEX
 from hybridtron.train.trainer import Trainer
 
@@ -47,8 +49,10 @@ def _batches(labelled: list[int], seed: int = 1) -> list[dict]:
 
 def _trainer_step(cfg, model, batches, tmp_path) -> tuple[dict, dict[str, torch.Tensor]]:
     """One Trainer step over ``batches``; returns its record and the gradients its update saw."""
-    trainer = Trainer(cfg, model, build_optimizer(model, cfg.train), iter(batches), None, device=torch.device("cpu"),
-                      amp_dtype=None, run_dir=tmp_path, config_yaml="", tokenizer_dir=tmp_path, flops_per_token=0.0)
+    cpu = torch.device("cpu")
+    engine = TorchEngine(cfg, model, build_optimizer(model, cfg.train), Mesh(), cpu, None)
+    trainer = Trainer(cfg, engine, iter(batches), None, device=cpu, amp_dtype=None, run_dir=tmp_path, config_yaml="",
+                      tokenizer_dir=tmp_path, flops_per_token=0.0)
     seen = {}
     trainer.grad_hooks.append(lambda tr: seen.update({n: p.grad.clone() for n, p in tr.model.named_parameters()}))
     return trainer.train_step(), seen

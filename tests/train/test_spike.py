@@ -66,10 +66,11 @@ def test_state_round_trip_decides_alike():
 
 def _inject_norm_spike(monkeypatch, at_step: int):
     """The gradient norm the trainer sees is 1e4 times the real one at step ``at_step`` (1-based)."""
+    from hybridtron.train import engine as engine_mod
     from hybridtron.train import trainer as trainer_mod
 
     current = {}
-    real_step, real_clip = trainer_mod.Trainer.train_step, trainer_mod.clip_grad_norm
+    real_step, real_clip = trainer_mod.Trainer.train_step, engine_mod.clip_grad_norm
 
     def train_step(self):
         current["step"] = self.state.step + 1
@@ -80,7 +81,7 @@ def _inject_norm_spike(monkeypatch, at_step: int):
         return norm * 1e4 if current["step"] == at_step else norm
 
     monkeypatch.setattr(trainer_mod.Trainer, "train_step", train_step)
-    monkeypatch.setattr(trainer_mod, "clip_grad_norm", clip)
+    monkeypatch.setattr(engine_mod, "clip_grad_norm", clip)
 
 
 @pytest.mark.slow

@@ -24,8 +24,6 @@ from pathlib import Path
 from hybridtron.atomic import write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig
 
-from ..device import autocast_dtype
-
 TAG = "state"  # the one tag inside a checkpoint's deepspeed/ directory
 EFFECTIVE = "deepspeed_config.json"  # in the run directory: the JSON the engine was given
 
@@ -70,6 +68,8 @@ _NOT_RUN = {
 def deepspeed_config(cfg: JobConfig, dp: int, device) -> dict:
     """The DeepSpeed JSON for this job: the user's file (if any) completed from ``cfg``; ConfigError names what
     it cannot honour."""
+    from ..device import autocast_dtype
+
     t, p = cfg.train, cfg.parallel
     zero: dict = {"stage": p.zero_stage}
     if p.offload_optimizer:
@@ -164,6 +164,16 @@ def _merge(user: dict, ours: dict, src: Path, prefix: str) -> None:
             field = _FROM.get(path, "its train/parallel settings")
             raise ConfigError(f"{head} (from {field}); remove the key from the JSON (or set it to \"auto\"), or "
                               f"set {field} to match")
+
+
+def check_config(cfg: JobConfig, dp: int, device_type: str) -> None:
+    """Refuse a DeepSpeed JSON this job cannot honour (``deepspeed_config``'s errors) when the job runs DeepSpeed;
+    nothing otherwise (and no torch import: ``submit`` calls it on a login node). Called before data or model (the
+    recipe) and at ``submit``."""
+    if cfg.parallel.engine == "deepspeed":
+        import torch
+
+        deepspeed_config(cfg, dp, torch.device(device_type))
 
 
 def initialize(model, optimizer, cfg: JobConfig, mesh, device, run_dir: Path | None = None):

@@ -88,8 +88,7 @@ def apply_fp8(model: nn.Module, cfg, mesh, log=None) -> list[str]:
         return []
     log = log or (lambda _msg: None)
     tp = mesh.tp if mesh is not None else 1
-    p = cfg.parallel
-    sharded = mesh is not None and mesh.data_ranks > 1 and p.engine == "torch" and mesh.zero_stage in (2, 3)
+    sharded = mesh is not None and mesh.data_ranks > 1 and mesh.zero_stage in (2, 3)  # FSDP2 (layout.check_fp8)
     all_gather = recipe == "tensorwise" and sharded
     converted: list[str] = []
     kept: Counter = Counter()

@@ -124,6 +124,14 @@ def target_layout(cfg: JobConfig, world: int) -> Layout:
     return Layout.from_config(cfg, world, "cpu" if cfg.train.device == "cpu" else "cuda", here=False)
 
 
+def check_plan_engine(cfg: JobConfig) -> None:
+    """``hybridtron plan`` models the torch engine (its memory is traced through the trainer's own code)."""
+    if cfg.parallel.engine != "torch":
+        raise ConfigError("hybridtron plan models the torch engine (DDP / FSDP2); for DeepSpeed use its own "
+                          "estimators (deepspeed.runtime.zero.stage3.estimate_zero3_model_states_mem_needs_all_live), "
+                          "or plan with parallel.engine=torch")
+
+
 def check_plan_layout(cfg: JobConfig, world: int, zero_stages: tuple[int, ...] = (0, 2, 3)) -> None:
     """``hybridtron plan``'s refusal, torch-free: it tabulates every ZeRO stage whose `target_layout` holds on
     ``world`` GPUs and is refused only when none does, with the configured stage's reason (else the first's:
