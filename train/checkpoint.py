@@ -326,131 +326,27 @@ class CheckpointManager:
         this): ``dcp/``, a torch.distributed.checkpoint directory to which every rank writes its own shards;
         rank 0 writes the rest, the manifest, and renames the directory into place only after every rank's
         shards are on disk. Ranks agree after each phase, so a failure on any rank removes the partial
-        directory on all of them and raises on all of them.
+        directory on all of them and raises on all of them. ``engine``: a DeepSpeed engine, which writes its
+        own ZeRO partitions (``deepspeed/``) instead.
 
         ``background`` (checkpoint.async, torch engine): the model and optimizer state are copied to host memory
         (pinned on CUDA) and the RNG and trainer state captured here; the files are written by a thread while
         training goes on (several processes: ``dcp.async_save`` over ``mesh.checkpoint_group``), and rank 0
         finishes the checkpoint there the way a synchronous save does. The files are the same either way. The
-        next save, ``wait`` and ``close`` wait for the write; ``wait`` raises its failure on every rank."""
+        next save, ``wait`` and ``close`` wait for the write; ``wait`` raises its failure on every rank.
+
+        In three stages (``_Save``): stage (every phase agreed by every rank), write (here, or by the writer
+        thread), publish (rank 0 renames the directory into place and moves ``latest``)."""
         self.wait(mesh)  # the previous write is published (or has failed) before this one starts
-        background = background and engine is None
-        sharded = (mesh is not None and mesh.distributed) or engine is not None
-        main = mesh is None or mesh.is_main
-        final = self.dir / step_dir_name(state.step)
-        tmp = self.dir / f".tmp-{final.name}-sharded" if sharded else scratch_name(final)
-        writing = [tmp]  # the file being written, for the error message
-        upload = []  # background: what the thread writes (a DCP future, or the staged one-process state)
-        rng_tensors, rng_plain = capture_rng()  # this step's RNG, whenever the files are written
-        meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen,
-                **({"extra": copy.deepcopy(state.extra)} if state.extra else {}), "rng": rng_plain}
-
-        def start():
-            self.dir.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-
-        def weights():
-            if engine is not None:  # DeepSpeed's own layout: every rank writes its ZeRO partitions
-                writing[0] = tmp / DEEPSPEED
-                engine.save_checkpoint(str(writing[0]), tag=DEEPSPEED_TAG, save_latest=False)
-                return
-            if sharded:
-                import torch.distributed.checkpoint as dcp
-                from torch.distributed.checkpoint.state_dict import get_state_dict
-
-                writing[0] = tmp / SHARDED
-                msd, osd = canonical_state_dicts(model, *get_state_dict(model, optimizer))
-                if background:  # staged into host memory now, written by DCP's thread
-                    upload.append(dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(writing[0]),
-                                                 process_group=mesh.checkpoint_group, async_stager=self._stager()))
-                else:
-                    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(writing[0]))
-                return
-            if background:
-                upload.append(self._stager().stage({"model": model.state_dict(), "optim": optimizer.state_dict()}))
-            else:
-                write_plain(model, optimizer.state_dict())
-
-        def write_plain(weights, optim_sd):  # weights: the model, or its staged state dict
-            writing[0] = tmp / "model.safetensors"
-            if isinstance(weights, torch.nn.Module):
-                save_model(weights, str(writing[0]))
-                honour_umask(writing[0])
-            else:
-                _save_model_state(weights, writing[0])
-            writing[0] = tmp / "optimizer.pt"
-            torch.save(optim_sd, writing[0])
-
-        def rest():
-            writing[0] = tmp / "rng.pt"
-            torch.save(rng_tensors, writing[0])
-            writing[0] = tmp / "trainer_state.json"
-            writing[0].write_text(json.dumps(meta))
-            writing[0] = tmp / "config.yaml"
-            writing[0].write_text(config_yaml)
-            writing[0] = tmp / "tokenizer"
-            shutil.copytree(tokenizer_dir, writing[0], ignore=TOKENIZER_SKIP)
-            writing[0] = tmp / MANIFEST
-            write_manifest(tmp)
-            writing[0] = tmp
-            _fsync_tree(tmp)
-
-        phases = ((start, False), (weights, True)) + (() if background else ((rest, False),))
-        for phase, everyone in phases:
-            err = None
-            watchdog.phase(f"checkpoint {phase.__name__}")  # a rank stuck writing is behind those that agree
-            if everyone or main:
-                try:
-                    phase()
-                except (Exception, CheckpointException) as e:  # noqa: BLE001  (reported below, after every rank knows)
-                    err = e
-                except BaseException:
-                    shutil.rmtree(tmp, ignore_errors=True)  # interrupted: a killed save leaves nothing
-                    raise
-            watchdog.phase("checkpoint agree")
-            if (mesh.any(err is not None) if mesh is not None else err is not None):
-                self._abort_save(err, tmp, final, writing[0], main)
-        if background:
-            def finish() -> BaseException | None:  # in the writer thread: the error to raise at ``wait``, or None
-                try:
-                    if sharded:
-                        upload[0].result()  # every rank's shards and DCP's metadata are on disk (DCP agreed on it)
-                    else:
-                        write_plain(upload[0]["model"], upload[0]["optim"])
-                    if delay := float(os.environ.get(TEST_WRITE_DELAY, "0") or 0):
-                        time.sleep(delay)  # tests only: a write still in progress when the process is killed
-                    if main:
-                        rest()
-                except (Exception, CheckpointException) as e:  # noqa: BLE001
-                    try:
-                        self._abort_save(e, tmp, final, writing[0], main)
-                    except BaseException as reported:  # noqa: BLE001  (the error in the words of a synchronous save)
-                        return reported
-                if main:
-                    try:
-                        self._publish(tmp, final)
-                    except Exception as e:  # noqa: BLE001
-                        return e
-                return None
-
+        job = _Save(self, state, model, optimizer, config_yaml, tokenizer_dir, mesh, engine, background)
+        job.stage()
+        if job.background:
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hybridtron-checkpoint")
-            self._pending = (final, self._writer.submit(finish))
-            return final
-        err = None
-        if main:
-            try:
-                self._publish(tmp, final)
-            except Exception as e:  # noqa: BLE001
-                err = e
-        if mesh.any(err is not None) if mesh is not None else err is not None:
-            if err is not None:
-                raise err
-            raise CheckpointError(f"checkpoint {final.name} was saved but rank 0 could not make it {LATEST} "
-                                  f"(its error names the cause)")
-        return final
+            self._pending = (job.final, self._writer.submit(job.finish_behind))
+        else:
+            job.publish()
+        return job.final
 
     def _stager(self):
         """torch.distributed.checkpoint's stager: copies a state dict's tensors into host memory it keeps for the next
@@ -621,6 +517,151 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint {path}: the RNG state in rng.pt / trainer_state.json is unusable "
                                       f"({type(e).__name__}); {resume_advice(path)}") from None
         return state
+
+
+
+class _Save:
+    """One ``CheckpointManager.save``: where its files go and the phases that write them. ``stage`` runs them with
+    every rank agreeing after each (a failure anywhere removes the partial directory everywhere and raises
+    everywhere); a synchronous save then writes the rest and ``publish``-es, a background one leaves the writing,
+    the rest and the publishing to ``finish_behind`` in the writer thread."""
+
+    def __init__(self, manager: CheckpointManager, state: TrainerState, model, optimizer, config_yaml: str,
+                 tokenizer_dir: Path, mesh, engine, background: bool):
+        self.manager, self.model, self.optimizer, self.mesh, self.engine = manager, model, optimizer, mesh, engine
+        self.config_yaml, self.tokenizer_dir = config_yaml, tokenizer_dir
+        self.background = background and engine is None  # DeepSpeed writes its own files, synchronously
+        self.sharded = (mesh is not None and mesh.distributed) or engine is not None
+        self.main = mesh is None or mesh.is_main
+        self.final = manager.dir / step_dir_name(state.step)
+        self.tmp = manager.dir / f".tmp-{self.final.name}-sharded" if self.sharded else scratch_name(self.final)
+        self.writing = self.tmp  # the file being written, for the error message
+        self.upload = None  # background: what the thread writes (a DCP future, or the staged one-process state)
+        self.rng_tensors, rng_plain = capture_rng()  # this step's RNG, whenever the files are written
+        self.meta = {"step": state.step, "consumed_samples": state.consumed_samples, "tokens_seen": state.tokens_seen,
+                     **({"extra": copy.deepcopy(state.extra)} if state.extra else {}), "rng": rng_plain}
+
+    # ---- stage ---------------------------------------------------------------------------------------------------
+    def stage(self) -> None:
+        """The phases this process runs now (start, weights, and unless in the background the rest), each agreed
+        by every rank."""
+        phases = ((self.start, False), (self.weights, True)) + (() if self.background else ((self.rest, False),))
+        for phase, everyone in phases:
+            err = None
+            watchdog.phase(f"checkpoint {phase.__name__}")  # a rank stuck writing is behind those that agree
+            if everyone or self.main:
+                try:
+                    phase()
+                except (Exception, CheckpointException) as e:  # noqa: BLE001  (reported below, after every rank knows)
+                    err = e
+                except BaseException:
+                    shutil.rmtree(self.tmp, ignore_errors=True)  # interrupted: a killed save leaves nothing
+                    raise
+            watchdog.phase("checkpoint agree")
+            if (self.mesh.any(err is not None) if self.mesh is not None else err is not None):
+                self.manager._abort_save(err, self.tmp, self.final, self.writing, self.main)
+
+    def start(self) -> None:
+        self.manager.dir.mkdir(parents=True, exist_ok=True)
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir()
+
+    def weights(self) -> None:
+        """The model and optimizer state, in the run's format (every rank)."""
+        if self.engine is not None:
+            self._deepspeed()
+        elif self.sharded:
+            self._dcp()
+        elif self.background:
+            self.upload = self.manager._stager().stage({"model": self.model.state_dict(),
+                                                        "optim": self.optimizer.state_dict()})
+        else:
+            self._plain(self.model, self.optimizer.state_dict())
+
+    def _deepspeed(self) -> None:
+        """DeepSpeed's own layout: every rank writes its ZeRO partitions."""
+        self.writing = self.tmp / DEEPSPEED
+        self.engine.save_checkpoint(str(self.writing), tag=DEEPSPEED_TAG, save_latest=False)
+
+    def _dcp(self) -> None:
+        """torch.distributed.checkpoint shards of the model in its own names and row order, and of the optimizer;
+        in the background staged into host memory now and written by DCP's thread."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.writing = self.tmp / SHARDED
+        msd, osd = canonical_state_dicts(self.model, *get_state_dict(self.model, self.optimizer))
+        if self.background:
+            self.upload = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(self.writing),
+                                         process_group=self.mesh.checkpoint_group,
+                                         async_stager=self.manager._stager())
+        else:
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(self.writing))
+
+    def _plain(self, weights, optim_sd) -> None:
+        """One process: ``model.safetensors`` and ``optimizer.pt``; ``weights``: the model, or its staged state."""
+        self.writing = self.tmp / "model.safetensors"
+        if isinstance(weights, torch.nn.Module):
+            save_model(weights, str(self.writing))
+            honour_umask(self.writing)
+        else:
+            _save_model_state(weights, self.writing)
+        self.writing = self.tmp / "optimizer.pt"
+        torch.save(optim_sd, self.writing)
+
+    def rest(self) -> None:
+        """Rank 0: the RNG, trainer state, config, tokenizer and the manifest, all flushed to disk."""
+        tmp = self.tmp
+        for name, write in (("rng.pt", lambda p: torch.save(self.rng_tensors, p)),
+                            ("trainer_state.json", lambda p: p.write_text(json.dumps(self.meta))),
+                            ("config.yaml", lambda p: p.write_text(self.config_yaml)),
+                            ("tokenizer", lambda p: shutil.copytree(self.tokenizer_dir, p, ignore=TOKENIZER_SKIP)),
+                            (MANIFEST, lambda _p: write_manifest(tmp))):
+            self.writing = tmp / name
+            write(self.writing)
+        self.writing = tmp
+        _fsync_tree(tmp)
+
+    # ---- write and publish ---------------------------------------------------------------------------------------
+    def finish_behind(self) -> BaseException | None:
+        """In the writer thread: the weights written, then (rank 0) the rest and the publish; returns the error to
+        raise at ``wait``, or None."""
+        try:
+            if self.sharded:
+                self.upload.result()  # every rank's shards and DCP's metadata are on disk (DCP agreed on it)
+            else:
+                self._plain(self.upload["model"], self.upload["optim"])
+            if delay := float(os.environ.get(TEST_WRITE_DELAY, "0") or 0):
+                time.sleep(delay)  # tests only: a write still in progress when the process is killed
+            if self.main:
+                self.rest()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
+            try:
+                self.manager._abort_save(e, self.tmp, self.final, self.writing, self.main)
+            except BaseException as reported:  # noqa: BLE001  (the error in the words of a synchronous save)
+                return reported
+        if self.main:
+            try:
+                self.manager._publish(self.tmp, self.final)
+            except Exception as e:  # noqa: BLE001
+                return e
+        return None
+
+    def publish(self) -> None:
+        """A synchronous save's end: rank 0 renames the directory into place and moves ``latest``; every rank raises
+        if that failed."""
+        err = None
+        if self.main:
+            try:
+                self.manager._publish(self.tmp, self.final)
+            except Exception as e:  # noqa: BLE001
+                err = e
+        if self.mesh.any(err is not None) if self.mesh is not None else err is not None:
+            if err is not None:
+                raise err
+            raise CheckpointError(f"checkpoint {self.final.name} was saved but rank 0 could not make it {LATEST} "
+                                  f"(its error names the cause)")
 
 
 def _require(path: Path, names: list[str]) -> None:
