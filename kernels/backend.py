@@ -123,7 +123,7 @@ def _constant_under_compile(fn):
     return fn
 
 
-# kernels/tune.py, set when it is imported (hybridtron.model imports it, for its ops): an object with
+# kernels/tune.py, registered by hybridtron.model (for its ops: model/__init__.py) or by a caller measuring ops itself: an object with
 # ``measures_on(device_type)`` and ``choose(op, shape, device_type)``. The tuner builds on this module, so this module
 # asks it through this slot rather than importing it back.
 _tuner = None

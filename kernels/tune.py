@@ -40,7 +40,6 @@ import json
 import math
 import os
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -599,5 +598,3 @@ def table(found: dict[str, Decision] | None = None) -> str:
         lines.append(f"  {key}: {'; '.join(cands) or '-'} -> {d.chosen}{src}")
     return "\n".join(lines)
 
-
-backend.use_tuner(sys.modules[__name__])  # auto of the ops with peers asks this module (see backend.pick)

@@ -1,6 +1,6 @@
 """Single-device model modules: the gated-attention LM and its parts."""
 
-from ..kernels import tune  # noqa: F401  (registers auto's measurement on CUDA with the backend switch: kernels/__init__)
+from ..kernels import backend, tune
 from .attention import GatedAttention, doc_causal_mask
 from .flops import flops_per_token
 from .gated_deltanet import GatedDeltaNet
@@ -14,3 +14,7 @@ __all__ = [
     "Block", "DecodeCache", "GatedAttention", "GatedDeltaNet", "GatedLM", "RMSNorm", "RotaryEmbedding", "ScaledLinear", "SwiGLU", "apply_rotary", "build_norm",
     "doc_causal_mask", "flops_per_token", "fold_scale_vectors",
 ]
+
+# auto of the ops with peer libraries is decided on CUDA by kernels/tune.py's measurement, for every model's ops: the
+# one place it is registered with the backend switch (which cannot import it back: tune builds on the switch)
+backend.use_tuner(tune)
