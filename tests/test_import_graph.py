@@ -159,3 +159,15 @@ def test_the_layout_rules_and_kernel_limits_need_no_torch():
     assert graph["hybridtron.kernels.rules"] == {"hybridtron.kernels.limits"}
     assert graph["hybridtron.kernels"] == set()  # the package imports nothing: kernels/__init__.py
     assert graph["hybridtron.train.parallel.layout"] == {"hybridtron.configs", "hybridtron.kernels.rules"}
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists the packages a non-editable install (a wheel for a cluster) carries: every directory
+    with an __init__.py is one (hybridtron.train.plan and hybridtron.kernels.moe_gemm were missing: `hybridtron plan`
+    and the MoE kernels were absent from a wheel)."""
+    import re
+
+    line = next(ln for ln in (ROOT / "pyproject.toml").read_text().splitlines() if ln.startswith("packages = ["))
+    listed = set(re.findall(r'"([\w.]+)"', line))  # (tomllib is Python 3.11's; the project runs on 3.10)
+    packages = {name for name, path in _modules().items() if path.name == "__init__.py"}
+    assert packages - listed == set(), sorted(packages - listed)
