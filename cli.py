@@ -26,17 +26,10 @@ from pathlib import Path
 from hybridtron.configs import ConfigError, check_overrides, parse_overrides
 from hybridtron.data_pipeline.errors import DataError
 from hybridtron.quiet import quiet_dependencies
-
-from .train.errors import CheckpointError, DiskFullError, NonFiniteLossError
-from .train.launcher_watch import launched, tell_launcher, watch_parent
-from .train.parallel.layout import check_plan_engine, check_plan_layout, check_run, launch_world
-from .train.run_dir import (
-    DEFAULT_PRESET,
-    check_output_dir,
-    default_run_dir,
-    resolve_data_dir,
-    resolve_job,
-)
+from hybridtron.train.errors import CheckpointError, DiskFullError, NonFiniteLossError
+from hybridtron.train.launcher_watch import launched, tell_launcher, watch_parent
+from hybridtron.train.parallel.layout import check_plan_engine, check_plan_layout, check_run, launch_world
+from hybridtron.train.run_dir import DEFAULT_PRESET, check_output_dir, default_run_dir, resolve_data_dir, resolve_job
 
 EXIT_CODES = (
     "exit codes: 0 done; 2 bad input or state (a config, data, a checkpoint or run directory that is missing, "
@@ -51,7 +44,7 @@ EXIT_CODES = (
 # ---- subcommands --------------------------------------------------------------------------------
 def _log(msg: str) -> None:
     """The trainer's progress line (tagged with the rank), imported when a command first logs."""
-    from .train.rank_log import rank_log
+    from hybridtron.train.rank_log import rank_log
 
     rank_log(msg)
 
@@ -82,11 +75,11 @@ def cmd_train(args) -> int:
     cfg, run_dir = resolve_job(args)  # 1. config, validated before any heavy work
     init_from = None
     if args.init_from:
-        from .train.hf.load import apply_init_from
+        from hybridtron.train.hf.load import apply_init_from
 
         init_from = apply_init_from(cfg, args.init_from)  # model section + tokenizer from the HF directory
     check_run(cfg, launch_world()[2])  # its layout and kernels, torch-free where the device does not decide
-    from .train.recipe import train_run
+    from hybridtron.train.recipe import train_run
 
     train_run(cfg, run_dir, init_from=init_from)
     return 0
@@ -111,7 +104,7 @@ def _checkpoint_for_inference(args) -> Path:
             raise CheckpointError(f"--checkpoint {ckpt} is not a checkpoint: it has no {' and no '.join(absent)} "
                                   f"({CHECKPOINT_HOLDS})")
         return ckpt
-    from .train.checkpoint import CheckpointManager
+    from hybridtron.train.checkpoint import CheckpointManager
 
     run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(None)
     flag = f"--run-dir {run_dir}" if args.run_dir else f"the default run directory {run_dir}"
@@ -144,12 +137,11 @@ def cmd_eval(args) -> int:
 
 def _evaluate(args) -> dict:
     from hybridtron.data_pipeline import build_dataset, prepare_data
-
-    from .train.build import load_for_inference
-    from .train.device import autocast_dtype
-    from .train.probes import attention_sink
-    from .train.recipe import val_loader_factory
-    from .train.trainer import evaluate
+    from hybridtron.train.build import load_for_inference
+    from hybridtron.train.device import autocast_dtype
+    from hybridtron.train.probes import attention_sink
+    from hybridtron.train.recipe import val_loader_factory
+    from hybridtron.train.trainer import evaluate
 
     ckpt = _checkpoint_for_inference(args)
     cfg, model, _tok, device = load_for_inference(ckpt, parse_overrides(args.overrides))
@@ -181,8 +173,8 @@ def cmd_sample(args) -> int:
     check_overrides(parse_overrides(args.overrides))  # before the checkpoint's config is read, and torch imported
     import torch
 
-    from .train.build import load_for_inference
-    from .train.sample import generate
+    from hybridtron.train.build import load_for_inference
+    from hybridtron.train.sample import generate
 
     with _logs_to_stderr() as stdout:  # stdout: the generated text alone
         cfg, model, tok, device = load_for_inference(_checkpoint_for_inference(args),
@@ -199,8 +191,8 @@ def cmd_sample(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from .train.checkpoint_pins import pinned
-    from .train.hf.export import export, resolve_checkpoint
+    from hybridtron.train.checkpoint_pins import pinned
+    from hybridtron.train.hf.export import export, resolve_checkpoint
 
     check_output_dir(Path(args.out), f"--out {args.out}", empty=True)  # first: a mistyped --out costs nothing
     if not Path(args.path).exists():
@@ -244,8 +236,8 @@ def _plan(args) -> tuple[str, object] | None:
                 raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0"
                                   + (" and <= 1" if name == "mfu" else ""))
         check_plan_layout(cfg, world)  # plan_table's refusal, before train.plan (and torch) is imported
-        from .data_pipeline.prepare_tasks import node_cores
-        from .train.plan import Hardware, format_table, plan_table
+        from hybridtron.data_pipeline.prepare_tasks import node_cores
+        from hybridtron.train.plan import Hardware, format_table, plan_table
 
         hw = Hardware(args.peak_tflops, args.mfu, args.intra_node_gbps, args.inter_node_gbps, args.gpus_per_node)
         rows = plan_table(cfg, world, args.gpu_memory_gib, hw=hw, jobs=args.jobs or node_cores())
@@ -255,9 +247,15 @@ def _plan(args) -> tuple[str, object] | None:
                           "tracker fails on its split backward (autograd.grad of the inputs, then of the weights); plan "
                           "it without --measure, or measure parallel.pp_schedule=interleaved_1f1b (the same stages)")
     check_run(cfg, launch_world()[2])
-    from .train.build import select_rank_device
-    from .train.parallel.mesh import Mesh
-    from .train.plan import compare, format_comparison, gather_measurements, measure, release_distributed_state
+    from hybridtron.train.build import select_rank_device
+    from hybridtron.train.parallel.mesh import Mesh
+    from hybridtron.train.plan import (
+        compare,
+        format_comparison,
+        gather_measurements,
+        measure,
+        release_distributed_state,
+    )
 
     device = select_rank_device(cfg)
     with Mesh.setup(cfg, device) as mesh:
@@ -272,7 +270,7 @@ def _plan(args) -> tuple[str, object] | None:
 
 def _suggest(cfg, args) -> tuple[str, dict]:
     """plan --suggest: hyperparameters for the budget from the scaling laws (train/suggest.py)."""
-    from .train.suggest import (
+    from hybridtron.train.suggest import (
         describe_fit,
         fits_from_sweeps,
         format_suggestion,
@@ -302,14 +300,13 @@ def _suggest(cfg, args) -> tuple[str, dict]:
 
 
 def cmd_ablate(args) -> int:
-    from .train.ablate import run_ablation  # torch-free until its configs are checked
+    from hybridtron.train.ablate import run_ablation  # torch-free until its configs are checked
 
     def probe(cfg, model):  # a finished run's attention sink, on its evaluation batches
         from hybridtron.data_pipeline import build_dataset
-
-        from .train.device import autocast_dtype
-        from .train.probes import attention_sink
-        from .train.recipe import val_loader_factory
+        from hybridtron.train.device import autocast_dtype
+        from hybridtron.train.probes import attention_sink
+        from hybridtron.train.recipe import val_loader_factory
 
         device = next(model.parameters()).device
         sink = attention_sink(model, val_loader_factory(build_dataset(cfg.data, "val"), cfg), cfg.train.eval_batches,
@@ -328,9 +325,8 @@ def cmd_kernels(args) -> int:
     from hybridtron.atomic import write_text_atomic
     from hybridtron.kernels import tune
     from hybridtron.kernels.tune_report import markdown, measure_peaks, rows
-
-    from .train.device import select_device
-    from .train.kernel_choice import measure_preset
+    from hybridtron.train.device import select_device
+    from hybridtron.train.kernel_choice import measure_preset
 
     device = select_device(cfg.train)
     if device.type != "cuda" and not args.measure_on_cpu:

@@ -1,7 +1,7 @@
 """Typed job configs, YAML presets and dotted CLI overrides."""
 
-from .base import ConfigError, apply_override, parse_overrides
-from .job import (
+from hybridtron.configs.base import ConfigError, apply_override, parse_overrides
+from hybridtron.configs.job import (
     CheckpointConfig,
     DataConfig,
     JobConfig,
@@ -15,7 +15,7 @@ from .job import (
     load_config,
     resolve_preset,
 )
-from .model import DeltaNetConfig, MoEConfig, ScaleVectorConfig, StructuredFFNConfig
+from hybridtron.configs.model import DeltaNetConfig, MoEConfig, ScaleVectorConfig, StructuredFFNConfig
 
 __all__ = [
     "CheckpointConfig", "ConfigError", "DataConfig", "DeltaNetConfig", "JobConfig", "MoEConfig", "ModelConfig",

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import yaml
 
-from .base import ConfigError, apply_override, from_dict, to_dict
-from .model import ModelConfig
+from hybridtron.configs.base import ConfigError, apply_override, from_dict, to_dict
+from hybridtron.configs.model import ModelConfig
 
 PRESET_DIR = Path(__file__).resolve().parent
 

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
-from .base import ConfigError
+from hybridtron.configs.base import ConfigError
 
 # Letters of model.layer_pattern, and the full names transformers' Qwen3.5 config uses in layer_types.
 MIXER_NAMES = {"A": "full_attention", "L": "linear_attention"}

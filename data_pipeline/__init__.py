@@ -5,7 +5,7 @@ torch (~2 s of CPU on a 2-core VM), prepare.py and shards.py numpy, and what the
 (the errors it reports, the data directory's name in data_dir.py) needs none of them.
 """
 
-from .errors import (
+from hybridtron.data_pipeline.errors import (
     BadRecordError,
     DataError,
     EmptySourceError,
@@ -14,7 +14,7 @@ from .errors import (
     TooManyBadRecordsError,
     UnreadableFileError,
 )
-from .tokenizer import Tokenizer, load_tokenizer
+from hybridtron.data_pipeline.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
     "BadRecordError",
@@ -40,13 +40,13 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("BlendedDataset", "PackedDataset", "build_dataset"):
-        from . import dataset as module
+        from hybridtron.data_pipeline import dataset as module
     elif name in ("PreparedData", "prepare_data"):
-        from . import prepare as module
+        from hybridtron.data_pipeline import prepare as module
     elif name in ("DataLoaderState", "DistributedLoader", "build_loader"):
-        from . import sampler as module
+        from hybridtron.data_pipeline import sampler as module
     elif name == "ShardError":
-        from . import shards as module
+        from hybridtron.data_pipeline import shards as module
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(module, name)

@@ -27,10 +27,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hybridtron.configs.job import DataConfig, SourceConfig
-
-from .errors import DataNotFoundError
-from .sources import source_name
-from .tokenizer_sample import SAMPLE_VERSION
+from hybridtron.data_pipeline.errors import DataNotFoundError
+from hybridtron.data_pipeline.sources import source_name
+from hybridtron.data_pipeline.tokenizer_sample import SAMPLE_VERSION
 
 DATA_ROOT = Path("data")  # default directories go here, relative to the working directory
 _NAME_CHARS = 32  # the readable part of a default directory's name is cut to this

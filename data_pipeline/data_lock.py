@@ -33,8 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hybridtron import dir_lock
-
-from .errors import DataDirBusy
+from hybridtron.data_pipeline.errors import DataDirBusy
 
 LOCK_FILE = ".prepare.lock"  # not the run directory's ".lock": data.out_dir may be the run directory itself
 TASKS_LOCK = ".prepare-tasks.lock"  # shared by the live array tasks of `hybridtron submit prepare`

@@ -6,12 +6,11 @@ import numpy as np
 import torch
 
 from hybridtron.configs.job import DataConfig
-
-from .data_dir import data_dir
-from .errors import DataError
-from .prepare import source_names
-from .shards import ShardError, SplitReader
-from .tokenizer import read_meta
+from hybridtron.data_pipeline.data_dir import data_dir
+from hybridtron.data_pipeline.errors import DataError
+from hybridtron.data_pipeline.prepare import source_names
+from hybridtron.data_pipeline.shards import ShardError, SplitReader
+from hybridtron.data_pipeline.tokenizer import read_meta
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -107,7 +106,7 @@ def build_dataset(cfg: DataConfig, split: str):
     if split not in ("train", "val"):
         raise ValueError(f"split={split!r} must be 'train' or 'val'")
     if cfg.synthetic.task:  # rows generated when read (data_pipeline/synthetic.py)
-        from .synthetic import SyntheticDataset
+        from hybridtron.data_pipeline.synthetic import SyntheticDataset
 
         return SyntheticDataset(cfg, split)
     out = data_dir(cfg)

@@ -9,7 +9,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .tokenizer import Tokenizer
+from hybridtron.data_pipeline.tokenizer import Tokenizer
 
 # HF encode_batch parallelises over the texts of one call; batches of ~4 MB keep the cores busy (each batch ends
 # with a tail where its longest pieces run alone) while bounding memory: the tokenizer holds ~100 bytes per token

@@ -48,12 +48,19 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridtron.atomic import write_file_atomic, write_text_atomic
 from hybridtron.configs.job import DataConfig
-
-from ..atomic import write_file_atomic, write_text_atomic
-from .errors import BadRecordError, DataError
-from .progress import Progress
-from .sources import N_EXAMPLES, READ_CHUNK, SNIFF_BYTES, SourceReport, file_hash, open_source_file, rebase_where
+from hybridtron.data_pipeline.errors import BadRecordError, DataError
+from hybridtron.data_pipeline.progress import Progress
+from hybridtron.data_pipeline.sources import (
+    N_EXAMPLES,
+    READ_CHUNK,
+    SNIFF_BYTES,
+    SourceReport,
+    file_hash,
+    open_source_file,
+    rebase_where,
+)
 
 PARTS_DIR = ".parts"
 PLAN = "plan.json"
@@ -119,7 +126,7 @@ def _cut_parquet(path, size: int, part_bytes: float) -> list[tuple[int, int, int
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from . import remote
+    from hybridtron.data_pipeline import remote
 
     try:
         if remote.is_url(path):
@@ -243,10 +250,10 @@ def worker_pool(workers: int, threads: int) -> Iterator[ProcessPoolExecutor]:
 
 def tokenize_part(job: PartJob) -> dict:
     """In a worker: the part's documents into part-NNNNN.{bin,idx}, then its .json. Returns the record."""
-    from .encode import encode_documents
-    from .shards import token_dtype
-    from .sources import SourceStream
-    from .tokenizer import load_tokenizer
+    from hybridtron.data_pipeline.encode import encode_documents
+    from hybridtron.data_pipeline.shards import token_dtype
+    from hybridtron.data_pipeline.sources import SourceStream
+    from hybridtron.data_pipeline.tokenizer import load_tokenizer
 
     tok = _worker_tok.get(job.tokenizer_dir)
     if tok is None:

@@ -34,17 +34,16 @@ from pathlib import Path
 
 import numpy as np
 
+from hybridtron.atomic import new_dirs_removed_on_failure, reclaim_scratch, write_text_atomic
 from hybridtron.configs.job import DataConfig
-
-from ..atomic import new_dirs_removed_on_failure, reclaim_scratch, write_text_atomic
-from .data_dir import data_dir, describe_recipe, tokenizer_recipe
-from .data_lock import hold_data_dir
-from .encode import encode_documents
-from .errors import DataError, EmptySourceError, SourceChangedError, one_line
-from .parts import PARTS_DIR, PLAN, part_documents, plan_source, remove_parts
-from .progress import Progress
-from .shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
-from .sources import (
+from hybridtron.data_pipeline.data_dir import data_dir, describe_recipe, tokenizer_recipe
+from hybridtron.data_pipeline.data_lock import hold_data_dir
+from hybridtron.data_pipeline.encode import encode_documents
+from hybridtron.data_pipeline.errors import DataError, EmptySourceError, SourceChangedError, one_line
+from hybridtron.data_pipeline.parts import PARTS_DIR, PLAN, part_documents, plan_source, remove_parts
+from hybridtron.data_pipeline.progress import Progress
+from hybridtron.data_pipeline.shards import MAX_SHARD_TOKENS, SplitWriter, read_manifest, token_dtype
+from hybridtron.data_pipeline.sources import (
     PIECE_CHARS,
     READER_VERSION,
     REASONS,
@@ -55,7 +54,7 @@ from .sources import (
     resolve_files,
     source_name,
 )
-from .tokenizer import Tokenizer, load_tokenizer, read_meta, train_bpe, train_sentencepiece
+from hybridtron.data_pipeline.tokenizer import Tokenizer, load_tokenizer, read_meta, train_bpe, train_sentencepiece
 
 SPLITS = ("train", "val")
 
@@ -83,8 +82,8 @@ def _training_texts(cfg: DataConfig, reports: list, log: Callable) -> Iterator[s
     line every 30 s and one when it is read."""
     import time
 
-    from .progress import duration, size
-    from .tokenizer_sample import sample_texts
+    from hybridtron.data_pipeline.progress import duration, size
+    from hybridtron.data_pipeline.tokenizer_sample import sample_texts
 
     t0 = time.monotonic()
     samples: list = []
@@ -154,7 +153,7 @@ def get_tokenizer(cfg: DataConfig, out: Path, log: Callable = print) -> Tokenize
         import sys
         import time
 
-        from .progress import duration
+        from hybridtron.data_pipeline.progress import duration
 
         if t.train_max_chars:  # only a directory whose tokenizer an older version trained so is read with it
             raise DataError(
@@ -427,7 +426,7 @@ def prepare_synthetic(cfg: DataConfig, log: Callable = print) -> PreparedData:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers
 
-    from .synthetic import task_symbols
+    from hybridtron.data_pipeline.synthetic import task_symbols
 
     symbols = task_symbols(cfg.synthetic)
     out = data_dir(cfg)

@@ -33,13 +33,12 @@ from collections.abc import Callable
 from concurrent.futures import as_completed
 from pathlib import Path
 
+from hybridtron.atomic import new_dirs_removed_on_failure, reclaim_scratch
 from hybridtron.configs.job import DataConfig
-
-from ..atomic import new_dirs_removed_on_failure, reclaim_scratch
-from .data_dir import data_dir
-from .data_lock import UNLOCKED, hold_as_task, hold_data_dir, part_lock
-from .errors import DataError
-from .parts import (
+from hybridtron.data_pipeline.data_dir import data_dir
+from hybridtron.data_pipeline.data_lock import UNLOCKED, hold_as_task, hold_data_dir, part_lock
+from hybridtron.data_pipeline.errors import DataError
+from hybridtron.data_pipeline.parts import (
     FILES,
     PARTS_DIR,
     PLAN,
@@ -55,7 +54,7 @@ from .parts import (
     worker_pool,
     workers_for,
 )
-from .progress import duration, size
+from hybridtron.data_pipeline.progress import duration, size
 
 STAGES = ("plan", "task")
 
@@ -71,8 +70,8 @@ def task_parts(counts: list[int], task: int, tasks: int) -> list[tuple[int, int]
 
 def _source_inputs(cfg: DataConfig, i: int, resolved) -> tuple[list, str, str, list]:
     """(stamps, inputs digest, key, ranges) of source ``i`` now: what its plan is made of."""
-    from .prepare import _inputs_digest, _source_key
-    from .sources import file_stamp
+    from hybridtron.data_pipeline.prepare import _inputs_digest, _source_key
+    from hybridtron.data_pipeline.sources import file_stamp
 
     files, fmt = resolved
     stamps = [file_stamp(f) for f in files]
@@ -82,7 +81,7 @@ def _source_inputs(cfg: DataConfig, i: int, resolved) -> tuple[list, str, str, l
 
 def plan_stage(cfg: DataConfig, log: Callable = print) -> dict:
     """Stage 1: the tokenizer and every unfinished source's plan. Returns {source: parts planned (0: complete)}."""
-    from .prepare import (
+    from hybridtron.data_pipeline.prepare import (
         SPLITS,
         _compare_inputs,
         _set_threads,
@@ -91,8 +90,8 @@ def plan_stage(cfg: DataConfig, log: Callable = print) -> dict:
         source_changed,
         source_names,
     )
-    from .shards import read_manifest
-    from .sources import resolve_files
+    from hybridtron.data_pipeline.shards import read_manifest
+    from hybridtron.data_pipeline.sources import resolve_files
 
     cfg.validate()
     if cfg.synthetic.task:  # generated rows: only a tokenizer, nothing to split
@@ -139,8 +138,8 @@ def _clear_part(directory: Path, k: int) -> None:
 
 def task_stage(cfg: DataConfig, task: int, tasks: int, log: Callable = print) -> int:
     """Stage 2: tokenize task ``task``'s parts of ``tasks``; returns how many it tokenized."""
-    from .prepare import source_names
-    from .sources import resolve_files
+    from hybridtron.data_pipeline.prepare import source_names
+    from hybridtron.data_pipeline.sources import resolve_files
 
     cfg.validate()
     if tasks < 1:
@@ -274,8 +273,7 @@ def is_data_dir(path: Path) -> bool:
 def data_status(path: Path, now: float | None = None) -> dict:
     """Where a data directory's preparation stands (see the module's docstring)."""
     from hybridtron.configs import ConfigError
-
-    from .shards import read_manifest
+    from hybridtron.data_pipeline.shards import read_manifest
 
     path = Path(path).resolve()
     if path.name == PARTS_DIR:

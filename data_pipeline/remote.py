@@ -24,7 +24,7 @@ from datetime import datetime, timezone
 from pathlib import PurePosixPath
 from urllib.parse import urlsplit
 
-from .errors import DataError, RemoteSourceError, one_line
+from hybridtron.data_pipeline.errors import DataError, RemoteSourceError, one_line
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 # what identifies a remote file's version in an fsspec info() dict, best first (HTTP, S3, GCS, Azure, local, ...)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import (
+from hybridtron.atomic import (
     fsync_dir,
     parse_scratch,
     pid_alive,
@@ -42,7 +42,7 @@ from ..atomic import (
     write_chunks_atomic,
     write_text_atomic,
 )
-from .errors import DataError
+from hybridtron.data_pipeline.errors import DataError
 
 MANIFEST = "manifest.json"
 VERIFIED = ".verified.json"  # digest checks already done: {file: [size, mtime_ns, inode, blake2b]}

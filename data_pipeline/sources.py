@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridtron.configs.job import DataConfig, SourceConfig
-
-from . import remote
-from .errors import (
+from hybridtron.data_pipeline import remote
+from hybridtron.data_pipeline.errors import (
     BadRecordError,
     DataError,
     DataNotFoundError,

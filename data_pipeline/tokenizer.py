@@ -14,8 +14,8 @@ import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ..atomic import write_bytes_atomic
-from .errors import DataError, DataNotFoundError
+from hybridtron.atomic import write_bytes_atomic
+from hybridtron.data_pipeline.errors import DataError, DataNotFoundError
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 META_FILE = "tokenizer_meta.json"

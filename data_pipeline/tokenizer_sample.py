@@ -28,9 +28,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hybridtron.configs.job import DataConfig, SourceConfig
-
-from . import sources
-from .sources import (
+from hybridtron.data_pipeline import sources
+from hybridtron.data_pipeline.sources import (
     PIECE_CHARS,
     READ_CHUNK,
     SNIFF_BYTES,

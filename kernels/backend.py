@@ -40,8 +40,8 @@ import contextlib
 
 import torch
 
-from . import rules
-from .rules import (  # noqa: F401  (the switch's rules, asked as backend.<name> by the ops, the model and tests)
+from hybridtron.kernels import rules
+from hybridtron.kernels.rules import (  # noqa: F401  (the switch's rules, asked as backend.<name> by the ops, the model and tests)
     AUTO_ORDER,
     BACKENDS,
     CHOICES,

@@ -19,7 +19,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from . import limits
+from hybridtron.kernels import limits
 
 BACKENDS = ("reference", "triton", "sdpa", "flex", "flash-attn", "fla", "causal-conv1d")
 CHOICES = ("auto", *BACKENDS)

@@ -48,8 +48,8 @@ from pathlib import Path
 
 import torch
 
-from . import backend
-from .testing import reference_errors
+from hybridtron.kernels import backend
+from hybridtron.kernels.testing import reference_errors
 
 ENV_TUNE = "HYBRIDTRON_KERNEL_TUNE"
 ENV_CACHE = "HYBRIDTRON_CACHE_DIR"
@@ -388,7 +388,7 @@ def _time_once(fn: Callable[[], None], device: torch.device) -> float:
 
 def _cases() -> dict:
     if _settings.cases is None:
-        from .tune_cases import CASES
+        from hybridtron.kernels.tune_cases import CASES
 
         _settings.cases = CASES
     return _settings.cases

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .shape_classes import (  # noqa: F401  (bucket, attention_shape: tests and callers read them here too)
+from hybridtron.kernels.shape_classes import (  # noqa: F401  (bucket, attention_shape: tests and callers read them here too)
     _dt,
     _dtype,
     attention_shape,
@@ -23,7 +23,7 @@ from .shape_classes import (  # noqa: F401  (bucket, attention_shape: tests and 
     gate_kind,
     grad_wanted,
 )
-from .testing import Bf16MatmulOperands
+from hybridtron.kernels.testing import Bf16MatmulOperands
 
 DOC_LEN = 512  # mean document length of the synthetic documents at full size (64 tokens at least per row of 4)
 SMALL_T = 128  # the check's sequence length: several chunks and key tiles, seconds of float64 on any device
@@ -92,7 +92,7 @@ class AttentionCase:
 
     @staticmethod
     def run(name: str, params: dict, q, k, v, *rest):
-        from .gated_attention import gated_attention, gated_attention_reference
+        from hybridtron.kernels.gated_attention import gated_attention, gated_attention_reference
 
         gate = rest[0] if params["gate"] != "none" else None
         doc_ids = rest[-1] if params["docs"] else None
@@ -157,7 +157,7 @@ class DeltaRuleCase:
 
     @staticmethod
     def run(name: str, params: dict, q, k, v, g, beta, *rest):
-        from .gated_delta_rule import gated_delta_rule
+        from hybridtron.kernels.gated_delta_rule import gated_delta_rule
 
         resets = rest[0] if params["docs"] else None
         h0 = rest[-1] if params["state"] else None
@@ -207,7 +207,7 @@ class ConvCase:
     def run(name: str, params: dict, x, w, *rest):
         import contextlib
 
-        from .short_conv import short_conv, short_conv_reference
+        from hybridtron.kernels.short_conv import short_conv, short_conv_reference
 
         doc_ids = rest[0] if params["docs"] else None
         if name == "reference":  # in x's dtype throughout: the rule's low-precision reference

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tune import Decision
+from hybridtron.kernels.tune import Decision
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Peaks:
 
 def measure_peaks(device: torch.device, n: int = 8192, copy_bytes: int = 1 << 30, reps: int = 5) -> Peaks:
     """An n^3 bf16 matmul and a ``copy_bytes`` copy, each the best of ``reps`` after one warm-up (CUDA events)."""
-    from .tune import _time_once
+    from hybridtron.kernels.tune import _time_once
 
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -49,7 +49,7 @@ def measure_peaks(device: torch.device, n: int = 8192, copy_bytes: int = 1 << 30
 
 def rows(found: dict[str, Decision], shapes: dict[str, tuple], peaks: Peaks | None) -> list[dict]:
     """One dict per class: op, shape, chosen, every time, the dropped ones, work, rate and floor of the choice."""
-    from .tune_cases import CASES
+    from hybridtron.kernels.tune_cases import CASES
 
     out = []
     for key, d in sorted(found.items()):

@@ -1,14 +1,14 @@
 """Single-device model modules: the gated-attention LM and its parts."""
 
-from ..kernels import backend, tune
-from .attention import GatedAttention, doc_causal_mask
-from .flops import flops_per_token
-from .gated_deltanet import GatedDeltaNet
-from .lm import Block, DecodeCache, GatedLM
-from .mlp import SwiGLU
-from .norm import RMSNorm, build_norm
-from .rotary import RotaryEmbedding, apply_rotary
-from .scale import ScaledLinear, fold_scale_vectors
+from hybridtron.kernels import backend, tune
+from hybridtron.model.attention import GatedAttention, doc_causal_mask
+from hybridtron.model.flops import flops_per_token
+from hybridtron.model.gated_deltanet import GatedDeltaNet
+from hybridtron.model.lm import Block, DecodeCache, GatedLM
+from hybridtron.model.mlp import SwiGLU
+from hybridtron.model.norm import RMSNorm, build_norm
+from hybridtron.model.rotary import RotaryEmbedding, apply_rotary
+from hybridtron.model.scale import ScaledLinear, fold_scale_vectors
 
 __all__ = [
     "Block", "DecodeCache", "GatedAttention", "GatedDeltaNet", "GatedLM", "RMSNorm", "RotaryEmbedding", "ScaledLinear", "SwiGLU", "apply_rotary", "build_norm",

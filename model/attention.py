@@ -24,14 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..configs import ModelConfig
-from ..kernels.backend import pick_for
-from ..kernels.gated_attention import gated_attention
-from ..kernels.shape_classes import attention_shape
-from .linear import make_linear
-from .norm import build_norm
-from .rotary import apply_rotary_qk
-from .scale import norm_kwargs
+from hybridtron.configs import ModelConfig
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.gated_attention import gated_attention
+from hybridtron.kernels.shape_classes import attention_shape
+from hybridtron.model.linear import make_linear
+from hybridtron.model.norm import build_norm
+from hybridtron.model.rotary import apply_rotary_qk
+from hybridtron.model.scale import norm_kwargs
 
 
 def doc_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,6 @@ keep working.
 
 from __future__ import annotations
 
-from ..kernels.gated_delta_rule.reference import delta_rule_chunked, delta_rule_recurrent, l2_normalize
+from hybridtron.kernels.gated_delta_rule.reference import delta_rule_chunked, delta_rule_recurrent, l2_normalize
 
 __all__ = ["delta_rule_chunked", "delta_rule_recurrent", "l2_normalize"]

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..configs import ModelConfig
-from .mlp import SwiGLU
+from hybridtron.configs import ModelConfig
+from hybridtron.model.mlp import SwiGLU
 
 
 def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     if cfg.moe.is_moe_layer(layer_idx):
-        from .moe import MoE
+        from hybridtron.model.moe import MoE
 
         return MoE(cfg)
     if cfg.ffn.kind != "dense" and not (layer_idx == 0 and cfg.ffn.dense_first_layer):
-        from .structured_ffn import StructuredSwiGLU
+        from hybridtron.model.structured_ffn import StructuredSwiGLU
 
         return StructuredSwiGLU(cfg)
     return SwiGLU(cfg.d_model, cfg.resolved_ffn_hidden(), cfg)

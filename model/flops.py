@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..configs import ModelConfig
+from hybridtron.configs import ModelConfig
 
 # layer_flops by (config, vocabulary, sequence length): it builds the model (on meta) to count, seconds for a
 # 126-layer 405B, and the planner asks for every pipeline stage it builds
@@ -38,7 +38,7 @@ def layer_flops(cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[list[f
 
 
 def _count(cfg: ModelConfig, vocab_size: int, seq_len: int) -> tuple[list[float], float]:
-    from .lm import GatedLM
+    from hybridtron.model.lm import GatedLM
 
     with torch.device("meta"):
         model = GatedLM(cfg, vocab_size)

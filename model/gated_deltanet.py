@@ -28,14 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..configs import ModelConfig
-from ..kernels.gated_delta_rule import gated_delta_rule
-from ..kernels.short_conv import causal_conv, short_conv
-from .attention import doc_starts
-from .hax import HAX
-from .linear import make_linear
-from .norm import RMSNorm
-from .scale import norm_kwargs
+from hybridtron.configs import ModelConfig
+from hybridtron.kernels.gated_delta_rule import gated_delta_rule
+from hybridtron.kernels.short_conv import causal_conv, short_conv
+from hybridtron.model.attention import doc_starts
+from hybridtron.model.hax import HAX
+from hybridtron.model.linear import make_linear
+from hybridtron.model.norm import RMSNorm
+from hybridtron.model.scale import norm_kwargs
 
 
 class GatedDeltaNet(nn.Module):

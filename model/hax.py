@@ -40,9 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..configs import ModelConfig
-from ..kernels.hax_attention import hax_attention
-from .attention import doc_starts
+from hybridtron.configs import ModelConfig
+from hybridtron.kernels.hax_attention import hax_attention
+from hybridtron.model.attention import doc_starts
 
 SOURCES = {"hax": ("lsh", "key_selection"), "lsh": ("lsh",), "key_selection": ("key_selection",),
            "window": ("window",)}

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..configs import ModelConfig
-from .scale import ScaledLinear
+from hybridtron.configs import ModelConfig
+from hybridtron.model.scale import ScaledLinear
 
 
 def make_linear(

@@ -29,14 +29,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..configs import ModelConfig
-from ..kernels.cross_entropy import linear_cross_entropy
-from .attention import GatedAttention
-from .ffn import build_ffn
-from .mlp import SwiGLU
-from .norm import RMSNorm, build_norm
-from .rotary import RotaryEmbedding
-from .scale import norm_kwargs
+from hybridtron.configs import ModelConfig
+from hybridtron.kernels.cross_entropy import linear_cross_entropy
+from hybridtron.model.attention import GatedAttention
+from hybridtron.model.ffn import build_ffn
+from hybridtron.model.mlp import SwiGLU
+from hybridtron.model.norm import RMSNorm, build_norm
+from hybridtron.model.rotary import RotaryEmbedding
+from hybridtron.model.scale import norm_kwargs
 
 # Projections writing into the residual stream: their init is scaled down with depth (GPT-2).
 OUT_PROJ_NAMES = ("o_proj", "down_proj", "out_proj")
@@ -65,7 +65,7 @@ class Block(nn.Module):
         if self.mixer_type == "A":
             self.self_attn = GatedAttention(cfg)
         else:
-            from .gated_deltanet import GatedDeltaNet
+            from hybridtron.model.gated_deltanet import GatedDeltaNet
 
             self.linear_attn = GatedDeltaNet(cfg)
         self.post_attention_layernorm = build_norm(

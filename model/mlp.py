@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..configs import ModelConfig
-from ..kernels.swiglu import swiglu
-from .linear import make_linear
+from hybridtron.configs import ModelConfig
+from hybridtron.kernels.swiglu import swiglu
+from hybridtron.model.linear import make_linear
 
 
 class SwiGLU(nn.Module):

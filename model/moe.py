@@ -59,11 +59,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..configs import ConfigError, ModelConfig
-from ..kernels.backend import pick_for
-from ..kernels.moe_gemm import gathered_linear, swiglu_packed
-from ..kernels.moe_permute import moe_permute, moe_unpermute, sort_assignments
-from .mlp import SwiGLU
+from hybridtron.configs import ConfigError, ModelConfig
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.moe_gemm import gathered_linear, swiglu_packed
+from hybridtron.kernels.moe_permute import moe_permute, moe_unpermute, sort_assignments
+from hybridtron.model.mlp import SwiGLU
 
 STATS = ("aux_loss", "z_loss", "dropped", "forwards")  # MoE._sums, summed over the micro-batches of a step
 # model.moe.gather: where the token rows are put into expert order for the gate_up projection. "permute": a

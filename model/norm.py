@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.norm import rms_norm
-from .scale import add_scale, md_vector, reset_scale, scale_param_names
+from hybridtron.kernels.norm import rms_norm
+from hybridtron.model.scale import add_scale, md_vector, reset_scale, scale_param_names
 
 
 class RMSNorm(nn.Module):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.rotary.reference import rotate_reference
+from hybridtron.kernels.rotary.reference import rotate_reference
 
 
 class RotaryEmbedding(nn.Module):
@@ -81,8 +81,8 @@ def apply_rotary_qk(
     """QK-norm (when the norms are given) then rotary on q (B, T, H, D) and k (B, T, KV, D), through the
     backend switch ``model.kernels.rotary``. Reference: the norm modules, then `apply_rotary` on each. Triton:
     one kernel for norm and rotation of both (kernels/rotary), reading the norms' effective gains."""
-    from ..kernels.backend import pick_for
-    from ..kernels.rotary import rotary_qk
+    from hybridtron.kernels.backend import pick_for
+    from hybridtron.kernels.rotary import rotary_qk
 
     if pick_for("rotary", backend, q, k) == "reference":
         if q_norm is not None:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..configs import ModelConfig
+from hybridtron.configs import ModelConfig
 
 
 def md_vector(m: torch.Tensor, d: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..configs import ModelConfig
+from hybridtron.configs import ModelConfig
 
 FACTOR_NAMES = ("U", "V", "blocks", "blocks1", "blocks2", "dense")
 

@@ -17,10 +17,9 @@ from pathlib import Path
 import yaml
 
 from hybridtron.configs import ConfigError
+from hybridtron.slurm.submit import JOBS_FILE
 from hybridtron.train.checkpoint_names import latest_checkpoint
 from hybridtron.train.run_dir import LAST_STOP, read_restarts
-
-from .submit import JOBS_FILE
 
 TAIL_BYTES = 1 << 16  # the end of metrics.jsonl holds the last steps; a long run's file is not read whole
 
@@ -49,7 +48,7 @@ def read_jobs_file(path: Path) -> list[dict]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess | None:
-    from .cluster import find_binary
+    from hybridtron.slurm.cluster import find_binary
 
     exe = find_binary(cmd[0])
     if exe is None:
@@ -223,8 +222,7 @@ def format_status(s: dict) -> str:
 def collect_data(path: Path) -> dict:
     """A data directory's preparation (data_pipeline/prepare_tasks.py) and the jobs `submit prepare` made for it."""
     from hybridtron.data_pipeline.prepare_tasks import data_status
-
-    from .submit import PREPARE_DIR
+    from hybridtron.slurm.submit import PREPARE_DIR
 
     s = data_status(path)
     jobs = read_jobs_file(Path(s["data_dir"]) / PREPARE_DIR / JOBS_FILE)

@@ -201,7 +201,7 @@ def check_path(path: Path, what: str) -> None:
 
 
 def slurm_binary(name: str) -> str:
-    from .cluster import find_binary
+    from hybridtron.slurm.cluster import find_binary
 
     path = find_binary(name)
     if path is None:
@@ -213,7 +213,7 @@ def slurm_binary(name: str) -> str:
 def check_partition(partition: str | None, nodes: int, note=print) -> None:
     """The partition exists and has at least ``nodes`` nodes, by ``sinfo``; when sinfo cannot answer the check
     is skipped and ``note`` says so (sbatch then judges the request alone)."""
-    from .cluster import find_binary
+    from hybridtron.slurm.cluster import find_binary
 
     what = (f"--partition {partition!r}" if partition else "the default partition") + f" and --nodes {nodes}"
     sinfo = find_binary("sinfo")

@@ -26,11 +26,10 @@ import yaml
 
 from hybridtron.atomic import remove_entry, scratch_name, write_text_atomic
 from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overrides
-
-from . import checkpoint_names
-from .checkpoint_pins import checkpoints_locked, pinned_steps
-from .parallel.layout import Layout, check_run, launch_world
-from .run_lock import hold_run_dir
+from hybridtron.train import checkpoint_names
+from hybridtron.train.checkpoint_pins import checkpoints_locked, pinned_steps
+from hybridtron.train.parallel.layout import Layout, check_run, launch_world
+from hybridtron.train.run_lock import hold_run_dir
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 SHARED_ONLY = ("data.", "train.max_steps", "train.seed")
@@ -90,7 +89,7 @@ def load_variants(args) -> list[tuple[str, list[tuple[str, str]]]]:
 
 def summarize(run_dir: Path, model) -> dict:
     """The numbers of one finished variant, read from its metrics.jsonl."""
-    from .step import AUX_NAMES  # (imports torch: after the runs)
+    from hybridtron.train.step import AUX_NAMES  # (imports torch: after the runs)
 
     by_step: dict[int, dict] = {}
     with open(run_dir / "metrics.jsonl") as f:
@@ -172,7 +171,7 @@ def _loss(r: dict, key: str) -> str:
 
 def write_table(out: Path, preset: str, shared: list[tuple[str, str]], results: dict[str, dict],
                 overrides: dict[str, list]) -> None:
-    from .step import AUX_NAMES  # (imports torch: after the runs)
+    from hybridtron.train.step import AUX_NAMES  # (imports torch: after the runs)
 
     aux = [k for k in AUX_NAMES.values() if any(f"final_{k}" in r for r in results.values())]
     aux_note = "".join(f"{k}: {AUX_DOC[k]}; " for k in aux)
@@ -263,7 +262,7 @@ def _mean_curve(curves: list[list]) -> tuple[list, list]:
 def aggregate(per_seed: dict[int, dict]) -> dict:
     """One variant's runs over seeds: means (and standard deviations) of the final numbers, mean curves with
     the seeds' min-max band, mean accuracy per length and attention sink per layer; each seed's own results."""
-    from .step import AUX_NAMES  # (imports torch: after the runs)
+    from hybridtron.train.step import AUX_NAMES  # (imports torch: after the runs)
 
     runs = list(per_seed.values())
     first = runs[0]
@@ -319,7 +318,7 @@ def run_ablation(args, log, probe=None) -> dict[str, dict] | None:
     # the variants the first one finished. Each variant's train_run locks its own directory besides. Under
     # torchrun only rank 0 locks here; if it is refused, torchrun stops the other ranks. The lock creates the
     # directory, and removes it again if it ends holding nothing (an ablation stopped on bad input).
-    from .recipe import train_run  # (torch and the trainer: the configs are good)
+    from hybridtron.train.recipe import train_run  # (torch and the trainer: the configs are good)
 
     is_main = os.environ.get("RANK", "0") == "0"
     with hold_run_dir(out, is_main=is_main, what=f"--run-dir {out} (an ablation)"):

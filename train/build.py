@@ -11,13 +11,12 @@ import torch
 from hybridtron.configs import JobConfig, load_config
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.model import GatedLM
-
-from .checkpoint import DEEPSPEED, SHARDED, STEP_RE, CheckpointError, CheckpointManager, verify_manifest
-from .device import select_device
-from .model_hooks import structure_for_step
-from .parallel.layout import check_kernels
-from .parallel.mesh import Mesh, launch_world
-from .parallel.parallelize import parallelize
+from hybridtron.train.checkpoint import DEEPSPEED, SHARDED, STEP_RE, CheckpointError, CheckpointManager, verify_manifest
+from hybridtron.train.device import select_device
+from hybridtron.train.model_hooks import structure_for_step
+from hybridtron.train.parallel.layout import check_kernels
+from hybridtron.train.parallel.mesh import Mesh, launch_world
+from hybridtron.train.parallel.parallelize import parallelize
 
 
 def build_model(cfg: JobConfig, vocab_size: int, device: torch.device, step: int = 0, cut=None,

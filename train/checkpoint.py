@@ -54,13 +54,12 @@ from hybridtron.atomic import (
     this_host,
     write_text_atomic,
 )
-
-from . import checkpoint_names, watchdog
-from .checkpoint_names import LATEST, STEP_RE
-from .checkpoint_pins import prune
-from .errors import CheckpointError, DiskFullError
-from .model_order import canonical_name, canonical_state_dicts, to_row_order
-from .parallel.mesh import launch_world
+from hybridtron.train import checkpoint_names, watchdog
+from hybridtron.train.checkpoint_names import LATEST, STEP_RE
+from hybridtron.train.checkpoint_pins import prune
+from hybridtron.train.errors import CheckpointError, DiskFullError
+from hybridtron.train.model_order import canonical_name, canonical_state_dicts, to_row_order
+from hybridtron.train.parallel.mesh import launch_world
 
 MANIFEST = "manifest.json"
 SHARDED = "dcp"  # torch.distributed.checkpoint directory of a multi-process run: model + optimizer shards
@@ -828,8 +827,7 @@ def _whole_model_param_order(path: Path, part: torch.nn.Module) -> list[str]:
     """Parameter names in the order of the optimizer that wrote ``path`` over the whole model (its groups as the
     saved train config formed them)."""
     from hybridtron.configs import load_config
-
-    from .optim import param_groups
+    from hybridtron.train.optim import param_groups
 
     saved = load_config(str(path / "config.yaml"))
     with torch.device("meta"):

@@ -25,8 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from hybridtron.atomic import pid_alive, this_host
-
-from .checkpoint_names import STEP_RE
+from hybridtron.train.checkpoint_names import STEP_RE
 
 PINS = ".pins"
 # "<step>.<host>-<pid>": a host may hold "." and "-", a step name neither, the pid no "-"

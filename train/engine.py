@@ -26,21 +26,20 @@ import torch
 from torch import nn
 
 from hybridtron.configs import JobConfig
-
-from . import step as step_mod
-from .checkpoint import CheckpointManager, TrainerState
-from .model_hooks import after_step, before_step
-from .model_order import canonical_name, from_row_order
-from .optim import build_optimizer
-from .parallel.expert_parallel import sync_expert_grads
-from .parallel.grad_norm import clip_grad_norm
-from .parallel.mesh import Mesh
-from .parallel.parallelize import parallelize
+from hybridtron.train import step as step_mod
+from hybridtron.train.checkpoint import CheckpointManager, TrainerState
+from hybridtron.train.model_hooks import after_step, before_step
+from hybridtron.train.model_order import canonical_name, from_row_order
+from hybridtron.train.optim import build_optimizer
+from hybridtron.train.parallel.expert_parallel import sync_expert_grads
+from hybridtron.train.parallel.grad_norm import clip_grad_norm
+from hybridtron.train.parallel.mesh import Mesh
+from hybridtron.train.parallel.parallelize import parallelize
 
 
 def check_engine(cfg: JobConfig, mesh: Mesh, device: torch.device) -> None:
     """Refuse what the configured engine cannot honour, before data or model (a DeepSpeed JSON it cannot take)."""
-    from .parallel.deepspeed_engine import check_config
+    from hybridtron.train.parallel.deepspeed_engine import check_config
 
     check_config(cfg, mesh.dp, device.type)
 
@@ -52,7 +51,7 @@ def build_engine(model: nn.Module, cfg: JobConfig, mesh: Mesh, device: torch.dev
     pipeline = parallelize(model, cfg, mesh, device, amp_dtype, log)
     optimizer = build_optimizer(model, cfg.train)
     if cfg.parallel.engine == "deepspeed":  # its own data parallel: ZeRO partitions, bf16, offload
-        from .parallel.deepspeed_engine import initialize
+        from hybridtron.train.parallel.deepspeed_engine import initialize
 
         return DeepSpeedEngine(cfg, model, initialize(model, optimizer, cfg, mesh, device, run_dir), mesh, device,
                                amp_dtype)

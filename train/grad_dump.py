@@ -11,8 +11,7 @@ import torch
 
 from hybridtron.atomic import write_bytes_atomic
 from hybridtron.configs import ConfigError
-
-from .run_dir import naming
+from hybridtron.train.run_dir import naming
 
 
 class GradDump:

@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 
 from hybridtron.atomic import write_text_atomic
-
-from .run_dir import naming
+from hybridtron.train.run_dir import naming
 
 KERNELS_JSON = "kernels.json"
 
@@ -67,11 +66,10 @@ def measure_preset(cfg, device: torch.device, log=print) -> None:
     documents (``model.doc_mask``: synthetic ones of the tuner's mean length) under the run's autocast, then one
     forward without gradients (evaluation's classes). kernels/tune.py measures each class it has not decided."""
     from hybridtron.kernels.tune_cases import DOC_LEN, doc_ids_for
-
-    from .build import build_model
-    from .device import autocast_context, autocast_dtype
-    from .parallel.mesh import Mesh
-    from .parallel.parallelize import parallelize
+    from hybridtron.train.build import build_model
+    from hybridtron.train.device import autocast_context, autocast_dtype
+    from hybridtron.train.parallel.mesh import Mesh
+    from hybridtron.train.parallel.parallelize import parallelize
 
     small = model_for_kernels(cfg)
     vocab = small.model.resolve_vocab(small.data.tokenizer.vocab_size)

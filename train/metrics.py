@@ -19,8 +19,7 @@ from typing import Any
 import torch
 
 from hybridtron.atomic import write_text_atomic
-
-from .run_dir import naming
+from hybridtron.train.run_dir import naming
 
 # Dense bf16 tensor-core peak per device (vendor datasheets, no sparsity). MFU is reported only when
 # the device is found here or train.peak_flops is set: a CPU has no meaningful single figure.

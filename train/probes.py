@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from hybridtron.model.attention import GatedAttention
-
-from .device import autocast_context
-from .model_order import canonical_name
+from hybridtron.train.device import autocast_context
+from hybridtron.train.model_order import canonical_name
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@ that a command that only logs (``prepare``) does not import the trainer, and tor
 
 from __future__ import annotations
 
-from .parallel.layout import launch_world
+from hybridtron.train.parallel.layout import launch_world
 
 
 def rank_log(msg: str) -> None:

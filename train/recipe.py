@@ -21,14 +21,13 @@ from hybridtron.configs import JobConfig
 from hybridtron.data_pipeline import build_dataset, build_loader, prepare_data
 from hybridtron.data_pipeline.prepare import PreparedData
 from hybridtron.model import GatedLM, flops_per_token
-
-from .build import checkpoint_step, model_for_checkpoint, select_rank_device
-from .checkpoint import CheckpointManager
-from .device import autocast_dtype
-from .engine import build_engine, check_engine
-from .parallel.mesh import Mesh, launch_world
-from .rank_log import rank_log
-from .run_dir import (
+from hybridtron.train.build import checkpoint_step, model_for_checkpoint, select_rank_device
+from hybridtron.train.checkpoint import CheckpointManager
+from hybridtron.train.device import autocast_dtype
+from hybridtron.train.engine import build_engine, check_engine
+from hybridtron.train.parallel.mesh import Mesh, launch_world
+from hybridtron.train.rank_log import rank_log
+from hybridtron.train.run_dir import (
     LAST_STOP,
     check_resume_compatible,
     check_resume_tokenizer,
@@ -37,9 +36,9 @@ from .run_dir import (
     read_restarts,
     resolve_data_dir,
 )
-from .run_lock import hold_run_dir
-from .trainer import FitResult, Trainer
-from .watchdog import flight_recorder_env
+from hybridtron.train.run_lock import hold_run_dir
+from hybridtron.train.trainer import FitResult, Trainer
+from hybridtron.train.watchdog import flight_recorder_env
 
 
 def _quiet(_msg: str) -> None:
@@ -117,12 +116,12 @@ def build_run(cfg: JobConfig, run_dir: Path, mesh: Mesh, device: torch.device, l
     resume_step = checkpoint_step(latest)
     stages_only = None
     if mesh.pp > 1:  # a pipeline rank builds the parts of its stages only (the torch engine's: layout.py)
-        from .parallel.pipeline import rank_cut
+        from hybridtron.train.parallel.pipeline import rank_cut
 
         stages_only = rank_cut(cfg, mesh, cfg.model.vocab_size)
     model = model_for_checkpoint(cfg, cfg.model.vocab_size, device, latest, cut=stages_only)  # 2. model, initialised
     if init_from is not None and resume_step == 0:
-        from .hf.load import load_hf_weights
+        from hybridtron.train.hf.load import load_hf_weights
 
         load_hf_weights(model, init_from)
         log(f"initialised from Hugging Face weights in {init_from}")

@@ -23,10 +23,9 @@ from hybridtron.configs import ConfigError, JobConfig, load_config, parse_overri
 from hybridtron.configs.base import from_dict
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.data_pipeline.data_dir import data_dir, default_data_dir, resolve_out_dir
-
-from .checkpoint_names import latest_checkpoint
-from .run_lock import LOCK_FILE
-from .watchdog import HANG_DIR
+from hybridtron.train.checkpoint_names import latest_checkpoint
+from hybridtron.train.run_lock import LOCK_FILE
+from hybridtron.train.watchdog import HANG_DIR
 
 DEFAULT_PRESET = "tiny"
 
@@ -284,7 +283,7 @@ def check_resume_tokenizer(ckpt: Path | None, tokenizer, tokenizer_dir: Path) ->
     one of the same size: continuing would train on differently tokenized data."""
     if ckpt is None or not (ckpt / "tokenizer").is_dir():
         return
-    from .checkpoint import verify_manifest  # imports torch: a run's, after the config is checked
+    from hybridtron.train.checkpoint import verify_manifest  # imports torch: a run's, after the config is checked
 
     verify_manifest(ckpt, only=("tokenizer",))
     old = load_tokenizer(ckpt / "tokenizer").fingerprint

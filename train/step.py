@@ -23,10 +23,9 @@ from __future__ import annotations
 import torch
 
 from hybridtron.data_pipeline.synthetic import IGNORE as IGNORE_INDEX  # a position without a label
-
-from .device import autocast_context, step_weight_casts
-from .parallel.context_parallel import local_piece
-from .watchdog import phase
+from hybridtron.train.device import autocast_context, step_weight_casts
+from hybridtron.train.parallel.context_parallel import local_piece
+from hybridtron.train.watchdog import phase
 
 
 def micro_batches(loader, accum: int, mesh) -> list[dict]:

@@ -19,21 +19,20 @@ from torch import nn
 from tqdm import tqdm
 
 from hybridtron.configs import ConfigError, JobConfig, load_config
-
-from . import kernel_choice, watchdog
-from . import step as step_mod
-from .checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
-from .device import autocast_context
-from .engine import Engine
-from .errors import NonFiniteLossError
-from .grad_dump import GradDump
-from .metrics import MetricsLogger, device_peak_flops, peak_memory_gib
-from .parallel.context_parallel import local_piece
-from .parallel.mesh import Mesh
-from .profile import StepProfiler
-from .run_dir import LAST_STOP, STOP_REQUEST
-from .schedule import Plan, resume_plan, warmup_note
-from .spike import SpikeGuard
+from hybridtron.train import kernel_choice, watchdog
+from hybridtron.train import step as step_mod
+from hybridtron.train.checkpoint import CheckpointError, CheckpointManager, TrainerState, resume_advice, verify_manifest
+from hybridtron.train.device import autocast_context
+from hybridtron.train.engine import Engine
+from hybridtron.train.errors import NonFiniteLossError
+from hybridtron.train.grad_dump import GradDump
+from hybridtron.train.metrics import MetricsLogger, device_peak_flops, peak_memory_gib
+from hybridtron.train.parallel.context_parallel import local_piece
+from hybridtron.train.parallel.mesh import Mesh
+from hybridtron.train.profile import StepProfiler
+from hybridtron.train.run_dir import LAST_STOP, STOP_REQUEST
+from hybridtron.train.schedule import Plan, resume_plan, warmup_note
+from hybridtron.train.spike import SpikeGuard
 
 
 class LossSpikeError(NonFiniteLossError):

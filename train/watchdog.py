@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from .launcher_watch import tell_launcher
+from hybridtron.train.launcher_watch import tell_launcher
 
 HANG_EXIT = 6  # the training processes' exit code after a hang: the job script restarts from the latest checkpoint
 PG_MARGIN_S = 60  # the process groups' timeout is hang_timeout_s plus this (the watch names the ranks first)

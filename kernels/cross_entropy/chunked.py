@@ -70,7 +70,7 @@ def chunked_linear_cross_entropy(
     loss is the mean over rows with label != ignore_index (NaN when there is none, as F.cross_entropy).
     """
     if impl == "triton":
-        from .triton_kernels import ce_grad_, ce_stats
+        from hybridtron.kernels.cross_entropy.triton_kernels import ce_grad_, ce_stats
     else:
         ce_stats, ce_grad_ = torch_stats, torch_grad_
     N, d = h.shape

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
-from .chunked import AllReduce, chunked_linear_cross_entropy
-from .reference import linear_cross_entropy_reference
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.cross_entropy.chunked import AllReduce, chunked_linear_cross_entropy
+from hybridtron.kernels.cross_entropy.reference import linear_cross_entropy_reference
 
 
 @torch.library.custom_op("hybridtron::linear_cross_entropy", mutates_args=())

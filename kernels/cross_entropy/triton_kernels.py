@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_interpreted
-from ..triton_utils import next_pow2
+from hybridtron.kernels.backend import check_interpreted
+from hybridtron.kernels.triton_utils import next_pow2
 
 
 @triton.jit

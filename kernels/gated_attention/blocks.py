@@ -36,7 +36,7 @@ import math
 
 import torch
 
-from ..backend import BackendError
+from hybridtron.kernels.backend import BackendError
 
 RING_BACKENDS = ("reference", "sdpa", "triton")
 LN2 = math.log(2.0)
@@ -71,7 +71,7 @@ class Docs:
     def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, end) int32 per token of the flattened (B * t) block (`doc_bounds`), on the device."""
         if self._bounds is None:
-            from .reference import doc_bounds
+            from hybridtron.kernels.gated_attention.reference import doc_bounds
 
             B, t = self.ids.shape
             self._bounds = doc_bounds(B, t, doc_ids=self.ids)
@@ -234,7 +234,7 @@ def _sdpa_backward(dout, q, k, v, out, lse, causal, scale):
 @torch.library.custom_op("hybridtron::attention_block_fwd", mutates_args=())
 def _block_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor | None, scale: float,
                causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from .triton_kernels import attn_fwd
+    from hybridtron.kernels.gated_attention.triton_kernels import attn_fwd
 
     out, _, lse2 = attn_fwd(q, k, v, None, start, scale, causal=causal)
     return out, lse2
@@ -250,7 +250,7 @@ def _(q, k, v, start, scale, causal):
 def _block_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                lse2: torch.Tensor, start: torch.Tensor | None, end: torch.Tensor | None, scale: float,
                causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import attn_bwd
+    from hybridtron.kernels.gated_attention.triton_kernels import attn_bwd
 
     dq, dk, dv, _ = attn_bwd(dout, q, k, v, None, out, lse2, start, end, scale, causal=causal)
     return dq, dk, dv
@@ -305,6 +305,6 @@ def _triton_backward(dout, q, k, v, out, lse, causal, scale, docs):
 
 
 def _row_bounds(B: int, t: int, device):
-    from .reference import doc_bounds
+    from hybridtron.kernels.gated_attention.reference import doc_bounds
 
     return doc_bounds(B, t, device=device)

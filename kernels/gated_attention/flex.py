@@ -27,9 +27,9 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..backend import BackendError
-from .gate import sigmoid_gate
-from .sdpa import as_rows, check_inputs, doc_numbers
+from hybridtron.kernels.backend import BackendError
+from hybridtron.kernels.gated_attention.gate import sigmoid_gate
+from hybridtron.kernels.gated_attention.sdpa import as_rows, check_inputs, doc_numbers
 
 BLOCK = 128  # flex's default sparse block (``_DEFAULT_SPARSE_BLOCK_SIZE``), which its GPU kernels are tuned for
 

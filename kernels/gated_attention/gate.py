@@ -13,16 +13,16 @@ import math
 
 import torch
 
-from .. import backend
-from ..backend import _constant_under_compile, is_distributed
-from .reference import apply_gate
+from hybridtron.kernels import backend
+from hybridtron.kernels.backend import _constant_under_compile, is_distributed
+from hybridtron.kernels.gated_attention.reference import apply_gate
 
 GATE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @torch.library.custom_op("hybridtron::sigmoid_gate_fwd", mutates_args=())
 def _fwd(attn: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    from .gate_kernels import gate_fwd
+    from hybridtron.kernels.gated_attention.gate_kernels import gate_fwd
 
     return gate_fwd(attn, gate)
 
@@ -34,7 +34,7 @@ def _(attn, gate):
 
 @torch.library.custom_op("hybridtron::sigmoid_gate_bwd", mutates_args=())
 def _bwd(dout: torch.Tensor, attn: torch.Tensor, gate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from .gate_kernels import gate_bwd
+    from hybridtron.kernels.gated_attention.gate_kernels import gate_bwd
 
     return gate_bwd(dout, attn, gate)
 

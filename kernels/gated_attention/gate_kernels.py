@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_interpreted
-from ..triton_utils import compute_dtype, fast_math, next_pow2, row_block, sigmoid, warps
+from hybridtron.kernels.backend import check_interpreted
+from hybridtron.kernels.triton_utils import compute_dtype, fast_math, next_pow2, row_block, sigmoid, warps
 
 # Elements per program of the 1-D kernels: 4 warps x 32 lanes x 8 elements, i.e. 16-byte bf16 vectors
 # per lane (as kernels/swiglu); memory-bound, so bigger blocks only cost occupancy at small M * D.

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import BackendError, pick_for
-from ..limits import FLASH_ATTN_MAX_D
-from ..shape_classes import attention_shape, gate_kind
-from .checks import check_shapes as _check
-from .reference import doc_bounds, gated_attention_reference
+from hybridtron.kernels.backend import BackendError, pick_for
+from hybridtron.kernels.gated_attention.checks import check_shapes as _check
+from hybridtron.kernels.gated_attention.reference import doc_bounds, gated_attention_reference
+from hybridtron.kernels.limits import FLASH_ATTN_MAX_D
+from hybridtron.kernels.shape_classes import attention_shape, gate_kind
 
 MAX_HEAD_DIM = 256  # beyond it a query tile and a key tile no longer fit in shared memory with pipelining
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -25,7 +25,7 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, start: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import attn_fwd
+    from hybridtron.kernels.gated_attention.triton_kernels import attn_fwd
 
     return attn_fwd(q, k, v, gate, start, scale)
 
@@ -42,7 +42,7 @@ def _bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
     attn: torch.Tensor, lse: torch.Tensor, start: torch.Tensor, end: torch.Tensor, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import attn_bwd
+    from hybridtron.kernels.gated_attention.triton_kernels import attn_bwd
 
     return attn_bwd(dout, q, k, v, gate, attn, lse, start, end, scale)
 
@@ -120,7 +120,7 @@ def _flash_attn(q, k, v, gate, cu_seqlens, doc_ids, scale, B, T):
     """flash-attn's causal (varlen) kernel, then the gate in one fused pass (gate.py)."""
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 
-    from .gate import sigmoid_gate
+    from hybridtron.kernels.gated_attention.gate import sigmoid_gate
 
     D = q.shape[-1]
     if q.dtype not in (torch.float16, torch.bfloat16) or {k.dtype, v.dtype} != {q.dtype}:
@@ -178,11 +178,11 @@ def gated_attention(
     if chosen == "flash-attn":
         return _flash_attn(q, k, v, gate, cu_seqlens, doc_ids, scale, B, T)
     if chosen == "sdpa":
-        from .sdpa import sdpa_gated_attention
+        from hybridtron.kernels.gated_attention.sdpa import sdpa_gated_attention
 
         return sdpa_gated_attention(q, k, v, gate, doc_ids=doc_ids, cu_seqlens=cu_seqlens, scale=scale)
     if chosen == "flex":
-        from .flex import flex_gated_attention
+        from hybridtron.kernels.gated_attention.flex import flex_gated_attention
 
         return flex_gated_attention(q, k, v, gate, doc_ids=doc_ids, cu_seqlens=cu_seqlens, scale=scale)
     _check_kernel(q, k, v, gate)

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .checks import check_shapes
-from .gate import sigmoid_gate
-from .reference import doc_bounds
+from hybridtron.kernels.gated_attention.checks import check_shapes
+from hybridtron.kernels.gated_attention.gate import sigmoid_gate
+from hybridtron.kernels.gated_attention.reference import doc_bounds
 
 PRIORITY = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # set_priority makes the list an order, not only a set (torch 2.5's sdpa_kernel lacks it; 2.13's and the docs of the

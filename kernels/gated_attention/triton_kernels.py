@@ -60,8 +60,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import triton_utils
-from ..backend import check_interpreted, interpreter_requested
+from hybridtron.kernels import triton_utils
+from hybridtron.kernels.backend import check_interpreted, interpreter_requested
 
 LOG2E = 1.4426950408889634
 

@@ -7,9 +7,9 @@ here, so importing the model needs no triton).
 op.py: `gated_delta_rule`, the backend switch the mixer calls.
 """
 
-from .chunk import ChunkGatedDeltaRuleFunction, chunk_gated_delta_rule
-from .op import gated_delta_rule
-from .reference import delta_rule_chunked, delta_rule_recurrent, l2_normalize
+from hybridtron.kernels.gated_delta_rule.chunk import ChunkGatedDeltaRuleFunction, chunk_gated_delta_rule
+from hybridtron.kernels.gated_delta_rule.op import gated_delta_rule
+from hybridtron.kernels.gated_delta_rule.reference import delta_rule_chunked, delta_rule_recurrent, l2_normalize
 
 __all__ = ["ChunkGatedDeltaRuleFunction", "chunk_gated_delta_rule", "delta_rule_chunked", "delta_rule_recurrent",
            "gated_delta_rule", "l2_normalize"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..limits import CHUNK_SIZES, MAX_DK
-from .inputs import check_inputs
+from hybridtron.kernels.gated_delta_rule.inputs import check_inputs
+from hybridtron.kernels.limits import CHUNK_SIZES, MAX_DK
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -31,7 +31,7 @@ def _fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     resets: torch.Tensor | None, initial_state: torch.Tensor | None, chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .chunk_kernels import chunk_gdr_fwd
+    from hybridtron.kernels.gated_delta_rule.chunk_kernels import chunk_gdr_fwd
 
     return chunk_gdr_fwd(q, k, v, g, beta, resets, initial_state, chunk_size)
 
@@ -52,7 +52,7 @@ def _bwd(
     beta: torch.Tensor, resets: torch.Tensor | None, tinv: torch.Tensor, initial_state: torch.Tensor | None,
     chunk_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .chunk_kernels import chunk_gdr_bwd
+    from hybridtron.kernels.gated_delta_rule.chunk_kernels import chunk_gdr_bwd
 
     return chunk_gdr_bwd(do, dht, q, k, v, g, beta, resets, tinv, initial_state, chunk_size)
 

@@ -65,8 +65,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_interpreted, interpreter_requested
-from ..triton_utils import next_pow2
+from hybridtron.kernels.backend import check_interpreted, interpreter_requested
+from hybridtron.kernels.triton_utils import next_pow2
 
 # Under the interpreter the kernels round as the GPU does by hand (read at import, when TRITON_INTERPRET also
 # decides how the kernels are decorated): its tl.dot ignores input_precision and multiplies 16-bit operands

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import BackendError
-from ..limits import FLA_CHUNK_SIZES, FLA_MAX_DK
-from .inputs import check_inputs
+from hybridtron.kernels.backend import BackendError
+from hybridtron.kernels.gated_delta_rule.inputs import check_inputs
+from hybridtron.kernels.limits import FLA_CHUNK_SIZES, FLA_MAX_DK
 
 _INSTEAD = "choose model.kernels.delta_rule=triton or reference"
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for, starts_from_cu_seqlens
-from ..shape_classes import delta_rule_shape
-from .reference import delta_rule_chunked, delta_rule_recurrent
+from hybridtron.kernels.backend import pick_for, starts_from_cu_seqlens
+from hybridtron.kernels.gated_delta_rule.reference import delta_rule_chunked, delta_rule_recurrent
+from hybridtron.kernels.shape_classes import delta_rule_shape
 
 DECODE_TOKENS = 16  # up to this many tokens without gradients: the recurrent kernel (one pass, no chunk systems)
 
@@ -48,16 +48,16 @@ def gated_delta_rule(q, k, v, g, beta, *, resets=None, initial_state=None, outpu
         return delta_rule_chunked(q, k, v, g, beta, resets=resets, initial_state=initial_state,
                                   output_final_state=output_final_state, chunk_size=chunk_size)
     if decoding:
-        from .recurrent import recurrent_gated_delta_rule
+        from hybridtron.kernels.gated_delta_rule.recurrent import recurrent_gated_delta_rule
 
         return recurrent_gated_delta_rule(q, k, v, g, beta, resets=resets, initial_state=initial_state,
                                           output_final_state=output_final_state)
     if chosen == "fla":
-        from .fla_backend import fla_gated_delta_rule
+        from hybridtron.kernels.gated_delta_rule.fla_backend import fla_gated_delta_rule
 
         return fla_gated_delta_rule(q, k, v, g, beta, resets=resets, initial_state=initial_state,
                                     output_final_state=output_final_state, chunk_size=chunk_size)
-    from .chunk import chunk_gated_delta_rule
+    from hybridtron.kernels.gated_delta_rule.chunk import chunk_gated_delta_rule
 
     return chunk_gated_delta_rule(q, k, v, g, beta, resets=resets, initial_state=initial_state,
                                   output_final_state=output_final_state, chunk_size=chunk_size)

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_interpreted
-from ..triton_utils import next_pow2, warps
-from .inputs import check_inputs
+from hybridtron.kernels.backend import check_interpreted
+from hybridtron.kernels.gated_delta_rule.inputs import check_inputs
+from hybridtron.kernels.triton_utils import next_pow2, warps
 
 EPS = 1e-6  # the L2 norm's eps, placed as the reference does: x / sqrt(sum(x^2) + eps)
 MAX_BV = 16  # value columns per program: more programs for the small batches of decoding

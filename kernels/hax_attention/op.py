@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
-from .reference import hax_attention_reference
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.hax_attention.reference import hax_attention_reference
 
 
 @torch.library.custom_op("hybridtron::hax_attention_fwd", mutates_args=())
 def _fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
-    from .triton_kernels import hax_attention_fwd
+    from hybridtron.kernels.hax_attention.triton_kernels import hax_attention_fwd
 
     return hax_attention_fwd(q, k, v, idx, scale)
 
@@ -25,7 +25,7 @@ def _(q, k, v, idx, scale):
 @torch.library.custom_op("hybridtron::hax_attention_bwd", mutates_args=())
 def _bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
          scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import hax_attention_bwd
+    from hybridtron.kernels.hax_attention.triton_kernels import hax_attention_bwd
 
     return hax_attention_bwd(do, q, k, v, idx, scale)
 

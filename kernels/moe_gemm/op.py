@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
-from ..moe_permute import op as _permute_op  # noqa: F401  (registers hybridtron::moe_combine: the dx combine)
-from .reference import gathered_linear_reference, swiglu_packed_reference
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.moe_gemm.reference import gathered_linear_reference, swiglu_packed_reference
+from hybridtron.kernels.moe_permute import op as _permute_op  # noqa: F401  (registers hybridtron::moe_combine: the dx combine)
 
 
 @torch.library.custom_op("hybridtron::moe_swiglu_fwd", mutates_args=())
 def _swiglu_fwd(h: torch.Tensor) -> torch.Tensor:
-    from .triton_kernels import swiglu_packed_fwd
+    from hybridtron.kernels.moe_gemm.triton_kernels import swiglu_packed_fwd
 
     return swiglu_packed_fwd(h)
 
@@ -25,7 +25,7 @@ def _(h):
 
 @torch.library.custom_op("hybridtron::moe_swiglu_bwd", mutates_args=())
 def _swiglu_bwd(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    from .triton_kernels import swiglu_packed_bwd
+    from hybridtron.kernels.moe_gemm.triton_kernels import swiglu_packed_bwd
 
     return swiglu_packed_bwd(dy, h)
 
@@ -38,7 +38,7 @@ def _(dy, h):
 @torch.library.custom_op("hybridtron::moe_grouped_mm", mutates_args=())
 def _grouped_mm(a: torch.Tensor, order: torch.Tensor | None, weight: torch.Tensor, offsets: torch.Tensor, top_k: int,
                 transpose: bool) -> torch.Tensor:
-    from .triton_kernels import grouped_mm
+    from hybridtron.kernels.moe_gemm.triton_kernels import grouped_mm
 
     return grouped_mm(a, order, weight, offsets, top_k, transpose)
 
@@ -51,7 +51,7 @@ def _(a, order, weight, offsets, top_k, transpose):
 @torch.library.custom_op("hybridtron::moe_grouped_wgrad", mutates_args=())
 def _grouped_wgrad(dh: torch.Tensor, x: torch.Tensor, order: torch.Tensor | None, offsets: torch.Tensor,
                    top_k: int) -> torch.Tensor:
-    from .triton_kernels import grouped_wgrad
+    from hybridtron.kernels.moe_gemm.triton_kernels import grouped_wgrad
 
     return grouped_wgrad(dh, x, order, offsets, top_k)
 

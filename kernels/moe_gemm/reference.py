@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..swiglu.reference import swiglu_reference
+from hybridtron.kernels.swiglu.reference import swiglu_reference
 
 
 def swiglu_packed_reference(h: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import backend, triton_utils
-from ..swiglu.triton_kernels import swiglu_grads, swiglu_math
-from ..triton_utils import compute_dtype, next_pow2, row_block, warps
+from hybridtron.kernels import backend, triton_utils
+from hybridtron.kernels.swiglu.triton_kernels import swiglu_grads, swiglu_math
+from hybridtron.kernels.triton_utils import compute_dtype, next_pow2, row_block, warps
 
 # ---- SwiGLU on the packed gate_up rows ---------------------------------------------------------------------
 

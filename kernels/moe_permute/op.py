@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
-from .reference import permute_reference, unpermute_reference
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.moe_permute.reference import permute_reference, unpermute_reference
 
 
 @torch.library.custom_op("hybridtron::moe_gather", mutates_args=())
 def _gather(x: torch.Tensor, order: torch.Tensor, top_k: int) -> torch.Tensor:
-    from .triton_kernels import gather
+    from hybridtron.kernels.moe_permute.triton_kernels import gather
 
     return gather(x, order, top_k)
 
@@ -24,7 +24,7 @@ def _(x, order, top_k):
 
 @torch.library.custom_op("hybridtron::moe_combine", mutates_args=())
 def _combine(ys: torch.Tensor, pos: torch.Tensor, w: torch.Tensor | None, top_k: int) -> torch.Tensor:
-    from .triton_kernels import combine
+    from hybridtron.kernels.moe_permute.triton_kernels import combine
 
     return combine(ys, pos, w, top_k)
 
@@ -37,7 +37,7 @@ def _(ys, pos, w, top_k):
 @torch.library.custom_op("hybridtron::moe_combine_bwd", mutates_args=())
 def _combine_bwd(dy: torch.Tensor, ys: torch.Tensor, pos: torch.Tensor, w: torch.Tensor,
                  top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from .triton_kernels import combine_bwd
+    from hybridtron.kernels.moe_permute.triton_kernels import combine_bwd
 
     return combine_bwd(dy, ys, pos, w, top_k)
 

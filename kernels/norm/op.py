@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
-from .reference import rms_norm_reference
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.norm.reference import rms_norm_reference
 
 
 @torch.library.custom_op("hybridtron::rms_norm_fwd", mutates_args=())
@@ -20,7 +20,7 @@ def _fwd(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, z: torch.Tensor | None,
     eps: float, offset: float, out_dtype: torch.dtype | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import norm_fwd
+    from hybridtron.kernels.norm.triton_kernels import norm_fwd
 
     return norm_fwd(x, residual, weight, z, eps, offset, out_dtype)
 
@@ -38,7 +38,7 @@ def _bwd(
     dy: torch.Tensor, dh: torch.Tensor | None, h: torch.Tensor, weight: torch.Tensor | None,
     z: torch.Tensor | None, rstd: torch.Tensor, offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import norm_bwd
+    from hybridtron.kernels.norm.triton_kernels import norm_bwd
 
     return norm_bwd(dy, dh, h, weight, z, rstd, offset)
 

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_interpreted
-from ..triton_utils import compute_dtype, next_pow2, num_programs, row_block, warps
+from hybridtron.kernels.backend import check_interpreted
+from hybridtron.kernels.triton_utils import compute_dtype, next_pow2, num_programs, row_block, warps
 
 
 @triton.jit

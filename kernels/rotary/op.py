@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
-from .reference import rotary_qk_reference
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.rotary.reference import rotary_qk_reference
 
 
 @torch.library.custom_op("hybridtron::rotary_qk_fwd", mutates_args=())
@@ -15,7 +15,7 @@ def _fwd(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None, norm: bool, eps: float, offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .triton_kernels import rotary_fwd
+    from hybridtron.kernels.rotary.triton_kernels import rotary_fwd
 
     return rotary_fwd(q, k, cos, sin, q_weight, k_weight, norm, eps, offset)
 
@@ -30,7 +30,7 @@ def _bwd(
     dqo: torch.Tensor, dko: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, norm: bool, eps: float, offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import rotary_bwd
+    from hybridtron.kernels.rotary.triton_kernels import rotary_bwd
 
     return rotary_bwd(dqo, dko, q, k, cos, sin, q_weight, k_weight, norm, eps, offset)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..norm.reference import rms_norm_reference
+from hybridtron.kernels.norm.reference import rms_norm_reference
 
 
 def rotate_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for, starts_from_cu_seqlens
-from ..limits import MAX_K
-from ..shape_classes import conv_shape
-from .checks import check_shapes as _check
-from .reference import short_conv_reference
+from hybridtron.kernels.backend import pick_for, starts_from_cu_seqlens
+from hybridtron.kernels.limits import MAX_K
+from hybridtron.kernels.shape_classes import conv_shape
+from hybridtron.kernels.short_conv.checks import check_shapes as _check
+from hybridtron.kernels.short_conv.reference import short_conv_reference
 
 
 @torch.library.custom_op("hybridtron::short_conv_fwd", mutates_args=())
 def _fwd(x: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor | None, past: torch.Tensor | None) -> torch.Tensor:
-    from .triton_kernels import short_conv_fwd
+    from hybridtron.kernels.short_conv.triton_kernels import short_conv_fwd
 
     return short_conv_fwd(x, w, doc_ids, past)
 
@@ -28,7 +28,7 @@ def _(x, w, doc_ids, past):
 @torch.library.custom_op("hybridtron::short_conv_bwd", mutates_args=())
 def _bwd(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, doc_ids: torch.Tensor | None,
          past: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .triton_kernels import short_conv_bwd
+    from hybridtron.kernels.short_conv.triton_kernels import short_conv_bwd
 
     return short_conv_bwd(dy, x, w, doc_ids, past)
 
@@ -75,7 +75,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, doc_ids: torch.Tensor | No
     shape = conv_shape(x, weight, doc_ids is not None) if past is None else None
     chosen = pick_for("conv", backend, x, weight, past, shape=shape)
     if chosen in ("causal-conv1d", "fla") and past is None:
-        from .peers import peer_short_conv
+        from hybridtron.kernels.short_conv.peers import peer_short_conv
 
         return peer_short_conv(x, weight, doc_ids, backend=chosen)  # (a peer auto measured may take a wide filter)
     if chosen != "reference":  # our kernel (decoding steps too, whichever peer auto chose)

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backend import BackendError
-from ..limits import CAUSAL_CONV1D_WIDTHS
-from .checks import check_shapes
+from hybridtron.kernels.backend import BackendError
+from hybridtron.kernels.limits import CAUSAL_CONV1D_WIDTHS
+from hybridtron.kernels.short_conv.checks import check_shapes
 
 PEERS = ("causal-conv1d", "fla")
 CAUSAL_CONV1D_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

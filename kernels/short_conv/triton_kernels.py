@@ -34,9 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_interpreted
-from ..limits import MAX_K
-from ..triton_utils import compute_dtype, fast_math, interpreted, sigmoid
+from hybridtron.kernels.backend import check_interpreted
+from hybridtron.kernels.limits import MAX_K
+from hybridtron.kernels.triton_utils import compute_dtype, fast_math, interpreted, sigmoid
 
 R = 4  # chunks a program walks side by side
 BC = 128  # channels per program: 256 contiguous bytes of bf16 per row

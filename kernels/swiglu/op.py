@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from ..backend import pick_for
-from .reference import swiglu_reference
+from hybridtron.kernels.backend import pick_for
+from hybridtron.kernels.swiglu.reference import swiglu_reference
 
 
 @torch.library.custom_op("hybridtron::swiglu_fwd", mutates_args=())
 def _fwd(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from .triton_kernels import swiglu_fwd
+    from hybridtron.kernels.swiglu.triton_kernels import swiglu_fwd
 
     return swiglu_fwd(gate, up)
 
@@ -23,7 +23,7 @@ def _(gate, up):
 
 @torch.library.custom_op("hybridtron::swiglu_bwd", mutates_args=())
 def _bwd(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from .triton_kernels import swiglu_bwd
+    from hybridtron.kernels.swiglu.triton_kernels import swiglu_bwd
 
     return swiglu_bwd(dy, gate, up)
 

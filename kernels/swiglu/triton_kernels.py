@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backend import check_interpreted
-from ..triton_utils import compute_dtype
+from hybridtron.kernels.backend import check_interpreted
+from hybridtron.kernels.triton_utils import compute_dtype
 
 BLOCK = 1024
 

@@ -51,9 +51,8 @@ from hybridtron.atomic import new_dirs_removed_on_failure, reclaim_scratch, scra
 from hybridtron.configs import ConfigError, JobConfig, ModelConfig, load_config
 from hybridtron.data_pipeline import load_tokenizer
 from hybridtron.model import GatedLM, fold_scale_vectors
-
-from ..checkpoint import honour_umask, is_disk_full
-from ..errors import DiskFullError
+from hybridtron.train.checkpoint import honour_umask, is_disk_full
+from hybridtron.train.errors import DiskFullError
 
 PARITY_TOLERANCE = 1e-4  # max |logit difference| in float32 that the export accepts
 
@@ -199,7 +198,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int, target: str, tok) -> object:
     if target == "qwen3_5_text":
         return transformers.Qwen3_5TextConfig(**common, **qwen)
     if target == "hybridtron":  # train/hf/export_custom/: the very files written next to the weights
-        from .export_custom.configuration_hybridtron import HybridtronConfig
+        from hybridtron.train.hf.export_custom.configuration_hybridtron import HybridtronConfig
 
         m = cfg.moe
         moe = dict(
@@ -333,7 +332,7 @@ def load_for_export(ckpt: Path, cfg: JobConfig, log=print) -> tuple[JobConfig, G
     guide as saved, the mix weight of the checkpoint's step), in float32 on the CPU with the reference kernels
     whatever backends the run chose (`reference_kernels`; logged when that changes any). ``cfg``: the
     checkpoint's config."""
-    from ..build import load_for_inference
+    from hybridtron.train.build import load_for_inference
 
     changed = reference_kernels(cfg)
     if changed:
@@ -367,8 +366,7 @@ def parity(model: GatedLM, hf_dir: Path, vocab: int, seed: int = 0, trust_remote
     from transformers import AutoModelForCausalLM
 
     from hybridtron.model.moe import MoE
-
-    from .torch_paths import import_with_torch_paths
+    from hybridtron.train.hf.torch_paths import import_with_torch_paths
 
     import_with_torch_paths()  # a CPU check: transformers' torch paths, not fla's or causal-conv1d's GPU kernels
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
@@ -405,7 +403,7 @@ def drop_remote_code_copy(cls: type) -> None:
     folder holding nothing but our two files is removed."""
     import inspect
 
-    from .export_custom import FILES
+    from hybridtron.train.hf.export_custom import FILES
 
     named = Path(inspect.getfile(cls)).parent.parent  # transformers_modules/<directory name>
     if named.parent.name == "transformers_modules" and {f.name for f in named.rglob("*.py")} <= {"__init__.py", *FILES}:
@@ -462,7 +460,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     """Export an in-memory model (float32, eval) with the tokenizer saved in ``tokenizer_dir``."""
     import transformers
 
-    from .torch_paths import import_with_torch_paths
+    from hybridtron.train.hf.torch_paths import import_with_torch_paths
 
     # Before transformers builds any Qwen3.5-family class: building one imports its modeling module, which binds
     # fla's and causal-conv1d's kernels whenever they are importable, and those fail on the CPU's tensors.
@@ -480,7 +478,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
     custom = target in CUSTOM_TARGETS
     with torch.device("meta"):
         if custom:
-            from .export_custom.modeling_hybridtron import HybridtronForCausalLM
+            from hybridtron.train.hf.export_custom.modeling_hybridtron import HybridtronForCausalLM
 
             hf_model = HybridtronForCausalLM(hf_cfg)
         else:
@@ -503,7 +501,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
             for f in tmp.glob("*.safetensors"):
                 honour_umask(f)
             if custom:
-                from .export_custom import FILES, HERE
+                from hybridtron.train.hf.export_custom import FILES, HERE
 
                 for name in FILES:
                     phase.start(name)
@@ -547,7 +545,7 @@ def export_model(model: GatedLM, tokenizer_dir: Path, out: Path, *, max_shard_si
 def resolve_checkpoint(path: Path) -> Path:
     """A run directory (its latest checkpoint) or a checkpoint directory, of one process or sharded (``dcp/``,
     loaded whole on this one CPU process whatever layout wrote it)."""
-    from ..checkpoint import DEEPSPEED, SHARDED, CheckpointManager
+    from hybridtron.train.checkpoint import DEEPSPEED, SHARDED, CheckpointManager
 
     if (path / "config.yaml").is_file() and ((path / "model.safetensors").is_file() or (path / SHARDED).is_dir()
                                              or (path / DEEPSPEED).is_dir()):

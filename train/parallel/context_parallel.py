@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...kernels.backend import BackendError, forced_choice, pick
-from ...kernels.gated_attention import blocks
+from hybridtron.kernels.backend import BackendError, forced_choice, pick
+from hybridtron.kernels.gated_attention import blocks
 
 RING = 8  # message tags of ring attention's blocks (RING + i for the i-th tensor passed on)
 

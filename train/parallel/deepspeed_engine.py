@@ -68,7 +68,7 @@ _NOT_RUN = {
 def deepspeed_config(cfg: JobConfig, dp: int, device) -> dict:
     """The DeepSpeed JSON for this job: the user's file (if any) completed from ``cfg``; ConfigError names what
     it cannot honour."""
-    from ..device import autocast_dtype
+    from hybridtron.train.device import autocast_dtype
 
     t, p = cfg.train, cfg.parallel
     zero: dict = {"stage": p.zero_stage}
@@ -192,7 +192,7 @@ def initialize(model, optimizer, cfg: JobConfig, mesh, device, run_dir: Path | N
     engine, _opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=conf,
                                               dist_init_required=False)
     if run_dir is not None and mesh.is_main:
-        from ..run_dir import naming
+        from hybridtron.train.run_dir import naming
 
         with naming(Path(run_dir) / EFFECTIVE):  # a failed write names the file (a full disk: exit 4)
             write_text_atomic(Path(run_dir) / EFFECTIVE, json.dumps(engine.config, indent=2, sort_keys=True) + "\n")

@@ -17,9 +17,8 @@ import torch
 import torch.distributed as dist
 
 from hybridtron.configs import JobConfig
-
-from ..watchdog import waiting
-from .layout import Layout, launch_world
+from hybridtron.train.parallel.layout import Layout, launch_world
+from hybridtron.train.watchdog import waiting
 
 
 @dataclass

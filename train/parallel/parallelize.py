@@ -128,9 +128,13 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> nn.Module:
         parallelize_module,
     )
 
-    from ..model_order import ROW_ORDERS
-    from .fp8 import tensor_parallel_plan as fp8_styles
-    from .tensor_parallel import parallelize_gated_deltanet, parallelize_moe, vocab_parallel_loss
+    from hybridtron.train.model_order import ROW_ORDERS
+    from hybridtron.train.parallel.fp8 import tensor_parallel_plan as fp8_styles
+    from hybridtron.train.parallel.tensor_parallel import (
+        parallelize_gated_deltanet,
+        parallelize_moe,
+        vocab_parallel_loss,
+    )
 
     tp_mesh = mesh.device_mesh["tp"]
     root = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -205,7 +209,7 @@ def apply_data_parallel(model: nn.Module, mesh, amp_dtype: torch.dtype | None, m
     and its gradient shards back after the reduce-scatter, and the optimizer steps on the CPU."""
     if mesh is None or mesh.data_ranks == 1:
         return model
-    from .expert_parallel import expert_modules, expert_params
+    from hybridtron.train.parallel.expert_parallel import expert_modules, expert_params
 
     experts = expert_params(model)  # expert parallel: sharded over ep, their gradients summed apart
     dp_mesh = mesh.device_mesh["dp"]
@@ -284,19 +288,19 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh, device: torch.device | N
     t = cfg.train
     pipeline = None
     if mesh.pp > 1:
-        from .pipeline import Pipeline
+        from hybridtron.train.parallel.pipeline import Pipeline
 
         pipeline = Pipeline(cfg, model, mesh, device, model.vocab_size)
         log(f"pipeline: {len(pipeline.ranges)} stages of layers "
             f"{', '.join(f'{r.start}-{r.stop - 1}' for r in pipeline.ranges)}, schedule {cfg.parallel.pp_schedule}, "
             f"{t.grad_accum_steps} micro-batches per step")
     if t.fp8 != "none":  # before tensor parallel, whose plans hook the very modules this swaps
-        from .fp8 import apply_fp8
+        from hybridtron.train.parallel.fp8 import apply_fp8
 
         apply_fp8(model, cfg, mesh, log)
     apply_tensor_parallel(model, mesh)
-    from .context_parallel import apply_context_parallel
-    from .expert_parallel import apply_expert_parallel
+    from hybridtron.train.parallel.context_parallel import apply_context_parallel
+    from hybridtron.train.parallel.expert_parallel import apply_expert_parallel
 
     apply_expert_parallel(model, mesh)
     apply_context_parallel(model, mesh)
@@ -307,7 +311,7 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh, device: torch.device | N
         pipeline.relink_layers()
     if not data_parallel or cfg.parallel.engine != "torch":
         return pipeline
-    from ..model_hooks import self_guided_end_step
+    from hybridtron.train.model_hooks import self_guided_end_step
 
     # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
     apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,

@@ -290,7 +290,7 @@ class Pipeline:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip every stage's gradients by their global norm (over all stages and shards); returns that norm."""
-        from .grad_norm import clip_grad_norm
+        from hybridtron.train.parallel.grad_norm import clip_grad_norm
 
         params = list(self.model.parameters())
         counted = [p for p in params if not (self.tied and self.has_last and not self.has_first

@@ -127,21 +127,21 @@ of the rank's tp shard:
       document ids (int64) gathered per micro-batch when masked:               m (cp - 1) B (T / cp) 8
 """
 
-from .collectives import CollectiveBytes
-from .comm import comm_bytes
-from .memory import GIB, _KnownValues, build_rank, fake_world, gpu_kernels, simulate, step_peak
-from .reduced import layer_kinds, plan_rank, plan_ranks
-from .step_time import Hardware, step_time
-from .table import (
-    compare,
-    format_comparison,
-    format_table,
-    gather_measurements,
-    measure,
-    n_params,
-    plan_table,
-    release_distributed_state,
-    with_zero_stage,
+from hybridtron.train.plan.collectives import CollectiveBytes
+from hybridtron.train.plan.comm import comm_bytes
+from hybridtron.train.plan.memory import GIB, _KnownValues, build_rank, fake_world, gpu_kernels, simulate, step_peak
+from hybridtron.train.plan.reduced import layer_kinds, plan_rank, plan_ranks
+from hybridtron.train.plan.step_time import Hardware, step_time
+from hybridtron.train.plan.table import (
+           compare,
+           format_comparison,
+           format_table,
+           gather_measurements,
+           measure,
+           n_params,
+           plan_table,
+           release_distributed_state,
+           with_zero_stage,
 )
 
 __all__ = ["GIB", "CollectiveBytes", "Hardware", "_KnownValues", "build_rank", "comm_bytes", "compare", "fake_world",

@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 
 from hybridtron.configs import JobConfig
-
-from ..parallel.layout import target_layout
-from ..parallel.parallelize import checkpointing_mode
-from .memory import DIMS, _compute_dtype
+from hybridtron.train.parallel.layout import target_layout
+from hybridtron.train.parallel.parallelize import checkpointing_mode
+from hybridtron.train.plan.memory import DIMS, _compute_dtype
 
 
 # ---- communication ---------------------------------------------------------------------------------------------

@@ -19,12 +19,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from hybridtron.configs import ConfigError, JobConfig
-
-from ..device import autocast_context, autocast_dtype
-from ..parallel.context_parallel import local_piece
-from ..parallel.grad_norm import clip_grad_norm
-from ..parallel.mesh import Mesh
-from .collectives import CollectiveBytes
+from hybridtron.train.device import autocast_context, autocast_dtype
+from hybridtron.train.parallel.context_parallel import local_piece
+from hybridtron.train.parallel.grad_norm import clip_grad_norm
+from hybridtron.train.parallel.mesh import Mesh
+from hybridtron.train.plan.collectives import CollectiveBytes
 
 GIB = 1 << 30
 CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
@@ -300,7 +299,7 @@ class _ClusterLayoutRules:
 
     @staticmethod
     def from_config(cfg: JobConfig, world: int, *_args, **_kwargs):
-        from ..parallel.layout import target_layout
+        from hybridtron.train.parallel.layout import target_layout
 
         return target_layout(cfg, world)
 
@@ -308,7 +307,7 @@ class _ClusterLayoutRules:
 def _cluster_layout():
     from unittest import mock
 
-    from ..parallel import mesh as mesh_module
+    from hybridtron.train.parallel import mesh as mesh_module
 
     return mock.patch.object(mesh_module, "Layout", _ClusterLayoutRules)
 
@@ -322,9 +321,8 @@ def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp
     pipeline cut leaves them, and the built ones keep their indices (and so their kinds: the mixer, the feed-forward
     and whether they recompute are chosen by index)."""
     from hybridtron.model import GatedLM
-
-    from ..optim import build_optimizer
-    from ..parallel.parallelize import apply_data_parallel, parallelize
+    from hybridtron.train.optim import build_optimizer
+    from hybridtron.train.parallel.parallelize import apply_data_parallel, parallelize
 
     torch.manual_seed(cfg.train.seed)
     keep = None if like is None else set(like.values())
@@ -390,7 +388,7 @@ def pipeline_orders(cfg: JobConfig) -> dict[int, list] | None:
     from torch.distributed.pipelining import PipelineStage
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from ..parallel.pipeline import training_schedule
+    from hybridtron.train.parallel.pipeline import training_schedule
 
     p = cfg.parallel
     if p.pp == 1:
@@ -491,7 +489,7 @@ class ReplayedSchedule:
     def step(self, *args, target=None, losses=None, return_outputs=False, **kwargs):
         from torch.distributed.fsdp import FSDPModule
 
-        from ..parallel.pipeline import stage_loss
+        from hybridtron.train.parallel.pipeline import stage_loss
 
         n = self.n_micro  # (a shortened step runs the first ``traced`` of them: the batch is the whole step's)
         ids = args[0].chunk(n) if args else None
@@ -583,7 +581,7 @@ def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n
     False leaves the gradients for the next step to accumulate into (``ready_rank``'s ``quick``); ``update``
     False stops after the backward (no clipping, no optimizer step); ``clip_also``: parameters outside ``model``
     whose gradients are clipped with its own (layers left out of a step, ``tracked_step``)."""
-    from ..parallel.expert_parallel import sync_expert_grads
+    from hybridtron.train.parallel.expert_parallel import sync_expert_grads
 
     if pipeline is not None:
         parts = list(_batches(cfg, vocab, n_micro, device))
@@ -788,8 +786,7 @@ def rank_facts(cfg: JobConfig, model, pipeline, like: dict[int, int] | None = No
     and the layers and pipeline stages it holds. ``like`` (the planner's reduced rank, ``train/plan/reduced.py``):
     every layer of the rank -> a layer of its kind that ``model`` holds (itself, where it holds it)."""
     from hybridtron.model.mlp import SwiGLU
-
-    from ..parallel.expert_parallel import expert_params
+    from hybridtron.train.parallel.expert_parallel import expert_params
 
     def local(p):
         return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
@@ -1071,7 +1068,7 @@ def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | Non
         counted = CollectiveBytes() if not fake else None
         tracker = tracked_step(rank, counted=None if ddp_after else counted)
         if ddp_after:
-            from ..parallel.parallelize import apply_data_parallel
+            from hybridtron.train.parallel.parallelize import apply_data_parallel
 
             apply_data_parallel(rank.model, mesh, rank.amp, cfg.parallel.mixed_precision)
             with counted:

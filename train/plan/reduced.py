@@ -43,8 +43,7 @@ import itertools
 import torch
 
 from hybridtron.configs import JobConfig
-
-from .memory import (
+from hybridtron.train.plan.memory import (
     PAIRS,
     WARM_UPS,
     categories,
@@ -59,7 +58,7 @@ from .memory import (
     tracked_step,
     with_zero_stage,
 )
-from .workers import Workers
+from hybridtron.train.plan.workers import Workers
 
 # Layers of each stage traced at its ends, with the neighbours whose leftovers they run beside (FSDP2's prefetch
 # of the next block's weights in the backward, a reduce-scatter buffer waiting for the next block's): the last
@@ -84,8 +83,7 @@ def layer_kinds(cfg: JobConfig, vocab: int) -> list[int]:
     and wrapped for recomputation as ``parallelize`` wraps it (every k-th block under
     ``train.activation_checkpointing_every``)."""
     from hybridtron.model import GatedLM
-
-    from ..parallel.parallelize import apply_activation_checkpointing, checkpointing_mode
+    from hybridtron.train.parallel.parallelize import apply_activation_checkpointing, checkpointing_mode
 
     with torch.device("meta"):
         model = GatedLM(cfg.model, vocab)
@@ -117,7 +115,7 @@ def rank_stages(cfg: JobConfig, world: int, rank: int, vocab: int) -> list[range
     """The layer ranges of the pipeline stages ``rank`` holds (the whole model outside a pipeline)."""
     if cfg.parallel.pp == 1:
         return [range(cfg.model.n_layers)]
-    from ..parallel.pipeline import stage_ranges
+    from hybridtron.train.parallel.pipeline import stage_ranges
 
     ranges = stage_ranges(cfg, vocab)
     return [ranges[s] for s in stage_ids(cfg, world, rank)]

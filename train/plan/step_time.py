@@ -6,9 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from hybridtron.configs import JobConfig
-
-from ..parallel.layout import Layout, target_layout
-from ..parallel.parallelize import checkpointing_mode
+from hybridtron.train.parallel.layout import Layout, target_layout
+from hybridtron.train.parallel.parallelize import checkpointing_mode
 
 
 # ---- step time --------------------------------------------------------------------------------------------------

@@ -9,14 +9,13 @@ import torch
 import torch.distributed as dist
 
 from hybridtron.configs import ConfigError, JobConfig
-
-from ..parallel.layout import target_layout
-from ..parallel.mesh import Mesh
-from .comm import _checkpointing_label, comm_bytes
-from .memory import DIMS, GIB, _compute_dtype, step_peak, with_zero_stage
-from .progress import Progress
-from .reduced import plan_ranks
-from .step_time import Hardware, step_time
+from hybridtron.train.parallel.layout import target_layout
+from hybridtron.train.parallel.mesh import Mesh
+from hybridtron.train.plan.comm import _checkpointing_label, comm_bytes
+from hybridtron.train.plan.memory import DIMS, GIB, _compute_dtype, step_peak, with_zero_stage
+from hybridtron.train.plan.progress import Progress
+from hybridtron.train.plan.reduced import plan_ranks
+from hybridtron.train.plan.step_time import Hardware, step_time
 
 
 # ---- the table -------------------------------------------------------------------------------------------------

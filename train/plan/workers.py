@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Callable
 from multiprocessing.connection import wait
 
-from .progress import PRINTING
+from hybridtron.train.plan.progress import PRINTING
 
 
 class Workers:
