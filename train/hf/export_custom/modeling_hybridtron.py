@@ -61,7 +61,7 @@ from torch import nn
 from transformers import initialization as init
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen35
 
-from hybridtron.train.hf.export_custom.configuration_hybridtron import SPARSE_SOURCES, HybridtronConfig
+from .configuration_hybridtron import SPARSE_SOURCES, HybridtronConfig
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
