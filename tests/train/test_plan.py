@@ -468,6 +468,10 @@ def test_pipeline_with_fsdp_reports_gradients_and_receive_buffers_in_their_own_p
     header, _, row = format_table(cfg, rows, 4, 80.0).splitlines()[2:5]
     cells = dict(zip(header.split("|"), row.split("|"), strict=True))
     assert float(cells[" pp buffers "]) == pytest.approx(4 * B * T * D * 2 / 2**30, abs=1e-3), cells
+    # pp alone (no FSDP: torch's plain tracker, fp32 buffers)
+    alone = load_config("tiny", [*PP_FSDP[:-1], ("parallel.zero_stage", "0")])
+    for rank, r in plan_ranks(alone, 2)[0].items():
+        assert r["memory"]["pp_buffers"] == 4 * B * T * D * 4, (rank, r)
 
 
 def test_pipeline_receive_buffers_have_the_dtype_the_stages_send():

@@ -31,8 +31,10 @@ CATEGORIES = {  # tracker category (enum name) -> what the plan calls it
     "UNSHARDED_PARAM": "gathered", "ALL_GATHER": "gathered",
     "GRAD": "grads", "SHARDED_GRAD": "grads", "UNSHARDED_GRAD": "grads", "REDUCE_SCATTER": "grads",
     "OPT": "optimizer",
-    "ACT": "activations", "TEMP": "activations", "OTH": "activations",
-    "INP": "pp_buffers",  # the only inputs tracked: a pipeline's receive buffers (``_receive_buffers``)
+    "ACT": "activations", "TEMP": "activations",
+    # a pipeline's receive buffers (``_receive_buffers``), the only tensors ``_tracker`` tells either tracker of:
+    # FSDP2's as inputs, the plain one's as external tensors ("Other")
+    "INP": "pp_buffers", "OTH": "pp_buffers",
 }
 DIMS = ("dp", "tp", "pp", "ep", "cp")
 
