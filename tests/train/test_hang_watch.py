@@ -188,7 +188,9 @@ def test_a_slow_rank_is_named_as_a_straggler_and_not_stopped(small_data_dir, sma
     out = log.read_text()
     assert "hang:" not in out, out[-3000:]
     records = [r for r in read_metrics(run) if "stragglers" in r]
-    assert {s["rank"] for r in records for s in r["stragglers"]} == {1}, records
+    # the report made while rank 1 was slowed names it alone; later windows are not asserted: on a loaded machine
+    # (a CI run beside other tests) rank 0 was once slower by the margin at step 48, long after, and so named
+    assert {s["rank"] for s in records[0]["stragglers"]} == {1}, records
     assert any("straggler" in ln and "rank 1 (" in ln for ln in out.splitlines()), out[-3000:]
     split = records[0]["rank_times"]
     assert split["slowest"]["rank"] == 1 and set(split["median"]) >= {"data_s", "compute_s", "wait_s"}
