@@ -590,7 +590,8 @@ class _Save:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         self.writing = self.tmp / SHARDED
-        msd, osd = canonical_state_dicts(self.model, *get_state_dict(self.model, self.optimizer))
+        msd, osd = canonical_state_dicts(self.model, *get_state_dict(self.model, self.optimizer,
+                                                                     options=_flat_optimizer()))
         if self.background:
             self.upload = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=str(self.writing),
                                          process_group=self.mesh.checkpoint_group,
@@ -737,9 +738,29 @@ def _is_pipeline_part(model: torch.nn.Module) -> bool:
     return any(layer is None for layer in getattr(model, "layers", ()))
 
 
+def _flat_optimizer():
+    """DCP's optimizer state dict keyed by parameter name throughout (``state.<fqn>.<name>``, and the hyperparameters
+    as ``param_groups.<fqn>.<name>``): torch's nested form numbers the param groups, and every pipeline stage has
+    its own group 0 with its own parameters, of which DCP kept one stage's; the other stages then resumed with
+    groups missing their hyperparameters (KeyError 'betas' at the first step: a pipeline run could not resume)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _optimizer_is_flat(path: Path) -> bool:
+    """Whether checkpoint ``path``'s dcp/ holds the flattened optimizer state (``_flat_optimizer``: saved since
+    2026-11-29) rather than torch's nested form (numbered param groups: earlier checkpoints)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
+    return not any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
+
+
 def _load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
     """A multi-process checkpoint (``dcp/``) into ``model`` at whatever layout it has now (one process, or
-    sharded or replicated over any number): torch.distributed.checkpoint reshards on load."""
+    sharded or replicated over any number): torch.distributed.checkpoint reshards on load. The optimizer state in
+    the form it was saved in (``_optimizer_is_flat``)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -759,10 +780,11 @@ def _load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:
                 dcp.load({"model": canonical_state_dicts(model, msd, None)[0]}, checkpoint_id=str(path / SHARDED))
                 set_model_state_dict(model, msd)
             else:
-                msd, osd = get_state_dict(model, optimizer)
+                options = _flat_optimizer() if _optimizer_is_flat(path) else None
+                msd, osd = get_state_dict(model, optimizer, options=options)
                 cmsd, cosd = canonical_state_dicts(model, msd, osd)
                 dcp.load({"model": cmsd, "optim": cosd}, checkpoint_id=str(path / SHARDED))
-                set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+                set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd, options=options)
         except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP's own type is a BaseException)
             lines = [ln.strip() for ln in str(e).splitlines()
                      if any(s in ln for s in ("Missing key", "Unexpected key", "size mismatch", "shape"))]

@@ -110,8 +110,11 @@ def canonical_state_dicts(model: nn.Module, msd: dict, osd: dict | None) -> tupl
         return _ModelOrderChunks(t, *entry)
 
     msd = {k: wrap(k, v) for k, v in msd.items()}
-    if osd is not None:
+    if osd is not None and "state" in osd:  # torch's nested form: {"state": {fqn: {name: tensor}}, "param_groups"}
         state = {k: ({n: wrap(k, t) for n, t in v.items()} if isinstance(v, dict) else v)
                  for k, v in osd.get("state", {}).items()}
         osd = {**osd, "state": state}
+    elif osd is not None:  # flattened (``flatten_optimizer_state_dict``): "state.<fqn>.<name>" -> tensor
+        osd = {k: wrap(k[len("state."):].rpartition(".")[0], v) if k.startswith("state.") else v
+               for k, v in osd.items()}
     return msd, osd

@@ -216,3 +216,15 @@ def test_pipeline_checkpoint_resumes_at_another_layout(src, dst, runs, small_dat
     resume_from_step_2(small_argv(small_data_dir, run, [*BASE, *extra]), one_process=dst == "single",
                        nproc=4 if dst.startswith("dp4") else 2)
     assert_same_steps(steps(run), steps(runs["single"]))
+
+
+@slow
+@pytest.mark.parametrize("layout", ["pp2_1f1b", "pp2_dp2_zero3"])
+def test_a_pipeline_run_resumes_at_its_own_layout_bitwise(layout, runs, small_data_dir, small_argv, tmp_path):
+    """Rolled back to step 2 and run again at the same layout: steps 3 and 4 as the uninterrupted run's, to the bit.
+    Every stage has its own optimizer param groups; saved in torch's nested form (numbered groups) DCP kept one
+    stage's, and the others' first step after the resume failed (KeyError 'betas')."""
+    nproc, extra, _ = LAYOUTS[layout]
+    run = rolled_back(runs[layout], tmp_path / "run")
+    resume_from_step_2(pp_argv(small_argv, small_data_dir, run, extra), one_process=False, nproc=nproc)
+    assert steps(run) == steps(runs[layout])
