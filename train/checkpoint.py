@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import time
@@ -754,7 +755,9 @@ def _optimizer_is_flat(path: Path) -> bool:
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = FileSystemReader(str(path / SHARDED)).read_metadata().state_dict_metadata
-    return not any(k.startswith("optim.param_groups.") and k.split(".")[2].isdigit() for k in keys)
+    # the nested form lists each numbered group's parameters (optim.param_groups.<i>.params); the flat one keys
+    # every hyperparameter by parameter name and has no such list
+    return not any(re.fullmatch(r"optim\.param_groups\.\d+\.params", k) for k in keys)
 
 
 def _load_sharded(path: Path, model: torch.nn.Module, optimizer) -> None:

@@ -151,3 +151,34 @@ def test_optimizer_file_holds_no_pickled_code(tmp_path):
     # weights_only=True refuses arbitrary objects; loading must succeed with it
     torch.load(path / "optimizer.pt", weights_only=True)
     torch.load(path / "rng.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat", "nested"])
+def test_a_sharded_checkpoint_loads_with_its_optimizer_state_flat_or_nested(flat, tmp_path):
+    """dcp/ holds the optimizer state flattened by parameter name since 2026-11-29 (what lets a pipeline resume);
+    checkpoints written before hold torch's nested form (numbered param groups). Both load, each read in its own
+    form (`_optimizer_is_flat`), hyperparameters and moments included."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt, tok = _setup(tmp_path)
+    opt.param_groups[0]["betas"] = (0.8, 0.9)
+    path = CheckpointManager(tmp_path / "run").save(TrainerState(step=3), model, opt, "a: 1\n", tok)
+    msd, osd = get_state_dict(model, opt, options=ck._flat_optimizer() if flat else None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one process, no process group: DCP says it saves alone
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / ck.SHARDED))
+    for name in ("model.safetensors", "optimizer.pt"):
+        (path / name).unlink()
+    keys = list(dcp.FileSystemReader(str(path / ck.SHARDED)).read_metadata().state_dict_metadata)
+    assert ("optim.param_groups.0.betas" in keys) != flat and ck._optimizer_is_flat(path) == flat, keys
+    model2 = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    CheckpointManager.load(path, model2, opt2, restore_rng_state=False, verify=False)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(),
+                                                  strict=True))
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    assert all(torch.equal(s1["state"][k]["exp_avg_sq"], s2["state"][k]["exp_avg_sq"]) for k in s1["state"])
+    assert s2["param_groups"][0]["betas"] == (0.8, 0.9)
