@@ -185,13 +185,14 @@ def test_a_file_system_without_locks_warns_once_and_goes_on(small_data_dir, cli_
         pass
 
 
-FORK_AND_HOLD = """import multiprocessing, sys, time
+FORK_AND_HOLD = """import multiprocessing, os, sys, time
 from hybridtron.train.run_lock import RunLock
+def work():  # a data or tokenizer worker; it names itself once running, so past the fork handlers
+    print(os.getpid(), flush=True)
+    time.sleep(120)
 lock = RunLock(sys.argv[1])
 assert lock.acquire() is None
-worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))  # a data or tokenizer worker
-worker.start()
-print(worker.pid, flush=True)
+multiprocessing.get_context("fork").Process(target=work).start()
 time.sleep(120)
 """
 
