@@ -317,7 +317,7 @@ class CheckpointManager:
         config_yaml: str,
         tokenizer_dir: Path,
         mesh=None,
-        engine=None,
+        own_format=None,
         background: bool = False,
     ) -> Path:
         """Write checkpoint ``step_<state.step>`` atomically and point ``latest`` at it.
@@ -326,8 +326,9 @@ class CheckpointManager:
         this): ``dcp/``, a torch.distributed.checkpoint directory to which every rank writes its own shards;
         rank 0 writes the rest, the manifest, and renames the directory into place only after every rank's
         shards are on disk. Ranks agree after each phase, so a failure on any rank removes the partial
-        directory on all of them and raises on all of them. ``engine``: a DeepSpeed engine, which writes its
-        own ZeRO partitions (``deepspeed/``) instead.
+        directory on all of them and raises on all of them. ``own_format``: an engine's writer of its own
+        format, called on every rank with the directory to fill (``deepspeed/``: a DeepSpeed engine's ZeRO
+        partitions, train/engine.py), synchronously, instead.
 
         ``background`` (checkpoint.async, torch engine): the model and optimizer state are copied to host memory
         (pinned on CUDA) and the RNG and trainer state captured here; the files are written by a thread while
@@ -338,7 +339,7 @@ class CheckpointManager:
         In three stages (``_Save``): stage (every phase agreed by every rank), write (here, or by the writer
         thread), publish (rank 0 renames the directory into place and moves ``latest``)."""
         self.wait(mesh)  # the previous write is published (or has failed) before this one starts
-        job = _Save(self, state, model, optimizer, config_yaml, tokenizer_dir, mesh, engine, background)
+        job = _Save(self, state, model, optimizer, config_yaml, tokenizer_dir, mesh, own_format, background)
         job.stage()
         if job.background:
             if self._writer is None:
@@ -527,11 +528,12 @@ class _Save:
     the rest and the publishing to ``finish_behind`` in the writer thread."""
 
     def __init__(self, manager: CheckpointManager, state: TrainerState, model, optimizer, config_yaml: str,
-                 tokenizer_dir: Path, mesh, engine, background: bool):
-        self.manager, self.model, self.optimizer, self.mesh, self.engine = manager, model, optimizer, mesh, engine
+                 tokenizer_dir: Path, mesh, own_format, background: bool):
+        self.manager, self.model, self.optimizer, self.mesh = manager, model, optimizer, mesh
+        self.own_format = own_format  # an engine's writer of its own files (DeepSpeed's), synchronous
         self.config_yaml, self.tokenizer_dir = config_yaml, tokenizer_dir
-        self.background = background and engine is None  # DeepSpeed writes its own files, synchronously
-        self.sharded = (mesh is not None and mesh.distributed) or engine is not None
+        self.background = background and not own_format
+        self.sharded = (mesh is not None and mesh.distributed) or bool(own_format)
         self.main = mesh is None or mesh.is_main
         self.final = manager.dir / step_dir_name(state.step)
         self.tmp = manager.dir / f".tmp-{self.final.name}-sharded" if self.sharded else scratch_name(self.final)
@@ -569,8 +571,8 @@ class _Save:
 
     def weights(self) -> None:
         """The model and optimizer state, in the run's format (every rank)."""
-        if self.engine is not None:
-            self._deepspeed()
+        if self.own_format:
+            self._own_format()
         elif self.sharded:
             self._dcp()
         elif self.background:
@@ -579,10 +581,10 @@ class _Save:
         else:
             self._plain(self.model, self.optimizer.state_dict())
 
-    def _deepspeed(self) -> None:
-        """DeepSpeed's own layout: every rank writes its ZeRO partitions."""
+    def _own_format(self) -> None:
+        """The engine's own layout (DeepSpeed's: every rank writes its ZeRO partitions)."""
         self.writing = self.tmp / DEEPSPEED
-        self.engine.save_checkpoint(str(self.writing), tag=DEEPSPEED_TAG, save_latest=False)
+        self.own_format(self.writing)
 
     def _dcp(self) -> None:
         """torch.distributed.checkpoint shards of the model in its own names and row order, and of the optimizer;

@@ -27,14 +27,14 @@ from torch import nn
 
 from hybridtron.configs import JobConfig
 from hybridtron.train import step as step_mod
-from hybridtron.train.checkpoint import CheckpointManager, TrainerState
+from hybridtron.train.checkpoint import DEEPSPEED_TAG, CheckpointManager, TrainerState
 from hybridtron.train.model_hooks import after_step, before_step
 from hybridtron.train.model_order import canonical_name, from_row_order
 from hybridtron.train.optim import build_optimizer
 from hybridtron.train.parallel.expert_parallel import sync_expert_grads
 from hybridtron.train.parallel.grad_norm import clip_grad_norm
 from hybridtron.train.parallel.mesh import Mesh
-from hybridtron.train.parallel.parallelize import parallelize
+from hybridtron.train.parallel.parallelize import Parallelized, parallelize
 
 
 def check_engine(cfg: JobConfig, mesh: Mesh, device: torch.device) -> None:
@@ -48,16 +48,23 @@ def build_engine(model: nn.Module, cfg: JobConfig, mesh: Mesh, device: torch.dev
                  run_dir: Path | None = None, log=None) -> Engine:
     """``model`` laid out as ``cfg.parallel`` says (``parallelize``: pipeline stages, FP8, tensor, expert and
     context parallel, recomputation, compile, data parallel), its optimizer, and the engine that runs them."""
-    pipeline = parallelize(model, cfg, mesh, device, amp_dtype, log)
+    applied = parallelize(model, cfg, mesh, device, amp_dtype, log)
     optimizer = build_optimizer(model, cfg.train)
     if cfg.parallel.engine == "deepspeed":  # its own data parallel: ZeRO partitions, bf16, offload
         from hybridtron.train.parallel.deepspeed_engine import initialize
 
         return DeepSpeedEngine(cfg, model, initialize(model, optimizer, cfg, mesh, device, run_dir), mesh, device,
                                amp_dtype)
-    if pipeline is not None:
-        return PipelineEngine(cfg, model, optimizer, mesh, device, amp_dtype, pipeline)
-    return TorchEngine(cfg, model, optimizer, mesh, device, amp_dtype)
+    return engine_over(cfg, model, optimizer, mesh, device, amp_dtype, applied)
+
+
+def engine_over(cfg: JobConfig, model: nn.Module, optimizer, mesh: Mesh, device: torch.device, amp_dtype,
+                applied: Parallelized) -> TorchEngine:
+    """The torch engine of a model ``parallelize`` laid out (``applied``: what it applied): the pipeline's when it
+    cut stages, else the plain one. The planner (train/plan/memory.py) runs its steps through it too."""
+    if applied.pipeline is not None:
+        return PipelineEngine(cfg, model, optimizer, mesh, device, amp_dtype, applied)
+    return TorchEngine(cfg, model, optimizer, mesh, device, amp_dtype, applied)
 
 
 class TorchEngine:
@@ -65,16 +72,16 @@ class TorchEngine:
 
     label = ""  # what the run's first log line adds after the layout
 
-    def __init__(self, cfg: JobConfig, model: nn.Module, optimizer, mesh: Mesh, device: torch.device, amp_dtype):
-        from torch.distributed.fsdp import FSDPModule
-
+    def __init__(self, cfg: JobConfig, model: nn.Module, optimizer, mesh: Mesh, device: torch.device, amp_dtype,
+                 applied: Parallelized | None = None):
         self.cfg, self.model, self.optimizer, self.mesh = cfg, model, optimizer, mesh
         self.device, self.amp_dtype = device, amp_dtype
-        # FSDP2 shards the model: it casts the parameters it gathers itself (MixedPrecisionPolicy)
-        self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
-        # hybrid sharding: the FSDP2 modules whose cross-group all-reduce waits for a step's last micro-batch
-        self.hsdp_modules = ([m for m in model.modules() if isinstance(m, FSDPModule)]
-                             if getattr(mesh, "hsdp_mesh", None) is not None else [])
+        self.applied = applied or Parallelized()  # (None: a one-process model, nothing applied)
+
+    @property
+    def roots(self) -> list[nn.Module]:
+        """The modules a step calls forward on: the model (a pipeline's: its stages)."""
+        return self.applied.roots or [self.model]
 
     # ---- a step ----------------------------------------------------------------------------------------------
     def before_step(self, step: int) -> None:
@@ -88,26 +95,30 @@ class TorchEngine:
     def run(self, batches: list[dict], weights: list[float | None]) -> tuple[float, dict[str, float] | None]:
         """Forward and backward of the step's micro-batches with their loss weights (train/step.py): this rank's
         loss, not yet averaged over the data ranks, and its auxiliary losses by kind (None: not split)."""
+        a = self.applied
         return step_mod.run_torch(self.model, batches, weights, device=self.device, amp_dtype=self.amp_dtype,
-                                  mesh=self.mesh, doc_mask=self.cfg.model.doc_mask, sharded=self.sharded,
-                                  hsdp_modules=self.hsdp_modules)
+                                  doc_mask=self.cfg.model.doc_mask, replicated=a.replicated, sharded=a.sharded,
+                                  hsdp_modules=a.hsdp_modules)
 
     def reduce_gradients(self) -> None:
         """After the backward, before anything reads the gradients: the experts' copies summed (expert parallel)."""
         sync_expert_grads(self.model, self.mesh)
 
-    def grad_norm(self) -> float:
-        """Clip the gradients to ``train.grad_clip`` by their global norm; returns the norm before clipping."""
-        return clip_grad_norm(self.model.parameters(), self.cfg.train.grad_clip)  # over every rank's shards
+    def grad_norm(self, also=()) -> float:
+        """Clip the gradients to ``train.grad_clip`` by their global norm; returns the norm before clipping.
+        ``also``: parameters outside the model clipped with its own (the planner's layers left out of a step)."""
+        return clip_grad_norm([*self.model.parameters(), *also], self.cfg.train.grad_clip)  # every rank's shards
 
-    def update(self, loss: float, allows) -> tuple[float, bool]:
+    def update(self, loss: float, allows, *, keep_grads: bool = False, also=()) -> tuple[float, bool]:
         """Clip and, if the loss and the norm are finite and ``allows(loss, norm)`` (the spike guard), step the
-        optimizer; the gradients are cleared either way. Returns (norm, finite)."""
-        norm = self.grad_norm()
+        optimizer; the gradients are cleared either way (``keep_grads``: not, for the planner's steps that
+        accumulate into them; ``also``: ``grad_norm``'s). Returns (norm, finite)."""
+        norm = self.grad_norm(also)
         finite = math.isfinite(loss) and math.isfinite(norm)
         if finite and allows(loss, norm):
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if not keep_grads:
+            self.optimizer.zero_grad(set_to_none=True)
         return norm, finite
 
     def model_metrics(self) -> dict[str, float]:
@@ -147,16 +158,16 @@ class PipelineEngine(TorchEngine):
     """``parallel.pp > 1``: this rank's stages of the model and their schedule (train/parallel/pipeline.py)."""
 
     def __init__(self, cfg: JobConfig, model: nn.Module, optimizer, mesh: Mesh, device: torch.device, amp_dtype,
-                 pipeline):
-        super().__init__(cfg, model, optimizer, mesh, device, amp_dtype)
-        self.pipeline = pipeline
+                 applied: Parallelized):
+        super().__init__(cfg, model, optimizer, mesh, device, amp_dtype, applied)
+        self.pipeline = applied.pipeline
 
     def run(self, batches: list[dict], weights: list[float | None]) -> tuple[float, None]:
         """The micro-batches through the schedule (the stages hold the auxiliary losses apart: not split)."""
         return step_mod.run_pipeline(self.pipeline, batches, weights, device=self.device, amp_dtype=self.amp_dtype,
                                      doc_mask=self.cfg.model.doc_mask), None
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, also=()) -> float:
         return self.pipeline.clip_grad_norm(self.cfg.train.grad_clip)  # every stage, tied copies counted once
 
     def model_metrics(self) -> dict[str, float]:
@@ -195,7 +206,7 @@ class DeepSpeedEngine(TorchEngine):
     def reduce_gradients(self) -> None:
         pass  # DeepSpeed has reduced them in its backward
 
-    def update(self, loss: float, allows) -> tuple[float, bool]:
+    def update(self, loss: float, allows, *, keep_grads: bool = False, also=()) -> tuple[float, bool]:
         """DeepSpeed clips and steps inside (``engine.step()`` at the accumulation boundary); a non-finite loss never
         reaches it. The spike guard can then only warn or stop: the step is applied."""
         if not math.isfinite(loss):
@@ -213,7 +224,11 @@ class DeepSpeedEngine(TorchEngine):
     def save(self, ckpt: CheckpointManager, state: TrainerState, config_yaml: str, tokenizer_dir: Path,
              background: bool) -> Path:
         return ckpt.save(state, self.model, self.optimizer, config_yaml, tokenizer_dir, mesh=self.mesh,
-                         engine=self.ds, background=background)
+                         own_format=self._write_partitions, background=background)
+
+    def _write_partitions(self, directory: Path) -> None:
+        """DeepSpeed's own checkpoint layout: every rank writes its ZeRO partitions into ``directory``."""
+        self.ds.save_checkpoint(str(directory), tag=DEEPSPEED_TAG, save_latest=False)
 
     def full_grads(self, names: set[str]) -> dict[str, torch.Tensor]:
         from deepspeed.utils import safe_get_full_grad

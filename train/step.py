@@ -99,11 +99,13 @@ def _add(sums: dict, terms: dict) -> None:
         sums[k] = sums.get(k, 0.0) + v
 
 
-def run_torch(model, batches: list[dict], weights: list[float | None], *, device, amp_dtype, mesh, doc_mask: bool,
-              sharded: bool, hsdp_modules) -> tuple[float, dict[str, float]]:
+def run_torch(model, batches: list[dict], weights: list[float | None], *, device, amp_dtype, doc_mask: bool,
+              replicated: bool, sharded: bool, hsdp_modules) -> tuple[float, dict[str, float]]:
     """Forward and backward of every micro-batch on a plain, DDP, FSDP2, tensor-, expert- or context-parallel
     model; returns this rank's loss (module docstring), not yet averaged over the data ranks, and the auxiliary
-    losses in it by kind (``aux_terms``, in the same units: the loss less their sum is the language-model loss)."""
+    losses in it by kind (``aux_terms``, in the same units: the loss less their sum is the language-model loss).
+    ``replicated``, ``sharded``, ``hsdp_modules``: what data parallel applied (train/parallel/parallelize.py's
+    ``Parallelized``)."""
     accum = len(batches)
     loss_sum = torch.zeros((), device=device)
     aux_sums: dict[str, torch.Tensor] = {}
@@ -111,16 +113,18 @@ def run_torch(model, batches: list[dict], weights: list[float | None], *, device
     # reduce-scattered after every micro-batch: holding them unsharded until the last would cost the memory
     # ZeRO-2/3 exists to save. Under hybrid sharding the shards are all-reduced across the replica groups (across
     # nodes) once, after the last micro-batch: until then each group accumulates its reduce-scattered shards.
-    sync_last_only = mesh.data_ranks > 1 and mesh.zero_stage == 0 and accum > 1
+    sync_last_only = replicated and accum > 1
     hsdp = hsdp_modules if accum > 1 else []
     # bf16 copies of the weights made once per step (not per micro-batch) and reused by every micro-batch
     with step_weight_casts(device, amp_dtype, enabled=not sharded):
-        for i, (cpu_batch, c) in enumerate(zip(batches, weights, strict=True)):
+        # (by index: zip's reused result tuple would keep the first micro-batch alive through the loop, on the
+        # device where the planner makes them, train/plan/memory.py)
+        for i, c in enumerate(weights):
             if sync_last_only:
                 model.set_requires_gradient_sync(i == accum - 1)
             for m in hsdp:
                 m.set_requires_all_reduce(i == accum - 1, recurse=False)
-            b = _to(cpu_batch, device, doc_mask)
+            b = _to(batches[i], device, doc_mask)
             phase("forward")
             with autocast_context(device, amp_dtype):
                 loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"], **_weight(c, device))

@@ -14,13 +14,8 @@ PACKAGE = Path(__file__).resolve().parents[2]
 # config, how a layout is applied (parallelize, the pipeline's stages), and the config itself.
 OWNERS = {"train/engine.py", "train/parallel/layout.py", "train/parallel/deepspeed_engine.py",
           "train/parallel/parallelize.py", "train/parallel/pipeline.py"}
-# Branches still outside them, each with the part of issue 42 that removes it. The count may only go down.
-LEFT = {
-    "train/checkpoint.py": 3,  # the DeepSpeed checkpoint format inside CheckpointManager.save (item 4: by format)
-    "train/parallel/mesh.py": 1,  # a one-rank process group for DeepSpeed alone
-    "train/plan/memory.py": 15,  # the planner's own step (item 3: the planner runs the engine's)
-    "train/plan/reduced.py": 1,
-}
+# Branches still outside them (none since issue 42). The count may only go down.
+LEFT: dict[str, int] = {}
 
 
 def _engine_branches(tree: ast.AST) -> int:
@@ -64,13 +59,14 @@ def test_one_process_gets_the_torch_engine_with_the_parallelized_model_and_its_o
     from hybridtron.train.build import build_model
     from hybridtron.train.engine import DeepSpeedEngine, PipelineEngine, TorchEngine, build_engine
     from hybridtron.train.parallel.mesh import Mesh
+    from hybridtron.train.parallel.parallelize import Parallelized
 
     cfg = load_config("tiny", [("model.n_layers", "2"), ("model.d_model", "64"), ("model.n_heads", "4"),
                                ("model.n_kv_heads", "2")])
     model = build_model(cfg, 256, torch.device("cpu"))
     engine = build_engine(model, cfg, Mesh(), torch.device("cpu"), None)
     assert type(engine) is TorchEngine and not isinstance(engine, (PipelineEngine, DeepSpeedEngine))
-    assert engine.model is model and not engine.sharded and engine.hsdp_modules == [] and engine.label == ""
+    assert engine.model is model and engine.applied == Parallelized() and engine.label == ""
     params = {id(p) for g in engine.optimizer.param_groups for p in g["params"]}
     assert params == {id(p) for p in model.parameters() if p.requires_grad}
     ids = torch.randint(0, 256, (2, 16))
@@ -86,3 +82,32 @@ def test_one_process_gets_the_torch_engine_with_the_parallelized_model_and_its_o
     norm, finite = engine.update(loss, lambda _loss, _norm: False)  # the spike guard holds the step back
     assert finite and all(torch.equal(a, p) for a, p in zip(held, model.parameters(), strict=True))
     assert engine.update(float("nan"), pytest.fail)[1] is False  # a non-finite loss never asks the guard
+
+
+def test_the_planner_steps_through_the_engine_of_the_layout(monkeypatch):
+    """``hybridtron plan`` runs no step of its own (issue 42, item 3): each planned rank's steps go through the
+    engine the trainer would get (train/engine.py ``engine_over``), its ``run`` and its ``update``."""
+    import torch
+
+    from hybridtron.train import engine as engine_mod
+    from hybridtron.train.plan.memory import fake_modes, fake_world, ready_rank, tracked_step
+
+    calls = []
+    for cls in (engine_mod.TorchEngine, engine_mod.PipelineEngine):
+        for name in {"run", "update"} & set(vars(cls)):  # (the pipeline's update is the torch engine's)
+            def counted(self, *args, _f=getattr(cls, name), _name=name, **kwargs):
+                calls.append((type(self).__name__, _name))
+                return _f(self, *args, **kwargs)
+            monkeypatch.setattr(cls, name, counted)
+    small = [("model.n_layers", "2"), ("model.d_model", "64"), ("model.n_heads", "4"), ("model.n_kv_heads", "2"),
+             ("data.seq_len", "64"), ("train.micro_batch_size", "2"), ("train.grad_accum_steps", "2")]
+    for over, world, engine in (([("parallel.zero_stage", "3")], 2, "TorchEngine"),
+                                ([("parallel.pp", "2"), ("parallel.zero_stage", "3")], 4, "PipelineEngine")):
+        cfg = load_config("tiny", [*small, *over])
+        calls.clear()
+        with fake_world(cfg, world, 0) as mesh, fake_modes(cfg):
+            rank = ready_rank(cfg, mesh, True, torch.device("cpu"))
+            assert type(rank.engine).__name__ == engine and rank.engine.applied.sharded
+            tracked_step(rank)
+        # the first step (optimizer state made), then the tracked one
+        assert calls == [(engine, "run"), (engine, "update")] * 2, (over, calls)

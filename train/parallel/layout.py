@@ -54,6 +54,7 @@ class Layout:
     ep: int = 1
     dp_shard: int = 1
     device_type: str = "cpu"  # what the kernel rules were checked for: "cuda" or "cpu"
+    group_alone: bool = False  # one process still needs a process group (DeepSpeed's engine wants one)
 
     @classmethod
     def from_config(cls, cfg: JobConfig, world: int, device_type: str | None = None, *, here: bool = True,
@@ -88,7 +89,8 @@ class Layout:
         check_self_guided(cfg, dp)
         check_fp8(cfg, device_type, here=here and not gpu_seen)
         check_kernels(cfg, device_type, here=here, gpu_seen=gpu_seen)
-        return cls(world, dp, p.tp, p.pp, p.cp, p.ep, dp if p.dp_shard == -1 else p.dp_shard, device_type)
+        return cls(world, dp, p.tp, p.pp, p.cp, p.ep, dp if p.dp_shard == -1 else p.dp_shard, device_type,
+                   group_alone=p.engine == "deepspeed")
 
 
 def check_run(cfg: JobConfig, world: int) -> None:

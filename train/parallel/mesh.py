@@ -88,7 +88,7 @@ class Mesh:
         dp = layout.dp
         if world == 1:
             mesh = cls(dp=1, zero_stage=cfg.parallel.zero_stage)
-            if cfg.parallel.engine == "deepspeed" and not dist.is_initialized():
+            if layout.group_alone and not dist.is_initialized():
                 # DeepSpeed wants a process group even alone: a one-rank gloo group on an in-memory store
                 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
                 mesh.owns_group = True

@@ -18,6 +18,8 @@ so a run starts from the same weights at every layout.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -266,8 +268,24 @@ def data_parallel_summary(model: nn.Module) -> str | None:
     return None
 
 
+@dataclasses.dataclass
+class Parallelized:
+    """What ``parallelize`` applied, as the engine that runs the model needs to know it (train/engine.py), told by
+    the code that applied it rather than guessed from the modules afterwards."""
+
+    pipeline: object | None = None  # the rank's stages and their schedule (parallel.pp > 1)
+    replicated: bool = False  # DDP: gradients all-reduced once per step, after its last micro-batch
+    sharded: bool = False  # FSDP2: it casts the weights it gathers itself (MixedPrecisionPolicy)
+    hsdp_modules: list[nn.Module] = dataclasses.field(default_factory=list)  # HSDP: all-reduce after the last
+
+    @property
+    def roots(self) -> list[nn.Module]:
+        """The modules a step calls forward on: the pipeline's stages, or the model (None: the model)."""
+        return self.pipeline.stages if self.pipeline is not None else None
+
+
 def parallelize(model: nn.Module, cfg: JobConfig, mesh, device: torch.device | None = None,
-                amp_dtype: torch.dtype | None = None, log=None, data_parallel: bool = True):
+                amp_dtype: torch.dtype | None = None, log=None, data_parallel: bool = True) -> Parallelized:
     """Apply the run's parallel layout and execution strategies to ``model`` (built and initialised, a pipeline rank's
     model already cut to its stages by ``pipeline.rank_cut``), in place and in this one order:
 
@@ -278,11 +296,12 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh, device: torch.device | N
     4. context parallel: each rank runs its piece of every sequence (parallel.cp)
     5. activation checkpointing of the blocks (train.activation_checkpointing)
     6. torch.compile of each block (train.compile)
-    7. data parallel: DDP or FSDP2 over the data ranks, outermost (parallel.zero_stage, dp_shard, offload)
+    7. data parallel: DDP or FSDP2 over the data ranks, outermost (parallel.zero_stage, dp_shard, offload;
+       ``apply_run_data_parallel``)
 
-    Returns the Pipeline (or None). With parallel.engine=deepspeed, step 7 is DeepSpeed's (train/parallel/
-    deepspeed_engine.py). ``data_parallel=False`` stops before step 7 and leaves the pipeline's schedules unbuilt:
-    the planner counts the rank's parameters there, then applies its own data parallel and ``pipeline.finish()``.
+    Returns what it applied (``Parallelized``). With parallel.engine=deepspeed, step 7 is DeepSpeed's (train/
+    parallel/deepspeed_engine.py). ``data_parallel=False`` stops before step 7 and leaves the pipeline's schedules
+    unbuilt: the planner counts the rank's parameters there, then calls ``apply_run_data_parallel`` itself.
     A one-process mesh (``Mesh()``) applies steps 5 and 6 only."""
     log = log or (lambda _msg: None)
     t = cfg.train
@@ -309,18 +328,35 @@ def parallelize(model: nn.Module, cfg: JobConfig, mesh, device: torch.device | N
         apply_compile(model)
     if pipeline is not None:  # the stages run the (now wrapped) blocks of the model they were cut from
         pipeline.relink_layers()
+    applied = Parallelized(pipeline)
     if not data_parallel or cfg.parallel.engine != "torch":
-        return pipeline
+        return applied
+    return apply_run_data_parallel(model, applied, cfg, mesh, amp_dtype, log)
+
+
+def apply_run_data_parallel(model: nn.Module, applied: Parallelized, cfg: JobConfig, mesh,
+                            amp_dtype: torch.dtype | None, log=None, replicate: bool = True) -> Parallelized:
+    """``parallelize``'s step 7 on a model through steps 1-6 (``applied``): data parallel as the config says, then
+    the pipeline's schedules; returns ``applied`` with what it did. ``replicate`` False leaves ZeRO-0 unwrapped (the
+    planner on fake tensors, where DDP's C++ reducer cannot run: train/plan/__init__.py)."""
+    from torch.distributed.fsdp import FSDPModule
+
     from hybridtron.train.model_hooks import self_guided_end_step
 
-    # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
-    apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
-                        params_may_leave=self_guided_end_step(cfg) is not None,
-                        roots=pipeline.stages if pipeline is not None else None,
-                        offload=cfg.parallel.offload == "cpu")
-    summary = data_parallel_summary(model)
-    if summary:
-        log(summary)
+    log = log or (lambda _msg: None)
+    pipeline = applied.pipeline
+    if replicate or mesh.zero_stage != 0:
+        # weights are identical on all ranks; self-guided guide weights leave the model at a step of the run
+        apply_data_parallel(model, mesh, amp_dtype, cfg.parallel.mixed_precision,
+                            params_may_leave=self_guided_end_step(cfg) is not None, roots=applied.roots,
+                            offload=cfg.parallel.offload == "cpu")
+        summary = data_parallel_summary(model)
+        if summary:
+            log(summary)
     if pipeline is not None:
         pipeline.finish()
-    return pipeline
+    shards = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    applied.replicated = replicate and mesh.zero_stage == 0 and mesh.data_ranks > 1
+    applied.sharded = bool(shards)
+    applied.hsdp_modules = shards if getattr(mesh, "hsdp_mesh", None) is not None else []
+    return applied

@@ -143,16 +143,24 @@ def stage_loss(loss: torch.Tensor, _labels: torch.Tensor) -> torch.Tensor:
     return loss.sum()
 
 
-def stage_ids(cfg: JobConfig, mesh) -> list[int]:
-    """The pipeline stages rank ``mesh.pp_rank`` runs (several when interleaved: every pp-th stage)."""
-    return [mesh.pp_rank + k * cfg.parallel.pp for k in range(cfg.parallel.pp_stages_per_rank)]
+def stage_ids(cfg: JobConfig, pp_rank: int) -> list[int]:
+    """The pipeline stages pp rank ``pp_rank`` runs (several when interleaved: every pp-th stage); [0] outside a
+    pipeline."""
+    p = cfg.parallel
+    return [pp_rank + k * p.pp for k in range(p.pp_stages_per_rank)] if p.pp > 1 else [0]
+
+
+def n_stages(cfg: JobConfig) -> int:
+    """How many pipeline stages the model is cut into (1 outside a pipeline)."""
+    p = cfg.parallel
+    return p.pp * p.pp_stages_per_rank if p.pp > 1 else 1
 
 
 def rank_cut(cfg: JobConfig, mesh, vocab_size: int):
     """``cut`` to the parts this rank's stages hold: applied to the model on the meta device, before its weights
     exist, so a rank materialises and initialises its stages only (``GatedLM.init_weights`` gives each part the
     weights it has in the whole model)."""
-    ranges, ids = stage_ranges(cfg, vocab_size), stage_ids(cfg, mesh)
+    ranges, ids = stage_ranges(cfg, vocab_size), stage_ids(cfg, mesh.pp_rank)
     keep = {i for s in ids for i in ranges[s]}
     return lambda model: cut(model, keep, 0 in ids, len(ranges) - 1 in ids)
 
@@ -200,7 +208,7 @@ class Pipeline:
         self.n_micro = cfg.train.grad_accum_steps
         self.ranges = stage_ranges(cfg, vocab_size)
         n_stages = len(self.ranges)
-        self.stage_ids = stage_ids(cfg, mesh)
+        self.stage_ids = stage_ids(cfg, mesh.pp_rank)
         self.has_first, self.has_last = 0 in self.stage_ids, n_stages - 1 in self.stage_ids
         self.tied = cfg.model.tie_embeddings
         self.model = cut(model, {i for s in self.stage_ids for i in self.ranges[s]}, self.has_first, self.has_last)

@@ -9,7 +9,9 @@ checks and the device mesh (``Mesh.setup``), the pipeline cut (``train/parallel/
 (``apply_tensor_parallel``: the model's own DTensor plan), expert parallelism (``apply_expert_parallel``: this
 rank's experts), context parallelism (``apply_context_parallel``: the rank runs T/cp positions; attention
 passes key/value blocks round a ring, delta-rule layers gather each piece's state map), FSDP2
-(``apply_data_parallel``), then the optimizer. So the plan follows the model code as it is: MoE, delta-rule and structured layers and activation
+(``apply_data_parallel``), then the optimizer; and its steps run through the trainer's engine (``train/engine.py``:
+``run`` and ``update``, so HSDP's deferred all-reduce and the step-wide weight casts are the trainer's too). So the
+plan follows the model code as it is: MoE, delta-rule and structured layers and activation
 checkpointing included. Each fused op runs as the GPU run would pick it (``gpu_kernels``: our Triton kernels'
 ``autograd.Function`` with their custom ops' fake implementations), so what is kept for backward is what those
 kernels keep: the fused attention its output and log-sum-exp (not the T x T probabilities of the reference's

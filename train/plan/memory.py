@@ -19,9 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from hybridtron.configs import ConfigError, JobConfig
-from hybridtron.train.device import autocast_context, autocast_dtype
+from hybridtron.train.device import autocast_dtype
 from hybridtron.train.parallel.context_parallel import local_piece
-from hybridtron.train.parallel.grad_norm import clip_grad_norm
 from hybridtron.train.parallel.mesh import Mesh
 from hybridtron.train.plan.collectives import CollectiveBytes
 
@@ -316,15 +315,16 @@ def _cluster_layout():
 
 def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp: torch.dtype | None,
                like: dict[int, int] | None = None):
-    """(model, pipeline or None, optimizer, the modules that run forward, ``rank_facts``) of ``mesh``'s rank,
-    built as train/recipe.py builds them, in its order. ZeRO-0 stays unwrapped (module docstring); ``amp``:
-    the autocast dtype FSDP's mixed precision follows. ``like`` (the planner's reduced rank, ``train/plan/reduced.py``):
-    every layer of the rank -> the layer of its kind built for it; only those are built, the others are None, as a
-    pipeline cut leaves them, and the built ones keep their indices (and so their kinds: the mixer, the feed-forward
-    and whether they recompute are chosen by index)."""
+    """(the engine, ``rank_facts``) of ``mesh``'s rank, built as train/engine.py's ``build_engine`` builds it, in
+    its order. ZeRO-0 stays unwrapped (module docstring); ``amp``: the autocast dtype FSDP's mixed precision
+    follows. ``like`` (the planner's reduced rank, ``train/plan/reduced.py``): every layer of the rank -> the layer
+    of its kind built for it; only those are built, the others are None, as a pipeline cut leaves them, and the
+    built ones keep their indices (and so their kinds: the mixer, the feed-forward and whether they recompute are
+    chosen by index)."""
     from hybridtron.model import GatedLM
+    from hybridtron.train.engine import engine_over
     from hybridtron.train.optim import build_optimizer
-    from hybridtron.train.parallel.parallelize import apply_data_parallel, parallelize
+    from hybridtron.train.parallel.parallelize import apply_run_data_parallel, parallelize
 
     torch.manual_seed(cfg.train.seed)
     keep = None if like is None else set(like.values())
@@ -341,15 +341,10 @@ def build_rank(cfg: JobConfig, mesh: Mesh, device: torch.device, vocab: int, amp
         # to_empty's empty_like would read the meta tensors, which the fake mode refuses; a fresh tensor of each shape
         model._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device))
         model.init_weights()
-    pipeline = parallelize(model, cfg, mesh, device, amp, data_parallel=False)  # the trainer's order, up to DP
-    facts = rank_facts(cfg, model, pipeline, like)  # before FSDP shards what data parallelism exchanges
-    roots = pipeline.stages if pipeline is not None else [model]
-    if mesh.zero_stage >= 2:
-        apply_data_parallel(model, mesh, amp, cfg.parallel.mixed_precision,
-                            roots=roots if pipeline is not None else None, offload=cfg.parallel.offload == "cpu")
-    if pipeline is not None:
-        pipeline.finish()
-    return model, pipeline, build_optimizer(model, cfg.train), roots, facts
+    applied = parallelize(model, cfg, mesh, device, amp, data_parallel=False)  # the trainer's order, up to DP
+    facts = rank_facts(cfg, model, mesh, like)  # before FSDP shards what data parallelism exchanges
+    apply_run_data_parallel(model, applied, cfg, mesh, amp, replicate=False)
+    return engine_over(cfg, model, build_optimizer(model, cfg.train), mesh, device, amp, applied), facts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,17 +385,16 @@ def pipeline_orders(cfg: JobConfig) -> dict[int, list] | None:
     from torch.distributed.pipelining import PipelineStage
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    from hybridtron.train.parallel.pipeline import training_schedule
+    from hybridtron.train.parallel.pipeline import n_stages, stage_ids, training_schedule
 
     p = cfg.parallel
     if p.pp == 1:
         return None
     outside_a_process_group()
-    n_stages = p.pp * p.pp_stages_per_rank
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.pp)
     try:
-        stages = [PipelineStage(torch.nn.Module(), s, n_stages, torch.device("cpu"), group=dist.group.WORLD)
-                  for s in [k * p.pp for k in range(p.pp_stages_per_rank)]]  # pp rank 0's stages
+        stages = [PipelineStage(torch.nn.Module(), s, n_stages(cfg), torch.device("cpu"), group=dist.group.WORLD)
+                  for s in stage_ids(cfg, 0)]  # pp rank 0's stages
         schedule = training_schedule(p.pp_schedule, stages, cfg.train.grad_accum_steps)
         return {r: [a for a in order if a is not None] for r, order in schedule.pipeline_order.items()}
     finally:
@@ -548,16 +542,14 @@ class ReplayedSchedule:
         return None
 
 
-def _batches(cfg: JobConfig, vocab: int, n: int, device: torch.device):
-    """``n`` micro-batches of random tokens (and one document each when the model masks documents) on ``device``,
-    as the trainer moves its batches there (the token ids must meet the embedding on its device)."""
-    B, T = cfg.train.micro_batch_size, cfg.data.seq_len
-    for _ in range(n):
-        x = torch.randint(0, vocab, (B, T), device=device)
-        batch = {"input_ids": x, "labels": x}
-        if cfg.model.doc_mask:
-            batch["doc_ids"] = torch.zeros_like(x)
-        yield batch
+def _batch(cfg: JobConfig, vocab: int, device: torch.device) -> dict:
+    """A micro-batch of random tokens (and one document when the model masks documents) on ``device``, as the
+    trainer moves its batches there (the token ids must meet the embedding on its device)."""
+    x = torch.randint(0, vocab, (cfg.train.micro_batch_size, cfg.data.seq_len), device=device)
+    batch = {"input_ids": x, "labels": x}
+    if cfg.model.doc_mask:
+        batch["doc_ids"] = torch.zeros_like(x)
+    return batch
 
 
 @contextlib.contextmanager
@@ -576,37 +568,88 @@ def _state_only():
         yield
 
 
-def _train_step(cfg: JobConfig, model, optimizer, mesh, pipeline, device, amp, n_micro: int, vocab: int,
-                zero_grad: bool = True, update: bool = True, clip_also=()) -> None:
-    """One optimizer step over ``n_micro`` micro-batches, as train/step.py's ``run_torch`` and ``run_pipeline``
-    take it (every micro-batch fully labelled, so no loss weights; without the scalars they log). ``zero_grad``
-    False leaves the gradients for the next step to accumulate into (``ready_rank``'s ``quick``); ``update``
-    False stops after the backward (no clipping, no optimizer step); ``clip_also``: parameters outside ``model``
-    whose gradients are clipped with its own (layers left out of a step, ``tracked_step``)."""
-    from hybridtron.train.parallel.expert_parallel import sync_expert_grads
+def _train_step(engine, n_micro: int, vocab: int, keep_grads: bool = False, update: bool = True, also=()) -> None:
+    """One optimizer step over ``n_micro`` micro-batches through ``engine``'s own ``run`` and ``update``, as the
+    trainer takes it (train/trainer.py ``train_step``): each micro-batch this rank's piece of its sequences, every
+    position labelled, so each loss weight is 1 (None: what ``step.loss_weights`` gives such batches).
+    ``keep_grads`` leaves the gradients for the next step to accumulate into (``ready_rank``'s ``quick``);
+    ``update`` False stops after the backward (no clipping, no optimizer step); ``also``: parameters outside the
+    model whose gradients are clipped with its own (layers left out of a step, ``tracked_step``)."""
+    loss, _ = engine.run(_MicroBatches(engine, vocab, n_micro), [None] * n_micro)
+    engine.reduce_gradients()
+    if update:
+        engine.update(loss, lambda _loss, _norm: True, keep_grads=keep_grads, also=also)
 
-    if pipeline is not None:
-        parts = list(_batches(cfg, vocab, n_micro, device))
-        batch = local_piece({k: torch.cat([p[k] for p in parts]) for k in parts[0]}, mesh)  # context parallel
-        with autocast_context(device, amp):
-            pipeline.step(batch)
-        sync_expert_grads(model, mesh)
-        pipeline.clip_grad_norm(cfg.train.grad_clip)
-    else:
-        for i, batch in enumerate(_batches(cfg, vocab, n_micro, device)):
-            if mesh.zero_stage == 0 and hasattr(model, "set_requires_gradient_sync"):  # DDP: once, as the trainer
-                model.set_requires_gradient_sync(i == n_micro - 1)
-            b = local_piece(batch, mesh)
-            with autocast_context(device, amp):
-                loss = model(b["input_ids"], b.get("doc_ids"), labels=b["labels"])
-            (loss / n_micro).backward()
-        sync_expert_grads(model, mesh)
-        if not update:
-            return
-        clip_grad_norm([*model.parameters(), *clip_also], cfg.train.grad_clip)
-    optimizer.step()
-    if zero_grad:
-        optimizer.zero_grad(set_to_none=True)
+
+class _MicroBatches:
+    """A step's ``n`` micro-batches (``_batch``), each this rank's piece of its sequences (context parallel), made
+    when the step reads it: the trainer's lie on the host and go to the device one at a time (train/step.py), so
+    the plan's device, where they are made, holds one at a time too (a pipeline's step takes them all at once)."""
+
+    def __init__(self, engine, vocab: int, n: int):
+        self.engine, self.vocab, self.n = engine, vocab, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        engine = self.engine
+        return local_piece(_batch(engine.cfg, self.vocab, engine.device), engine.mesh)
+
+
+class _Runs:
+    """The planner's side of a ``TorchEngine`` (the model runs whole on every micro-batch): how many micro-batches
+    a tracked step runs and what the rank holds beyond its modules. One class per engine (``_runs``), so that the
+    planner asks no engine which it is."""
+
+    accumulates = True  # a step can run one micro-batch on the gradients an earlier one left (``ready_rank``)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def n_micro(self, accum: int) -> int:
+        """Two: the second already holds the accumulated gradients beside a micro-batch's activations, so later
+        ones change nothing."""
+        return min(accum, 2)
+
+    def replay(self, device: torch.device, warm: bool) -> None:
+        """On fake tensors: run the step as it is (nothing to replace)."""
+
+    def schedule(self):
+        return None
+
+    def receive_buffers(self) -> list[torch.Tensor]:
+        return []
+
+
+class _PipelineRuns(_Runs):
+    """The planner's side of a ``PipelineEngine``: every micro-batch runs (how many are in flight is what the
+    schedule decides); on fake tensors its schedule is replayed (``ReplayedSchedule``); the stages' receive
+    buffers are held from step to step."""
+
+    accumulates = False
+
+    def n_micro(self, accum: int) -> int:
+        return accum
+
+    def replay(self, device: torch.device, warm: bool) -> None:
+        pipeline = self.engine.pipeline
+        pipeline.schedule = ReplayedSchedule(pipeline, device, warm=warm)
+        pipeline._warm = pipeline._warm or warm  # torch's stages learn their shapes first; the replay need not
+
+    def schedule(self):
+        return self.engine.pipeline.schedule
+
+    def receive_buffers(self) -> list[torch.Tensor]:
+        return _receive_buffers(self.engine.pipeline)
+
+
+def _runs(engine) -> _Runs:
+    from hybridtron.train.engine import PipelineEngine, TorchEngine
+
+    return {TorchEngine: _Runs, PipelineEngine: _PipelineRuns}[type(engine)](engine)
 
 
 class _PeakOnly:
@@ -671,14 +714,15 @@ class _PeakOnly:
         return self._phase, where, self._last, True
 
 
-def _tracker(roots: list[nn.Module], model, optimizer, pipeline, detached: list[nn.Module] = ()):
+def _tracker(rank: ReadyRank, detached: list[nn.Module] = ()):
     """torch's memory tracker for the rank, told of what already exists: weights, optimizer state and (pipeline)
     the receive buffers of the first step, which later steps reuse. FSDP2's own tracker when FSDP wraps the
     roots (it tells sharded from gathered weights), else the plain one. ``detached``: layers left out of this step
     (``tracked_step``), whose weights, gradients and optimizer state it counts all the same."""
     from torch.distributed.fsdp import FSDPModule
 
-    buffers = _receive_buffers(pipeline) if pipeline is not None else []
+    roots, model, optimizer = rank.engine.roots, rank.model, rank.optimizer
+    buffers = rank.runs.receive_buffers()
     if isinstance(roots[0], FSDPModule):
         tracker = _FSDPMemTracker(roots[0], optimizer)
         if len(roots) > 1:  # several stages per rank: the tracker walks the modules of all (it takes one root)
@@ -783,12 +827,14 @@ def _receive_buffers(pipeline) -> list[torch.Tensor]:
     return [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
 
 
-def rank_facts(cfg: JobConfig, model, pipeline, like: dict[int, int] | None = None) -> dict:
+def rank_facts(cfg: JobConfig, model, mesh: Mesh, like: dict[int, int] | None = None) -> dict:
     """What the communication of the rank depends on: its parameters (without the ep-sharded experts, and those)
     and the layers and pipeline stages it holds. ``like`` (the planner's reduced rank, ``train/plan/reduced.py``):
     every layer of the rank -> a layer of its kind that ``model`` holds (itself, where it holds it)."""
     from hybridtron.model.mlp import SwiGLU
     from hybridtron.train.parallel.expert_parallel import expert_params
+    from hybridtron.train.parallel.pipeline import n_stages as count_stages
+    from hybridtron.train.parallel.pipeline import stage_ids
 
     def local(p):
         return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
@@ -800,8 +846,7 @@ def rank_facts(cfg: JobConfig, model, pipeline, like: dict[int, int] | None = No
     per_layer = {i: (sum(local(p) for p in block.parameters() if id(p) not in experts),
                      sum(local(p) for p in block.parameters() if id(p) in experts)) for i, block in present.items()}
     types = cfg.model.layer_types()
-    stages = pipeline.stage_ids if pipeline is not None else [0]
-    n_stages = len(pipeline.ranges) if pipeline is not None else 1
+    stages, n_stages = stage_ids(cfg, mesh.pp_rank), count_stages(cfg)
     in_layers = {id(p) for block in present.values() for p in block.parameters()}
     root = sum(local(p) for p in model.parameters() if id(p) not in experts | in_layers)
     return {"params": root + sum(per_layer[like[i]][0] for i in layers), "root_params": root,
@@ -839,13 +884,24 @@ class ReadyRank:
     device: torch.device
     vocab: int
     amp: torch.dtype | None
-    model: nn.Module
-    pipeline: object
-    optimizer: torch.optim.Optimizer
-    roots: list[nn.Module]
+    engine: object  # train/engine.py's, over the rank's model
+    runs: _Runs  # the planner's side of the engine
     facts: dict
     n_micro: int  # micro-batches a tracked step runs
     zero_grad: bool  # whether a step ends by dropping its gradients (not under ``quick``)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.engine.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def pipeline(self):
+        """The rank's pipeline stages and schedule (a pipeline engine's only)."""
+        return self.engine.pipeline
 
 
 def ready_rank(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device, quick: bool = False,
@@ -868,28 +924,26 @@ def ready_rank(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device, qui
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False))
     vocab = cfg.model.resolve_vocab(cfg.data.tokenizer.vocab_size)
     amp = _compute_dtype(cfg)  # the GPUs' autocast, applied to the CPU run alike (module docstring)
-    model, pipeline, optimizer, roots, facts = build_rank(cfg, mesh, device, vocab, amp, like)
-    if fake and pipeline is not None:
-        pipeline.schedule = ReplayedSchedule(pipeline, device, warm=quick)
-        pipeline._warm = pipeline._warm or quick  # torch's stages learn their shapes first; the replay need not
+    engine, facts = build_rank(cfg, mesh, device, vocab, amp, like)
+    runs = _runs(engine)
+    if fake:
+        runs.replay(device, warm=quick)
     accum = cfg.train.grad_accum_steps
-    n_micro = accum if pipeline is not None else min(accum, 2)
+    n_micro = runs.n_micro(accum)
     first_only = quick  # (a first step's update changes no memory)
-    quick = quick and pipeline is None and accum > 1
+    quick = quick and runs.accumulates and accum > 1
     with _state_only() if first_only and fake else contextlib.nullcontext():
-        _train_step(cfg, model, optimizer, mesh, pipeline, device, amp, 1 if pipeline is None else n_micro, vocab,
-                    zero_grad=not quick)
-    return ReadyRank(cfg, mesh, device, vocab, amp, model, pipeline, optimizer, roots, facts,
-                     1 if quick else n_micro, not quick)
+        _train_step(engine, 1 if runs.accumulates else n_micro, vocab, keep_grads=quick)
+    return ReadyRank(cfg, mesh, device, vocab, amp, engine, runs, facts, 1 if quick else n_micro, not quick)
 
 
 @contextlib.contextmanager
 def _left_out(rank: ReadyRank, layers):
     """The blocks of ``layers`` taken out of the model (and of the pipeline's stages) for a while: absent, as a
     pipeline cut leaves a layer, so a step neither runs nor gathers them. Yields them."""
-    model, stages = rank.model, rank.pipeline.stages if rank.pipeline is not None else []
+    model = rank.model
     blocks = {i: model.layers[i] for i in layers}
-    lists = [model.layers] + [stage.layers for stage in stages]
+    lists = [model.layers] + [root.layers for root in rank.engine.roots if root is not model]  # pipeline stages
     held = [(lst, str(i)) for lst in lists for i in blocks if lst._modules.get(str(i)) is not None]
     for lst, name in held:
         lst._modules[name] = None
@@ -904,7 +958,7 @@ def shortened(rank: ReadyRank) -> ReadyRank:
     """``rank`` with its pipeline schedule traced on fewer micro-batches where that gives the same places' memory
     (``ReplayedSchedule.shorten``: 1F1B); its tracked steps must keep their places (``tracked_step``), which are
     those of the whole step."""
-    schedule = rank.pipeline.schedule if rank.pipeline is not None else None
+    schedule = rank.runs.schedule()
     if isinstance(schedule, ReplayedSchedule):
         schedule.shorten()
     return rank
@@ -964,19 +1018,19 @@ def tracked_step(rank: ReadyRank, left_out=(), counted=None, places: bool = Fals
     the tracker. ``counted``: a context the step runs in (``CollectiveBytes``). ``places``: keep the peak of every
     place of the step too (``_PeakOnly``); a ``shortened`` rank's places are those of the whole step (its peak
     over all of them, not the tracker's peak). ``update`` False: no clipping or optimizer step (``_train_step``)."""
-    schedule = rank.pipeline.schedule if rank.pipeline is not None else None
+    schedule = rank.runs.schedule()
     short = isinstance(schedule, ReplayedSchedule) and schedule.short
     if short and not places:
         raise ValueError("a shortened pipeline step has the whole step's memory at its places only")
     with _left_out(rank, left_out) as detached:
-        tracker = _tracker(rank.roots, rank.model, rank.optimizer, rank.pipeline, detached)
+        tracker = _tracker(rank, detached)
         if places:
             tracker.blocks = {i: b for i, b in enumerate(rank.model.layers) if b is not None}
             tracker.segments = {}
         shift = None
         if short:
             schedule.watch, shift = _watch_tail(tracker, schedule, rank.device)
-        roots = rank.roots
+        roots = rank.engine.roots
 
         # The trackers follow one call per module: a step calls the model (or a stage) once per micro-batch, so
         # each call starts the statistics of its modules afresh (those of a rank's other pipeline stages are still
@@ -990,9 +1044,8 @@ def tracked_step(rank: ReadyRank, left_out=(), counted=None, places: bool = Fals
         handle = nn.modules.module.register_module_forward_pre_hook(fresh_module_stats)
         try:
             with tracker, counted or contextlib.nullcontext():
-                _train_step(rank.cfg, rank.model, rank.optimizer, rank.mesh, rank.pipeline, rank.device, rank.amp,
-                            rank.n_micro, rank.vocab, zero_grad=rank.zero_grad, update=update,
-                            clip_also=[p for block in detached for p in block.parameters()])
+                _train_step(rank.engine, rank.n_micro, rank.vocab, keep_grads=not rank.zero_grad, update=update,
+                            also=[p for block in detached for p in block.parameters()])
         finally:
             handle.remove()
             if short:
@@ -1066,15 +1119,15 @@ def step_peak(cfg: JobConfig, mesh: Mesh, fake: bool, device: torch.device | Non
             torch.cuda.reset_peak_memory_stats(device)
         # ZeRO-0 over several data ranks: the memory is the plain model's, as planned; a real run replicates it (DDP),
         # whose all-reduce is counted over one more step, after DDP wraps the model.
-        ddp_after = not fake and mesh.zero_stage == 0 and mesh.data_ranks > 1 and rank.pipeline is None
+        ddp_after = not fake and mesh.zero_stage == 0 and mesh.data_ranks > 1  # (a pipeline needs ZeRO-2 or 3)
         counted = CollectiveBytes() if not fake else None
         tracker = tracked_step(rank, counted=None if ddp_after else counted)
         if ddp_after:
-            from hybridtron.train.parallel.parallelize import apply_data_parallel
+            from hybridtron.train.parallel.parallelize import apply_run_data_parallel
 
-            apply_data_parallel(rank.model, mesh, rank.amp, cfg.parallel.mixed_precision)
+            apply_run_data_parallel(rank.model, rank.engine.applied, cfg, mesh, rank.amp)
             with counted:
-                _train_step(cfg, rank.model, rank.optimizer, mesh, None, device, rank.amp, rank.n_micro, rank.vocab)
+                _train_step(rank.engine, rank.n_micro, rank.vocab)
     out = categories(peak_by_type(tracker, device), cfg, mesh)
     if not fake:  # what this rank's collectives sent in the step, by op
         out["comm_sent"] = dict(counted.sent)

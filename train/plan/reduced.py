@@ -105,10 +105,10 @@ class Reduction:
 
 
 def stage_ids(cfg: JobConfig, world: int, rank: int) -> list[int]:
-    """The pipeline stages ``rank`` runs (``pipeline.stage_ids``; Mesh.pp_rank: pp outermost); [0] without one."""
-    p = cfg.parallel
-    pp_rank = rank // (world // p.pp)
-    return [pp_rank + k * p.pp for k in range(p.pp_stages_per_rank)] if p.pp > 1 else [0]
+    """The pipeline stages ``rank`` of ``world`` runs (Mesh.pp_rank: pp outermost); [0] without one."""
+    from hybridtron.train.parallel.pipeline import stage_ids as of_pp_rank
+
+    return of_pp_rank(cfg, rank // (world // cfg.parallel.pp))
 
 
 def rank_stages(cfg: JobConfig, world: int, rank: int, vocab: int) -> list[range]:
@@ -172,7 +172,7 @@ def _trace(ready, e: int | None, extras: list[int], warm_ups=(None,), zero_stage
 
 
 def _base_only(ready) -> bool:
-    return ready.pipeline is None and not ready.zero_grad
+    return not ready.zero_grad  # (``quick`` outside a pipeline: gradients kept from step to step)
 
 
 def _at_zero_stage(ready, z: int):
@@ -257,7 +257,7 @@ def plan_rank(cfg: JobConfig, world: int, rank: int, zero_stages=(0,), kernels: 
             workers.say(f"{' and '.join(f'ZeRO-{z}' for z in zs)}: building the rank and its first step")
             ready = shortened(ready_rank(cz, dataclasses.replace(mesh, zero_stage=zs[0]), True, torch.device("cpu"),
                                          quick=True, like=red.like))
-            if alike and not getattr(ready.pipeline.schedule, "warm_up", None):
+            if alike and not getattr(ready.runs.schedule(), "warm_up", None):
                 raise ValueError(f"rank {rank}'s trace cannot stand for other stages' warm-ups")
             steps = [(z, n, e) for z in zs for n, e in enumerate([None, *extras])]
 
@@ -300,8 +300,9 @@ def _signature_of_rank(cfg: JobConfig, world: int, rank: int, vocab: int, kinds:
     """What a rank's plan depends on beyond its shard: each of its stages' place (first, last) and layer kinds,
     and its schedule's actions (``orders``: pp rank -> actions) with its stages numbered locally. Two pipeline
     stages alike in all of it hold the same memory (GPipe's middle stages of one layer count, say)."""
-    p = cfg.parallel
-    n_stages, ids = p.pp * p.pp_stages_per_rank, stage_ids(cfg, world, rank)
+    from hybridtron.train.parallel.pipeline import n_stages as count_stages
+
+    n_stages, ids = count_stages(cfg), stage_ids(cfg, world, rank)
     pp_rank = ids[0]
     stages = rank_stages(cfg, world, rank, vocab)
     actions = tuple((ids.index(a.stage_index), a.computation_type.value) for a in orders[pp_rank])
