@@ -98,7 +98,7 @@ def test_find_stragglers_by_busy_time_and_by_time_not_running():
 def test_a_stopped_rank_is_named_and_the_rerun_resumes_to_the_same_losses(layout, small_data_dir, small_argv,
                                                                            tmp_path):
     run, log = tmp_path / "run", tmp_path / "job.log"
-    argv = small_argv(small_data_dir, run, [*FLAT, *layout, "--checkpoint.every", "5", "--train.max_steps", "40"])
+    argv = small_argv(small_data_dir, run, [*FLAT, *layout, "--checkpoint.every", "5", "--train.max_steps", "20"])
     job = _torchrun(argv, log)
     workers: dict[int, int] = {}
     try:
@@ -143,7 +143,7 @@ def test_a_stopped_rank_is_named_and_the_rerun_resumes_to_the_same_losses(layout
         _kill([job.pid])
     again = {r["step"]: r["loss"] for r in read_metrics(run)}
     assert [again[s] for s in retrained] == [hung[s] for s in retrained]
-    assert max(again) == 40 and json.loads((run / LAST_STOP).read_text())["stopped_by"] == "max_steps"
+    assert max(again) == 20 and json.loads((run / LAST_STOP).read_text())["stopped_by"] == "max_steps"
 
 
 def _slow_down(pid: int, stop_s: float, run_s: float, until: threading.Event) -> None:
