@@ -11,7 +11,7 @@ layout runs 4 steps (2 micro-batches each, a checkpoint and an evaluation every 
 removed and the same command resumes from step 2 to 4: the resumed step 4 must equal the uninterrupted one. One
 line per layout: whether before == after bitwise, whether each version's resume matched, and the last step's
 (step, loss, grad norm, val loss). One OMP thread per process, so the numbers do not depend on the machine's load.
-On a 2-core machine all of them take about 25 minutes.
+On a 2-core machine all of them take about 10 minutes (2026-11-29: 10 min 20 s).
 """
 
 from __future__ import annotations
